@@ -1,0 +1,61 @@
+"""accelfn: train PyTorch models anywhere with composable, functional transforms."""
+
+from accelfn import backends
+from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
+from accelfn.loop import run
+from accelfn.state import TrainState
+from accelfn.step import Loss, Step, train_step
+from accelfn.tracking import JSONL, TensorBoard, Tracker
+from accelfn.transforms import (
+    Accumulate,
+    Clip,
+    ClipValue,
+    Replicate,
+    ShardData,
+    SkipNonfinite,
+    Transform,
+    WithPrecision,
+    accumulate,
+    clip,
+    clip_value,
+    compose,
+    replicate,
+    shard_data,
+    skip_nonfinite,
+    with_precision,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JSONL",
+    "Accumulate",
+    "CheckpointError",
+    "Clip",
+    "ClipValue",
+    "LaunchError",
+    "Loss",
+    "NonFiniteError",
+    "Replicate",
+    "ShardData",
+    "SkipNonfinite",
+    "Step",
+    "TensorBoard",
+    "Tracker",
+    "TrainState",
+    "Transform",
+    "TransformError",
+    "WithPrecision",
+    "__version__",
+    "accumulate",
+    "backends",
+    "clip",
+    "clip_value",
+    "compose",
+    "replicate",
+    "run",
+    "shard_data",
+    "skip_nonfinite",
+    "train_step",
+    "with_precision",
+]

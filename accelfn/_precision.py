@@ -1,0 +1,158 @@
+"""Precision policies and the dynamic loss scale: pure values, parsed once from a string.
+
+The vocabulary follows jmp: a policy names the dtype parameters are stored in
+(``param_dtype``) and the dtype the forward computes in (``compute_dtype``). A policy whose
+compute dtype is narrower than its parameters runs the forward under ``torch.autocast``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import attrs
+import torch
+
+PolicyName = Literal["fp32", "bf16", "fp16", "bf16-true"]
+POLICY_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-true")
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+@attrs.frozen
+class DynamicScaling:
+    """How the fp16 loss scale moves; the defaults are ``torch.amp.GradScaler``'s.
+
+    Args:
+        init_scale: the loss scale of the first update.
+        growth_factor: multiplies the scale after ``growth_interval`` finite updates in a row.
+        backoff_factor: multiplies the scale after an update with non-finite gradients.
+        growth_interval: finite updates in a row before the scale grows (optimizer updates).
+        min_scale: the floor; a scale that would fall below it stops training.
+        max_consecutive_skips: non-finite updates in a row that stop training.
+
+    Raises:
+        ValueError: a factor or count out of range.
+    """
+
+    init_scale: float = attrs.field(default=2.0**16, validator=_positive)
+    growth_factor: float = attrs.field(default=2.0, validator=_positive)
+    backoff_factor: float = attrs.field(default=0.5, validator=_positive)
+    growth_interval: int = attrs.field(default=2000, validator=_positive)
+    min_scale: float = attrs.field(default=2.0**-14, validator=_positive)
+    max_consecutive_skips: int = attrs.field(default=50, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {self.backoff_factor!r}")
+        if not isinstance(self.growth_interval, int):
+            raise TypeError(f"growth_interval must be an int, got {self.growth_interval!r}")
+
+
+@attrs.frozen
+class Policy:
+    """A precision policy: storage and compute dtypes, and whether the loss is scaled.
+
+    Build one with :func:`parse_policy`; the accepted names are ``POLICY_NAMES``.
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    scaling: DynamicScaling | None = None
+
+    @property
+    def autocast(self) -> bool:
+        """True when the forward runs under ``torch.autocast(dtype=compute_dtype)``."""
+        return self.compute_dtype != self.param_dtype
+
+    @property
+    def casts_inputs(self) -> bool:
+        """True when floating-point inputs are cast to the (low) parameter dtype."""
+        return self.param_dtype != torch.float32
+
+
+def parse_policy(name: str, scaling: DynamicScaling | None = None) -> Policy:
+    """Parses a policy name once into a :class:`Policy` record.
+
+    Args:
+        name: one of ``"fp32"``, ``"bf16"`` (autocast to bfloat16, fp32 parameters),
+            ``"fp16"`` (autocast to float16, fp32 parameters, dynamic loss scaling) or
+            ``"bf16-true"`` (parameters and compute in bfloat16, as Lightning's ``bf16-true``).
+        scaling: loss-scale options; only meaningful for ``"fp16"``.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: an unknown name, or ``scaling`` given for a policy without loss scaling.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"with_precision(policy=...) takes a string, got {type(name).__name__}")
+    if name not in POLICY_NAMES:
+        raise ValueError(
+            f"with_precision(policy={name!r}): unknown policy; accepted values are "
+            f"{', '.join(repr(p) for p in POLICY_NAMES)}"
+        )
+    if name == "fp16":
+        return Policy(name, torch.float32, torch.float16, scaling or DynamicScaling())
+    if scaling is not None:
+        raise ValueError(
+            f"with_precision({name!r}) does not scale the loss; loss-scale options "
+            "(init_scale, growth_factor, backoff_factor, growth_interval) apply to 'fp16' only"
+        )
+    if name == "bf16":
+        return Policy(name, torch.float32, torch.bfloat16)
+    if name == "bf16-true":
+        return Policy(name, torch.bfloat16, torch.bfloat16)
+    return Policy(name, torch.float32, torch.float32)
+
+
+@attrs.frozen
+class LossScale:
+    """The dynamic loss scale of fp16 training: an immutable value in ``transforms_state``.
+
+    Update rule, applied once per optimizer update (``adjust``), as in jmp's
+    ``DynamicLossScale`` and ``torch.amp.GradScaler``::
+
+        if grads_finite:
+            growth_tracker += 1
+            if growth_tracker == growth_interval:
+                scale *= growth_factor
+                growth_tracker = 0
+        else:
+            scale *= backoff_factor
+            growth_tracker = 0
+
+    References:
+        Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2.
+    """
+
+    scale: float
+    growth_tracker: int = 0
+
+    def adjust(self, grads_finite: bool, scaling: DynamicScaling) -> LossScale:
+        """Returns the scale for the next update given whether this one's gradients were finite."""
+        if not grads_finite:
+            return LossScale(self.scale * scaling.backoff_factor, 0)
+        tracker = self.growth_tracker + 1
+        if tracker == scaling.growth_interval:
+            return LossScale(self.scale * scaling.growth_factor, 0)
+        return LossScale(self.scale, tracker)
+
+
+@attrs.frozen
+class SkipCount:
+    """Bookkeeping of updates skipped for non-finite gradients (fp16 or ``skip_nonfinite``)."""
+
+    num_skipped: int = 0
+    consecutive: int = 0
+
+    def record(self, grads_finite: bool) -> SkipCount:
+        """Returns the count after one more update, finite or skipped."""
+        if grads_finite:
+            return SkipCount(self.num_skipped, 0)
+        return SkipCount(self.num_skipped + 1, self.consecutive + 1)

@@ -1,0 +1,68 @@
+"""Metrics of a run: reduced over ranks and turned into floats only every ``log_every`` updates."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from accelfn.backends.base import Backend
+from accelfn.tracking import Tracker
+
+
+class Progress:
+    """The progress bar (main process only) and the trackers of one ``run``.
+
+    Every update counts its samples and ticks the bar; every ``log_every``-th update the
+    metrics are reduced across ranks in one collective, read to the host, shown on the bar
+    and written to the trackers at ``x = state.step``.
+    """
+
+    def __init__(self, backend: Backend, trackers: Sequence[Tracker], *, show: bool, log_every: int,
+                 total: int | None, initial: int):
+        self._backend = backend
+        self._trackers = trackers if backend.is_main_process else ()
+        self._log_every = log_every
+        self._updates = 0
+        self._samples = 0
+        self._since = time.perf_counter()
+        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                         disable=not (show and backend.is_main_process))
+        self.last: dict[str, float] = {}
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records one optimizer update (applied or skipped) that ended at ``step``."""
+        self._updates += 1
+        self._samples += metrics["num_samples"]
+        self._bar.update(1)
+        if self._updates % self._log_every:
+            return
+        values = self._reduce(metrics)
+        now = time.perf_counter()
+        values["samples_per_s"] = self._samples * self._backend.world_size / max(now - self._since, 1e-9)
+        self._samples, self._since = 0, now
+        self.last = values
+        if self._backend.is_main_process:
+            self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}",
+                                  samples_s=f"{values['samples_per_s']:.4g}", refresh=False)
+            for tracker in self._trackers:
+                tracker.log(values, step)
+
+    def _reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        names = [k for k in metrics if k != "num_samples"]
+        if self._backend.world_size == 1:
+            return {k: float(metrics[k]) for k in names}
+        device = self._backend._collective_device  # noqa: SLF001 - the backend's own choice
+        stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64).to(device).reshape(())
+                               for k in names])
+        reduced = self._backend.reduce(stacked, "mean").tolist()
+        return dict(zip(names, reduced))
+
+    def close(self) -> None:
+        """Closes the bar and flushes the trackers."""
+        self._bar.close()
+        for tracker in self._trackers:
+            tracker.close()

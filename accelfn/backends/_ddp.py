@@ -1,0 +1,66 @@
+"""What the CPU (gloo) and CUDA (NCCL) backends share: the process group and DDP."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from accelfn._errors import LaunchError
+from accelfn.backends._env import LaunchEnv
+from accelfn.transforms import Replicate
+
+
+def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None = None) -> None:
+    """Joins the default process group of ``env``'s world (nothing for one process).
+
+    The group has a finite timeout (``env.timeout_s``), so a rank that never arrives makes
+    the others fail with an error instead of waiting forever.
+
+    Raises:
+        LaunchError: a group already exists with another world size or rank.
+    """
+    if env.world_size == 1:
+        return
+    if dist.is_initialized():
+        if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+            raise LaunchError(
+                f"a process group already exists with world size {dist.get_world_size()} and "
+                f"rank {dist.get_rank()}, but the launch environment says {env.world_size} and {env.rank}"
+            )
+        return
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=env.timeout_s),
+        device_id=device if device is not None and device.type == "cuda" else None,
+    )
+    atexit.register(_destroy)
+
+
+def _destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
+             device_ids: list[int] | None = None) -> torch.nn.Module:
+    """``model`` in ``DistributedDataParallel`` with ``replicate``'s options (one process: as is).
+
+    DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
+    """
+    if world_size == 1:
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=replicate.bucket_cap_mb,
+        find_unused_parameters=replicate.find_unused_parameters,
+        static_graph=replicate.static_graph,
+        gradient_as_bucket_view=replicate.gradient_as_bucket_view,
+    )

@@ -1,0 +1,98 @@
+"""The launch environment, read in this one place.
+
+``torchrun`` (and so ``accelfn launch``) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``accelfn launch`` also sets
+``ACCELFN_BACKEND``, ``ACCELFN_PRECISION`` and ``ACCELFN_TIMEOUT_S``. Nothing else in
+accelfn reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import attrs
+
+from accelfn._errors import LaunchError
+
+DEFAULT_TIMEOUT_S = 600.0
+BACKEND_NAMES = ("cpu", "cuda", "xla")
+
+
+@attrs.frozen
+class LaunchEnv:
+    """Where this process stands in the launched world.
+
+    Attributes:
+        rank: global rank, 0..world_size-1.
+        local_rank: rank on this node.
+        world_size: number of processes in all.
+        local_world_size: number of processes on this node.
+        master_addr, master_port: the rendezvous address of rank 0 (None in one process).
+        backend: the backend requested by ``accelfn launch --backend`` (None: choose).
+        precision: the policy requested by ``accelfn launch --precision`` (None: the script's).
+        timeout_s: collective timeout in seconds (process groups never wait forever).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    backend: str | None = None
+    precision: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        """Reads and checks the launch variables.
+
+        Raises:
+            LaunchError: a variable that is not a number, a rank outside the world, or a
+                multi-process world without ``MASTER_ADDR``/``MASTER_PORT``; the message
+                names the variable and how the process should be started.
+        """
+        env = os.environ if environ is None else environ
+        given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
+        if len(given) == 1:
+            missing = "WORLD_SIZE" if given == ["RANK"] else "RANK"
+            raise LaunchError(
+                f"{given[0]} is set but {missing} is not; start workers with `accelfn launch` "
+                "(or torchrun), which sets both, or unset both to run one process"
+            )
+        world_size = _int(env, "WORLD_SIZE", 1)
+        rank = _int(env, "RANK", 0)
+        local_rank = _int(env, "LOCAL_RANK", rank)
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+        if world_size < 1:
+            raise LaunchError(f"WORLD_SIZE={world_size} must be >= 1")
+        if not 0 <= rank < world_size:
+            raise LaunchError(f"RANK={rank} is outside the world of WORLD_SIZE={world_size} (0..{world_size - 1})")
+        if not 0 <= local_rank < max(local_world_size, 1):
+            raise LaunchError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+        if world_size > 1 and (not addr or not port):
+            raise LaunchError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; start workers "
+                "with `accelfn launch --nproc-per-node N script.py`"
+            )
+        backend = env.get("ACCELFN_BACKEND") or None
+        if backend is not None and backend not in BACKEND_NAMES:
+            raise LaunchError(f"ACCELFN_BACKEND={backend!r}: accepted values are {', '.join(BACKEND_NAMES)}")
+        return cls(
+            rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
+            master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
+            backend=backend, precision=env.get("ACCELFN_PRECISION") or None,
+            timeout_s=float(_int(env, "ACCELFN_TIMEOUT_S", int(DEFAULT_TIMEOUT_S))),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} is not an integer") from None

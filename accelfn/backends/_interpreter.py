@@ -1,0 +1,314 @@
+"""The generic phase interpreter: a Step, specialized once into a step function.
+
+Every backend runs this code; a backend contributes only its primitives (device, autocast,
+model wrapping, gradient reduction, graph cut). What the transforms ask for is resolved in
+``StepFn.__init__`` so that the per-micro-batch path does no dispatch on them.
+
+Per micro-batch, in phase order::
+
+    forward   autocast(compute dtype)            loss_fn(model, batch)
+    backward  no_sync unless last of window      (S_i / R * loss_scale).backward()
+    -- last micro-batch of the window only --
+    sync      reduce_gradients (XLA; DDP reduced during backward); all-reduce item counts
+    unscale   grads *= correction / loss_scale   (fused with the non-finite check)
+    clip      clip_grad_norm_ / clip_grad_value_
+    check     skip the update if a gradient is inf/NaN (fp16, skip_nonfinite)
+    update    optimizer.step(); scheduler.step()
+    adjust    loss scale, skip counters
+    zero      optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from accelfn import _math
+from accelfn._errors import NonFiniteError
+from accelfn._precision import LossScale, Policy, SkipCount, parse_policy
+from accelfn._tree import map_tensors, num_samples
+from accelfn.state import TrainState
+from accelfn.step import Loss, Step
+from accelfn.transforms import Accumulate, Clip, ClipValue, Replicate, SkipNonfinite, WithPrecision
+
+if TYPE_CHECKING:
+    from accelfn.backends.base import Backend
+
+_NO_METRICS: Mapping[str, Any] = {}
+_FP32 = parse_policy("fp32")
+
+
+@attrs.frozen(eq=False)
+class Window:
+    """An accumulation window in progress: ``transforms_state["window"]`` between micro-batches.
+
+    Attributes:
+        reference: ``R``, the backward divisor fixed at the window's first micro-batch.
+        count: items (samples, or an ``af.Loss``'s counts) seen so far on this rank.
+        num_samples: samples seen so far on this rank.
+        loss_sum: the detached sum of the summed losses ``S_i``, for the logged loss.
+        metric_sums: the detached, count-weighted sums of the user's metrics.
+    """
+
+    reference: float | torch.Tensor
+    count: float | torch.Tensor
+    num_samples: int
+    loss_sum: torch.Tensor
+    metric_sums: Mapping[str, torch.Tensor | float] = attrs.field(factory=dict)
+
+
+def _unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
+    """``loss_fn``'s result as ``(loss, count or None, metrics, is_sum)``."""
+    metrics: Mapping[str, Any] = _NO_METRICS
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], Mapping):
+            raise TypeError(
+                "loss_fn returned a tuple; it must be (loss, metrics) with metrics a mapping "
+                f"of name to scalar, got a tuple of {len(out)} items"
+            )
+        out, metrics = out
+    if isinstance(out, Loss):
+        total, count = out.total, out.count
+        is_sum = True
+    else:
+        total, count, is_sum = out, None, False
+    if not isinstance(total, torch.Tensor) or total.numel() != 1:
+        what = f"a tensor of shape {tuple(total.shape)}" if isinstance(total, torch.Tensor) else type(total).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar loss tensor (shape ()), got {what}; reduce it, "
+            "e.g. loss.mean(), or return af.Loss(total=loss.sum(), count=n)"
+        )
+    if not total.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss that does not require grad: it is not computed from the "
+            "model's trainable parameters (was it detached, or computed under torch.no_grad()?)"
+        )
+    return total, count, metrics, is_sum
+
+
+def _add(acc: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
+    return value if acc is None else acc + value
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class StepFn:
+    """``step_fn(state, batch, *, flush=False) -> (state, metrics)``: one micro-batch.
+
+    Made by ``backend.prepare(step, state)``. ``metrics`` is empty except after the last
+    micro-batch of an accumulation window, where the optimizer update happened (or was
+    skipped): then it holds ``loss`` (the window's mean), the user's metrics, ``lr``,
+    ``num_samples`` (this rank's samples in the window), and as the transforms add them
+    ``grad_norm``, ``loss_scale`` and ``skipped``. Values may be device tensors: reading
+    them synchronizes, so read them only when logging.
+
+    Args (of a call):
+        state: the state this function was prepared for (or its successor).
+        batch: one micro-batch, already on the backend's device.
+        flush: close the accumulation window after this micro-batch even if it is not
+            full (the loop passes True on the last micro-batch of an epoch).
+
+    Raises (of a call):
+        ValueError: the loss is not a scalar, or ``state`` belongs to another model.
+        TypeError: ``loss_fn`` returned something other than a loss, ``(loss, metrics)`` or
+            ``af.Loss``.
+        NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+    """
+
+    def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
+        accumulate = step.find(Accumulate)
+        precision = step.find(WithPrecision)
+        skip = step.find(SkipNonfinite)
+        self.step = step
+        self._backend = backend
+        self._loss_fn = step.loss_fn
+        self._model = model  # what the forward calls: DDP- or otherwise wrapped
+        self._owner = state.model
+        self._optimizer = state.optimizer
+        self._scheduler = state.scheduler
+        self._params = [p for group in state.optimizer.param_groups for p in group["params"]]
+        self._n = accumulate.num_micro_batches if accumulate else 1
+        self._policy: Policy = precision.policy if precision else _FP32
+        self._scaling = self._policy.scaling
+        self._clip = step.find(Clip)
+        self._clip_value = step.find(ClipValue)
+        self._guard = self._scaling is not None or skip is not None
+        self._max_skips = (
+            self._scaling.max_consecutive_skips if self._scaling is not None
+            else skip.max_consecutive_skips if skip is not None else 0
+        )
+        replicated = step.find(Replicate) is not None and backend.world_size > 1
+        self._replicated = replicated
+        self._world_size = backend.world_size if replicated else 1
+        self._no_sync: Callable[[], Any] = (
+            backend.no_sync(model) if replicated else contextlib.nullcontext
+        )
+        self._autocast = backend.autocast if self._policy.autocast else None
+        self._cast_inputs = self._policy.casts_inputs
+        self._reduce_gradients = backend.reduce_gradients if replicated else None
+        self._graph_cut = backend.graph_cut
+
+    # -- one micro-batch ---------------------------------------------------------------
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        if state.model is not self._owner:
+            raise ValueError(
+                "this step function was prepared for another TrainState's model; call "
+                "backend.prepare(step, state) for this state"
+            )
+        n = self._n
+        position = state.epoch_micro_step % n
+        last = flush or position == n - 1
+        window: Window | None = state.transforms_state.get("window") if position else None
+        if self._cast_inputs:
+            dtype = self._policy.param_dtype
+            batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+        samples = num_samples(batch)
+
+        with contextlib.nullcontext() if last else self._no_sync():
+            if self._autocast is not None:
+                with self._autocast(self._policy):
+                    out = self._loss_fn(self._model, batch)
+            else:
+                out = self._loss_fn(self._model, batch)
+            loss, count, user_metrics, is_sum = _unpack(out)
+            if count is None:
+                count = samples
+            reference = window.reference if window is not None else self._reference(count, is_sum)
+            scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
+            # backward of S_i / R * scale, where S_i = l_i * b_i for a mean loss
+            coefficient = (scale / reference) if is_sum else (count / reference * scale)
+            if isinstance(coefficient, torch.Tensor) or coefficient != 1.0:
+                (loss * coefficient).backward()
+            else:
+                loss.backward()
+
+        summed = loss.detach() if is_sum else loss.detach() * count
+        total_count = _add(window.count if window else None, count)
+        loss_sum = _add(window.loss_sum if window else None, summed)
+        metric_sums = self._add_metrics(window, user_metrics, count)
+        total_samples = samples + (window.num_samples if window else 0)
+
+        if not last:
+            new_window = Window(reference, total_count, total_samples, loss_sum, metric_sums)
+            if self._graph_cut is not None:
+                self._graph_cut()
+            return state.replace(
+                micro_step=state.micro_step + 1,
+                epoch_micro_step=state.epoch_micro_step + 1,
+                transforms_state={**state.transforms_state, "window": new_window},
+            ), _NO_METRICS
+        return self._update(state, reference, total_count, total_samples, loss_sum, metric_sums, is_sum)
+
+    def _reference(self, count: Any, is_sum: bool) -> float | torch.Tensor:
+        # Under replicate, an af.Loss's counts differ across ranks, so R must be the same
+        # number everywhere: 1. Mean losses have equal sample counts on every rank.
+        if is_sum and self._replicated:
+            return 1.0
+        return _math.window_reference(self._n, count)
+
+    def _add_metrics(self, window: Window | None, metrics: Mapping[str, Any], count: Any) -> Mapping[str, Any]:
+        if not metrics:
+            return window.metric_sums if window else _NO_METRICS
+        previous = window.metric_sums if window else _NO_METRICS
+        return {k: _add(previous.get(k), _detach(v) * count) for k, v in metrics.items()}
+
+    # -- the last micro-batch of a window: sync, unscale, clip, check, update ----------
+
+    def _update(
+        self,
+        state: TrainState,
+        reference: Any,
+        count: Any,
+        samples: int,
+        loss_sum: torch.Tensor,
+        metric_sums: Mapping[str, Any],
+        is_sum: bool,
+    ) -> tuple[TrainState, Mapping[str, Any]]:
+        params = self._params
+        if self._reduce_gradients is not None:
+            self._reduce_gradients(params)
+        world_size, global_count = 1, count
+        if is_sum and self._replicated:
+            device = loss_sum.device
+            global_count = self._backend.all_reduce_sum(torch.as_tensor(count, dtype=torch.float64, device=device))
+            world_size = self._world_size
+        correction = _math.window_correction(reference, world_size, global_count)
+        transforms_state = state.transforms_state
+        loss_scale: LossScale | None = transforms_state.get("loss_scale") if self._scaling else None
+        inv_scale = correction / loss_scale.scale if loss_scale is not None else correction
+
+        grads = [p.grad for p in params if p.grad is not None]
+        found_inf = None
+        if self._guard:
+            found_inf = _math.unscale_and_check(grads, inv_scale)
+        elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
+            _math.scale_(grads, inv_scale)
+
+        lr = self._optimizer.param_groups[0]["lr"]
+        metrics: dict[str, Any] = {"loss": loss_sum / count}  # this rank's window mean
+        for key, value in metric_sums.items():
+            metrics[key] = value / count
+        if self._clip is not None:
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                params, self._clip.max_norm, self._clip.norm_type
+            )
+        elif self._clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
+
+        finite = True
+        changes: dict[str, Any] = {}
+        if found_inf is not None:
+            finite = not bool(found_inf.item())  # the one host sync of a guarded update
+            skips: SkipCount = transforms_state.get("skips", SkipCount()).record(finite)
+            changes["skips"] = skips
+            metrics["skipped"] = 0 if finite else 1
+            if loss_scale is not None:
+                metrics["loss_scale"] = loss_scale.scale
+                changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]
+        if finite:
+            self._optimizer.step()
+            if self._scheduler is not None:
+                self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        metrics["lr"] = lr
+        metrics["num_samples"] = samples
+
+        if "window" in transforms_state or changes:
+            merged = {k: v for k, v in transforms_state.items() if k != "window"}
+            merged.update(changes)
+            transforms_state = merged
+        new_state = state.replace(
+            step=state.step + (1 if finite else 0),
+            micro_step=state.micro_step + 1,
+            epoch_micro_step=state.epoch_micro_step + 1,
+            transforms_state=transforms_state,
+        )
+        if self._graph_cut is not None:
+            self._graph_cut()
+        if "skips" in changes:
+            self._check_skips(new_state)
+        return new_state, metrics
+
+    def _check_skips(self, state: TrainState) -> None:
+        skips: SkipCount = state.transforms_state["skips"]
+        loss_scale: LossScale | None = state.transforms_state.get("loss_scale")
+        if skips.consecutive >= self._max_skips:
+            raise NonFiniteError(
+                f"{skips.consecutive} optimizer updates in a row had inf/NaN gradients and were "
+                f"skipped (step {state.step}); the loss or the model produces non-finite values. "
+                "Check the data and the learning rate, compute the loss in fp32, or raise "
+                "max_consecutive_skips"
+            )
+        if loss_scale is not None and loss_scale.scale < self._scaling.min_scale:  # type: ignore[union-attr]
+            raise NonFiniteError(
+                f"the fp16 loss scale fell to {loss_scale.scale:g}, below its floor "
+                f"{self._scaling.min_scale:g} (step {state.step}): gradients overflow even "  # type: ignore[union-attr]
+                "unscaled. Use with_precision('bf16'), or compute the loss in fp32"
+            )

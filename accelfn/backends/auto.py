@@ -1,0 +1,45 @@
+"""``auto()``: the backend the launch environment asks for, or the best one present."""
+
+from __future__ import annotations
+
+import torch
+
+from accelfn.backends._env import LaunchEnv
+from accelfn.backends.base import Backend
+
+
+def auto(env: LaunchEnv | None = None) -> Backend:
+    """The backend for this process.
+
+    ``accelfn launch --backend cpu|cuda|xla`` (``ACCELFN_BACKEND``) decides when given;
+    otherwise CUDA when torch sees a GPU, else CPU. XLA is chosen only when requested.
+
+    Args:
+        env: the launch environment; by default read from the process environment.
+
+    Returns:
+        Backend: a ready backend (its process group joined when the world is larger than 1).
+
+    Raises:
+        LaunchError: an inconsistent launch environment.
+        ImportError: XLA requested but torch_xla is not installed.
+
+    Example:
+        >>> import accelfn as af
+        >>> backend = af.backends.auto()
+        >>> backend.world_size >= 1
+        True
+    """
+    env = LaunchEnv.from_env() if env is None else env
+    name = env.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda":
+        from accelfn.backends.cuda import CUDA
+
+        return CUDA(env)
+    if name == "xla":
+        from accelfn.backends.xla import XLA
+
+        return XLA(env)
+    from accelfn.backends.cpu import CPU
+
+    return CPU(env)

@@ -1,0 +1,40 @@
+"""The CPU backend: one process, or many over a gloo process group."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from accelfn.backends import _ddp
+from accelfn.backends._env import LaunchEnv
+from accelfn.backends.base import Backend
+from accelfn.transforms import Replicate
+
+
+class CPU(Backend):
+    """Runs on the CPU; with ``WORLD_SIZE > 1`` (``accelfn launch``) joins a gloo group.
+
+    Args:
+        env: the launch environment; by default read from the process environment.
+
+    Raises:
+        LaunchError: an inconsistent launch environment.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.backends.CPU().world_size
+        1
+    """
+
+    name: ClassVar[str] = "cpu"
+    # torch autocasts to bfloat16 and float16 on CPU (fp16 since torch 2.3)
+    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
+
+    def __init__(self, env: LaunchEnv | None = None):
+        env = LaunchEnv.from_env() if env is None else env
+        super().__init__(env, torch.device("cpu"))
+        _ddp.init_process_group(env, "gloo")
+
+    def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
+        return _ddp.wrap_ddp(model, replicate, self.world_size)

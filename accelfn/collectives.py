@@ -1,0 +1,164 @@
+"""Collectives over ``torch.distributed``, working unchanged on a world of size 1.
+
+Every function acts on the default process group when one is initialized with more than
+one rank, and is the identity (or its one-rank equivalent) otherwise. Tensors must live on
+the device the process group's backend expects (CPU for gloo, the rank's GPU for NCCL,
+the XLA device for torch_xla's group); the backends' methods of the same names take care
+of that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
+T = TypeVar("T")
+
+
+def world_size() -> int:
+    """The number of ranks of the default group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    """Waits until every rank reaches this call."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def reduce(tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
+    """All-reduces ``tensor`` across ranks and returns the result (the input is not changed).
+
+    Args:
+        tensor: any shape; integer tensors are averaged in float64 for ``"mean"``.
+        op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
+
+    Returns:
+        torch.Tensor: same shape as ``tensor``; the same value on every rank.
+
+    Raises:
+        ValueError: an unknown ``op``.
+        TypeError: ``tensor`` is not a tensor.
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce(op={op!r}): accepted values are {', '.join(map(repr, REDUCE_OPS))}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"reduce() takes a tensor, got {type(tensor).__name__}")
+    out = tensor.detach().clone()
+    if op == "mean" and not out.is_floating_point():
+        out = out.to(torch.float64)
+    n = world_size()
+    if n == 1:
+        return out
+    torch_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
+                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(out, op=torch_op)
+    return out / n if op == "mean" else out
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Returns rank ``src``'s ``tensor`` on every rank (shapes must agree).
+
+    Raises:
+        ValueError: ``src`` is not a rank of the group.
+    """
+    n = world_size()
+    if not 0 <= src < n:
+        raise ValueError(f"broadcast(src={src}): ranks are 0..{n - 1}")
+    out = tensor.detach().clone()
+    if n > 1:
+        dist.broadcast(out, src=src)
+    return out
+
+
+def pad_across_processes(
+    tensor: torch.Tensor, *, dim: int = 0, pad_index: float = 0, pad_first: bool = False
+) -> torch.Tensor:
+    """Pads ``tensor`` along ``dim`` to the largest size any rank has there.
+
+    Args:
+        tensor: this rank's tensor; all ranks must agree on the number of dimensions.
+        dim: the dimension to pad.
+        pad_index: the fill value.
+        pad_first: pad at the start instead of the end.
+    """
+    n = world_size()
+    if n == 1 or tensor.ndim == 0:
+        return tensor
+    size = torch.tensor([tensor.shape[dim]], device=tensor.device, dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size)
+    longest = int(max(s.item() for s in sizes))
+    if longest == tensor.shape[dim]:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = longest - tensor.shape[dim]
+    fill = tensor.new_full(shape, pad_index)
+    return torch.cat([fill, tensor] if pad_first else [tensor, fill], dim=dim)
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenates every rank's ``tensor`` along dim 0, in rank order.
+
+    Leading dimensions may differ across ranks (lengths 2 and 3 give 5); the other
+    dimensions must agree. A 0-d tensor is gathered as one element per rank.
+
+    Returns:
+        torch.Tensor: shape ``(sum of leading sizes, *tensor.shape[1:])`` on every rank.
+    """
+    if tensor.ndim == 0:
+        tensor = tensor.reshape(1)
+    n = world_size()
+    if n == 1:
+        return tensor.detach().clone()
+    tensor = tensor.detach().contiguous()
+    local = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.int64)
+    sizes = [torch.zeros_like(local) for _ in range(n)]
+    dist.all_gather(sizes, local)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
+    padded = tensor
+    if tensor.shape[0] < longest:
+        fill = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+        padded = torch.cat([tensor, fill])
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:length] for p, length in zip(parts, lengths)])
+
+
+def gather_object(obj: T) -> list[T]:
+    """Every rank's picklable ``obj``, in rank order (``torch.distributed.all_gather_object``)."""
+    n = world_size()
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def split_between_processes(inputs: Sequence[T] | torch.Tensor | dict[str, Any], *, rank_: int | None = None,
+                            world_size_: int | None = None) -> Any:
+    """This rank's contiguous part of ``inputs`` (a sequence, tensor, or dict of them).
+
+    Parts differ in length by at most one; earlier ranks get the longer parts. A dict is
+    split value by value.
+    """
+    r = rank() if rank_ is None else rank_
+    n = world_size() if world_size_ is None else world_size_
+    if isinstance(inputs, dict):
+        return {k: split_between_processes(v, rank_=r, world_size_=n) for k, v in inputs.items()}
+    length = len(inputs)
+    base, extra = divmod(length, n)
+    start = r * base + min(r, extra)
+    stop = start + base + (1 if r < extra else 0)
+    return inputs[start:stop]

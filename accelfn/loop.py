@@ -1,0 +1,155 @@
+"""``run``: epochs of a prepared program, with totals, logging, checkpoints and resume."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from accelfn._progress import Progress
+from accelfn.backends.base import Backend
+from accelfn.state import TrainState
+from accelfn.step import Step
+from accelfn.tracking import Tracker
+from accelfn.transforms import Accumulate
+
+
+def _check_count(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"run({name}=...) must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"run({name}={value!r}): must be >= 1")
+
+
+def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_steps: Any,
+              trackers: Any, log_every: Any) -> None:
+    if not isinstance(step, Step):
+        raise TypeError(f"run() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"run() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"run(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
+    if not isinstance(data, Iterable):
+        raise TypeError(f"run() needs iterable data (a DataLoader), got {type(data).__name__}")
+    _check_count("epochs", epochs)
+    _check_count("max_steps", max_steps, allow_none=True)
+    _check_count("log_every", log_every)
+    for tracker in trackers:
+        if not isinstance(tracker, Tracker):
+            raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
+
+
+def _total_steps(backend: Backend, data: Any, step: Step, epochs: int, max_steps: int | None) -> int | None:
+    """Optimizer updates the whole run will apply, when the data's length is known."""
+    try:
+        per_epoch = backend.batches(data, step, 0).num_batches
+    except (TypeError, ValueError):
+        per_epoch = None
+    if per_epoch is None:
+        return max_steps
+    accumulate = step.find(Accumulate)
+    updates = epochs * math.ceil(per_epoch / (accumulate.num_micro_batches if accumulate else 1))
+    return updates if max_steps is None else min(updates, max_steps)
+
+
+def run(
+    step: Step,
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    backend: Backend,
+    epochs: int = 1,
+    max_steps: int | None = None,
+    checkpoints: Any = None,
+    resume: str | os.PathLike[str] | None = None,
+    trackers: Sequence[Tracker] = (),
+    progress: bool = True,
+    log_every: int = 1,
+) -> TrainState:
+    """Trains ``state`` with ``step`` over ``data`` until ``epochs`` or ``max_steps`` (totals).
+
+    ``epochs`` and ``max_steps`` count from the start of training, not from this call: a run
+    resumed at step 7 of an ``epochs=3`` job stops exactly where the uninterrupted job stops.
+    Each epoch's last micro-batch flushes the accumulation window.
+
+    Args:
+        step: the program (``af.train_step`` with transforms).
+        state: the state to train (its model and optimizer are updated in place).
+        data: a DataLoader or iterable of batches; ``shard_data`` shards it over ranks.
+        backend: the backend that interprets the program, e.g. ``af.backends.auto()``.
+        epochs: total epochs of the job.
+        max_steps: total optimizer updates of the job, or None for no limit.
+        checkpoints: an ``af.Checkpoints`` policy saving during training, or None.
+        resume: ``"auto"`` (the latest checkpoint of ``checkpoints``, if any) or the path of
+            a checkpoint to resume from, or None to start from ``state`` as it is.
+        trackers: where metrics go (``af.TensorBoard``, ``af.JSONL``); main process only.
+        progress: show a progress bar on the main process.
+        log_every: reduce metrics to Python floats, show and log them every this many
+            optimizer updates (in between, the hot loop never waits for the device).
+
+    Returns:
+        TrainState: the state after the last update.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``resume="auto"``
+            without ``checkpoints``.
+        NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, accelfn as af
+        >>> model = torch.nn.Linear(4, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+        >>> step = af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]))
+        >>> state = af.run(step, state, data, backend=af.backends.CPU(), epochs=2, progress=False)
+        >>> state.step
+        8
+    """
+    trackers = tuple(trackers)
+    _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
+    from accelfn import checkpoint as _checkpoint
+
+    _checkpoint.check_run_arguments(checkpoints, resume)
+    state, step_fn = backend.prepare(step, state)
+    state = _checkpoint.resume_state(state, checkpoints, resume, backend)
+    bar = Progress(backend, trackers, show=progress, log_every=log_every,
+                   total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
+    preemption = _checkpoint.Preemption(backend) if checkpoints is not None else None
+    try:
+        with preemption or _checkpoint.NO_PREEMPTION:
+            state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, checkpoints, bar, preemption)
+    finally:
+        bar.close()
+    return state
+
+
+def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int,
+            max_steps: int | None, checkpoints: Any, bar: Progress, preemption: Any) -> TrainState:
+    if max_steps is not None and state.step >= max_steps:
+        return state
+    while state.epoch < epochs:
+        batches = backend.batches(data, step, state.epoch, start=state.epoch_micro_step)
+        finished_epoch = True
+        for batch, last in batches:
+            state, metrics = step_fn(state, batch, flush=last)
+            if preemption is not None and preemption.requested():
+                preemption.stop(state, checkpoints)
+            if not metrics:
+                continue
+            bar.update(state.step, metrics)
+            if checkpoints is not None:
+                checkpoints.maybe_save(state, backend)
+            if max_steps is not None and state.step >= max_steps:
+                finished_epoch = last
+                break
+        else:
+            finished_epoch = True
+        if finished_epoch:
+            state = state.replace(epoch=state.epoch + 1, epoch_micro_step=0)
+        if max_steps is not None and state.step >= max_steps:
+            break
+    return state

@@ -1,0 +1,154 @@
+"""TrainState: one immutable record of everything a training run is at a moment.
+
+The record is frozen; every change returns a new record through ``replace``. Tensors are
+updated in place for speed, as JAX donates buffers: the old record's model and optimizer
+are handed to the new one, so keep using the state a step returned, not the one you passed.
+The immutable *value* of a state is its :class:`~accelfn.Snapshot` (``af.snapshot``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose state a checkpoint can carry (``state_dict``/``load_state_dict``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    if isinstance(value, MappingProxyType):
+        return value
+    return MappingProxyType(dict(value or {}))
+
+
+def _check_model(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"TrainState.model must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def _check_optimizer(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(
+            f"TrainState.optimizer must be a torch.optim.Optimizer, got {type(value).__name__}"
+        )
+
+
+def _check_counter(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"TrainState.{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen(eq=False)
+class TrainState:
+    """The state of a training run.
+
+    Attributes:
+        model: the unwrapped model (never the DDP or compiled wrapper).
+        optimizer: its optimizer.
+        scheduler: an lr scheduler stepped once per applied optimizer update, or None.
+        step: optimizer updates applied (a skipped fp16 update does not count).
+        micro_step: micro-batches consumed since the start of training.
+        epoch: the epoch in progress (0-based).
+        epoch_micro_step: micro-batches of the current epoch consumed; a resumed run skips
+            exactly these.
+        transforms_state: the state transforms carry, keyed by kind (``"loss_scale"``,
+            ``"skips"``, ``"window"``), each an immutable record.
+        extra: user objects with ``state_dict``/``load_state_dict`` that checkpoints carry.
+    """
+
+    model: torch.nn.Module = attrs.field(validator=_check_model)
+    optimizer: torch.optim.Optimizer = attrs.field(validator=_check_optimizer)
+    scheduler: Any = None
+    step: int = attrs.field(default=0, validator=_check_counter)
+    micro_step: int = attrs.field(default=0, validator=_check_counter)
+    epoch: int = attrs.field(default=0, validator=_check_counter)
+    epoch_micro_step: int = attrs.field(default=0, validator=_check_counter)
+    transforms_state: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
+    extra: Mapping[str, Stateful] = attrs.field(factory=dict, converter=_frozen_mapping)
+
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scheduler: Any = None,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> TrainState:
+        """Builds the state at step 0.
+
+        Args:
+            model: the model; every parameter the optimizer updates must belong to it.
+            optimizer: an optimizer over (some of) the model's parameters.
+            scheduler: an lr scheduler of ``optimizer`` (``torch.optim.lr_scheduler``), or None.
+            extra: named objects with ``state_dict``/``load_state_dict`` to checkpoint too.
+
+        Returns:
+            TrainState: the new state.
+
+        Raises:
+            TypeError: a model, optimizer, scheduler or extra object of the wrong type.
+            ValueError: the optimizer updates a tensor that is not a parameter of the model,
+                or the scheduler drives another optimizer.
+
+        Example:
+            >>> import torch, accelfn as af
+            >>> model = torch.nn.Linear(2, 1)
+            >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> state.step
+            0
+        """
+        _check_model(None, attrs.fields(cls).model, model)
+        _check_optimizer(None, attrs.fields(cls).optimizer, optimizer)
+        owned = {id(p) for p in model.parameters()}
+        for group_index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        f"optimizer param_groups[{group_index}] holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                        "optimizer from model.parameters()"
+                    )
+        if scheduler is not None:
+            if not hasattr(scheduler, "step") or not isinstance(scheduler, Stateful):
+                raise TypeError(
+                    "scheduler must be an lr scheduler with step()/state_dict()/"
+                    f"load_state_dict(), got {type(scheduler).__name__}"
+                )
+            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+                raise ValueError("scheduler was built for another optimizer than the one given")
+        for name, obj in (extra or {}).items():
+            if not isinstance(name, str) or not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"extra[{name!r}] must be an object with state_dict() and "
+                    f"load_state_dict(), got {type(obj).__name__}"
+                )
+        return cls(model, optimizer, scheduler, extra=extra or {})
+
+    def replace(self, **changes: Any) -> TrainState:
+        """Returns a new record with ``changes`` applied (``attrs.evolve``).
+
+        Raises:
+            TypeError: an unknown field name.
+        """
+        return attrs.evolve(self, **changes)
+
+    def with_transform_state(self, **entries: Any) -> TrainState:
+        """Returns a new record whose ``transforms_state`` has ``entries`` set (None removes)."""
+        merged = dict(self.transforms_state)
+        for key, value in entries.items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = value
+        return attrs.evolve(self, transforms_state=merged)

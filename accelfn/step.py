@@ -1,0 +1,99 @@
+"""Step: the training program, a frozen record of the loss function and its transforms."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, Union
+
+import attrs
+import torch
+
+from accelfn.transforms import Transform, check_composition
+
+
+@attrs.frozen(eq=False)
+class Loss:
+    """A summed loss and the number of items it sums, for exact weighting.
+
+    Return ``Loss(total=per_token_loss.sum(), count=num_tokens)`` from ``loss_fn`` when
+    micro-batches hold different numbers of items (tokens, say): the gradient of an update
+    is then ``sum(total) / sum(count)`` over every micro-batch of the accumulation window
+    and every rank, exactly as one big batch, instead of a mean of means.
+
+    Attributes:
+        total: scalar tensor, shape ``()``: the sum of the per-item losses.
+        count: the number of items summed, an int, float or scalar tensor (> 0 over a window).
+    """
+
+    total: torch.Tensor
+    count: int | float | torch.Tensor
+
+
+LossOutput = Union[torch.Tensor, Loss, "tuple[torch.Tensor | Loss, Mapping[str, Any]]"]
+
+
+class LossFn(Protocol):
+    """``loss_fn(model, batch)``: a scalar loss tensor, ``(loss, metrics)``, or ``af.Loss``."""
+
+    def __call__(self, model: torch.nn.Module, batch: Any) -> LossOutput: ...
+
+
+@attrs.frozen(eq=False)
+class Step:
+    """A training program: ``loss_fn`` and the transforms applied to it, in phase order.
+
+    Build the base program with :func:`train_step` and apply transforms to it; applying a
+    transform returns a new Step and never changes this one.
+
+    Attributes:
+        loss_fn: ``loss_fn(model, batch)`` returning a scalar loss tensor, ``(loss,
+            metrics)`` with a mapping of scalar metrics, or an ``af.Loss``.
+        transforms: the transforms, sorted by the phase they act at.
+    """
+
+    loss_fn: LossFn
+    transforms: tuple[Transform, ...] = ()
+
+    def with_transform(self, transform: Transform) -> Step:
+        """Returns a new Step that also holds ``transform``.
+
+        Raises:
+            TransformError: a transform of the same kind is already there, or the two conflict.
+        """
+        check_composition(self.transforms, transform)
+        ordered = sorted((*self.transforms, transform), key=lambda t: t.phase)
+        return attrs.evolve(self, transforms=tuple(ordered))
+
+    def find(self, kind: type[Any]) -> Any:
+        """The transform of type ``kind`` in this program, or None."""
+        for t in self.transforms:
+            if isinstance(t, kind):
+                return t
+        return None
+
+
+def train_step(loss_fn: LossFn) -> Step:
+    """The base program: forward, backward, optimizer update, scheduler step, zero grad.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch)`` returning a scalar loss tensor (shape ``()``),
+            ``(loss, metrics)`` with ``metrics`` a mapping of name to scalar, or an
+            :class:`af.Loss <Loss>`.
+
+    Returns:
+        Step: the program without transforms.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable.
+
+    Example:
+        >>> import torch.nn.functional as F, accelfn as af
+        >>> step = af.train_step(lambda model, batch: F.mse_loss(model(batch[0]), batch[1]))
+        >>> step.transforms
+        ()
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"train_step(loss_fn) needs a callable loss_fn(model, batch), got {type(loss_fn).__name__}"
+        )
+    return Step(loss_fn)
