@@ -151,8 +151,8 @@ class TrainState:
         new = object.__new__(TrainState)
         for name in _FIELD_NAMES:
             _setattr(new, name, changes[name] if name in changes else getattr(self, name))
-        if "transforms_state" in changes:
-            _setattr(new, "transforms_state", MappingProxyType(changes["transforms_state"]))
+        if "transforms_state" in changes:  # wrap a plain dict once, never a proxy again
+            _setattr(new, "transforms_state", _frozen_mapping(changes["transforms_state"]))
         return new
 
     def with_transform_state(self, **entries: Any) -> TrainState:

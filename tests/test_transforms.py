@@ -132,6 +132,19 @@ def test_train_state_fields_cannot_be_assigned():
     assert (state.step, later.step) == (0, 3) and later.model is state.model
 
 
+@pytest.mark.parametrize("transforms", [(), (af.accumulate(2),), (af.with_precision("fp16"),)])
+def test_transforms_state_stays_one_read_only_mapping_over_many_steps(transforms, cpu):
+    """Each step's state wraps its transforms_state once: a proxy is never nested in a proxy,
+    so a lookup costs the same at step 30 as at step 1."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.compose(*transforms)(af.train_step(loss_fn))
+    data = [(torch.randn(2, 6), torch.randn(2, 3)) for _ in range(30)]
+    state = af.run(step, state, data, backend=cpu, progress=False)
+    assert state.micro_step == 30
+    assert repr(state.transforms_state).count("mappingproxy(") == 1
+
+
 def test_train_state_create_checks_its_arguments():
     """An optimizer over foreign tensors, a scheduler of another optimizer, or a bad extra
     object are refused with a message saying what to do."""
