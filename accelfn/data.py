@@ -273,7 +273,11 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
 
     non_blocking = device.type == "cuda"
 
+    def move(t: torch.Tensor) -> torch.Tensor:
+        # .to() would return t itself too; the comparison is cheaper than the call
+        return t if t.device == device else t.to(device, non_blocking=non_blocking)
+
     def place(batch: Any) -> Any:
-        return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+        return map_tensors(move, batch)
 
     return place
