@@ -199,3 +199,24 @@ def test_run_rejects_bad_arguments_before_touching_state(cpu):
     with pytest.raises(TypeError, match="trackers"):
         af.run(step, state, data, backend=cpu, trackers=["tb"])
     assert state.step == 0
+
+
+def test_advance_carries_every_field_it_does_not_change():
+    """The interpreter's unchecked ``_advance`` sets the four fields it is given and copies
+    every other field of TrainState, so a field added later cannot be silently dropped."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    state = af.TrainState.create(model, optimizer, scheduler=scheduler, extra={"sched": scheduler})
+    state = state.replace(epoch=2, transforms_state={"skips": af._precision.SkipCount(1, 0)})
+    new = state._advance(step=5, micro_step=7, epoch_micro_step=3, transforms_state={"x": 1})
+    changed = {"step": 5, "micro_step": 7, "epoch_micro_step": 3}
+    for field in attrs.fields(af.TrainState):
+        if field.name in changed:
+            assert getattr(new, field.name) == changed[field.name]
+        elif field.name == "transforms_state":
+            assert dict(new.transforms_state) == {"x": 1}
+            with pytest.raises(TypeError):
+                new.transforms_state["y"] = 2
+        else:
+            assert getattr(new, field.name) is getattr(state, field.name), field.name
