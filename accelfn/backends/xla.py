@@ -198,9 +198,10 @@ def _check_autograd(device: torch.device) -> None:
     an XLA runtime started after that is invisible to it, and every backward on the XLA
     device fails with an internal assertion. A backward of one element finds out now.
     """
-    probe = torch.zeros((), device=device, requires_grad=True)
     try:
-        (probe * 1.0).backward()
+        with torch.inference_mode(False), torch.enable_grad():
+            probe = torch.zeros((), device=device, requires_grad=True)
+            (probe * 1.0).backward()
     except RuntimeError as error:
         if "device_ready_queues_" not in str(error):
             raise

@@ -1,0 +1,134 @@
+"""The XLA backend's runtime parts: the parallel loader, in-graph all-reduce, process rules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+import accelfn as af
+from tests._xla import loss_fn, met
+from tests.conftest import classification_data, make_mlp
+
+pytestmark = pytest.mark.xla
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def xla() -> af.backends.Backend:
+    return af.backends.XLA(af.backends.LaunchEnv())
+
+
+def as_cpu(pairs):
+    return [((x.cpu(), y.cpu()), last) for (x, y), last in pairs]
+
+
+def test_sharded_batches_arrive_on_the_device_in_the_cpu_backends_order(cpu, xla):
+    """Under shard_data, the XLA backend yields the CPU backend's batches of an epoch, from a
+    resume position, in order, on the XLA device, with the last one flagged."""
+    loader = DataLoader(classification_data(22), batch_size=4, shuffle=True)  # 6 micro-batches
+    step = af.shard_data(seed=5)(af.train_step(loss_fn))
+    expected = list(cpu.batches(loader, step, 1, start=2))
+    batches = xla.batches(loader, step, 1, start=2)
+    got = list(batches)
+
+    assert len(batches) == len(got) == 4
+    assert {t.device.type for (x, y), _ in got for t in (x, y)} == {"xla"}
+    assert [last for _, last in got] == [False, False, False, True]
+    for ((x, y), last), ((ex, ey), elast) in zip(as_cpu(got), expected):
+        assert torch.equal(x, ex) and torch.equal(y, ey) and last == elast
+
+
+class Stream(IterableDataset):
+    """Samples 0..n-1 of unknown length."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n, dtype=torch.float32).reshape(-1, 1))
+
+
+def test_a_stream_of_unknown_length_ends_with_its_last_batch_flagged(xla):
+    """A sharded stream of unknown length arrives whole, in order, and only its final batch
+    is flagged last."""
+    step = af.shard_data()(af.train_step(loss_fn))
+    got = list(xla.batches(DataLoader(Stream(10), batch_size=4), step, 0))
+    assert [b.cpu().flatten().tolist() for b, _ in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [last for _, last in got] == [False, False, True]
+
+
+def test_leaving_an_epoch_early_stops_the_loader_threads(xla):
+    """Breaking out of an epoch's batches stops torch_xla's loader threads."""
+    loader = DataLoader(classification_data(64), batch_size=2)
+    step = af.shard_data()(af.train_step(loss_fn))
+    before = threading.active_count()
+    for i, _ in enumerate(xla.batches(loader, step, 0)):
+        if i == 1:
+            assert threading.active_count() > before
+            break
+    assert threading.active_count() == before
+
+
+def test_reduce_gradients_is_an_all_reduce_inside_the_graph(xla, monkeypatch):
+    """reduce_gradients and all_reduce_sum lower to XLA all-reduce ops in the graph (forced on
+    a world of one with XLA_ALWAYS_ALLREDUCE), where they leave values as they are."""
+    monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")
+    model = make_mlp().to(xla.device)
+    x, y = classification_data(8)[:]
+    loss_fn(model, xla.place((x, y))).backward()
+    params = list(model.parameters())
+    grads = [p.grad.cpu() for p in params]
+    in_place = met.counter_value("xla::AllReduceInPlace") or 0
+
+    xla.reduce_gradients(params)
+    total = xla.all_reduce_sum(torch.full((2,), 3.0, device=xla.device))
+    xla.graph_cut()
+
+    assert (met.counter_value("xla::AllReduceInPlace") or 0) == in_place + 1
+    assert all(torch.equal(p.grad.cpu(), g) for p, g in zip(params, grads))
+    assert total.cpu().tolist() == [3.0, 3.0]
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_backend_created_after_a_backward_pass_says_how_to_fix_it():
+    """A process that ran a backward pass before starting the XLA runtime gets an error that
+    says to create the backend first, not PyTorch's internal assertion at the first step."""
+    done = run_python("""
+        import torch, accelfn as af
+        torch.ones(2, requires_grad=True).sum().backward()
+        af.backends.XLA()
+    """)
+    assert done.returncode != 0
+    assert "Create af.backends.XLA() (or af.backends.auto()) before the first backward pass" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_two_xla_processes_on_pjrt_cpu_stop_with_a_launch_error(tmp_path):
+    """Two processes launched for the XLA backend on PJRT's CPU device, whose runtime makes
+    each process its own world, both stop with a LaunchError that explains it."""
+    script = tmp_path / "train.py"
+    script.write_text("import accelfn as af\naf.backends.auto()\nprint('trained')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29631",
+         str(script)],
+        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), "ACCELFN_BACKEND": "xla"},
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode != 0 and "trained" not in done.stdout
+    output = done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"accelfn launched 2 XLA processes (this is rank {rank}), but the PJRT runtime sees a world of 1" in output
+    assert "has no collectives across processes" in output
