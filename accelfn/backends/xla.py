@@ -14,7 +14,6 @@ References:
 from __future__ import annotations
 
 import datetime
-import pickle
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -60,14 +59,22 @@ class XLA(Backend):
     ``with_precision("bf16")`` runs the forward under ``torch.autocast("xla", bfloat16)``,
     which is what ``torch_xla.amp.autocast`` does on TPU.
 
+    Other collectives go through ``torch.distributed`` on the ``"xla"`` group, with tensors on
+    the XLA device.
+
     Args:
         env: the launch environment; by default read from the process environment.
+
+    Attributes:
+        hardware: the PJRT device kind, ``"CPU"``, ``"TPU"``, ``"CUDA"``, ...
 
     Raises:
         ImportError: torch_xla is not installed (the message gives the pip command).
         LaunchError: an inconsistent launch environment, or a multi-process launch that the
             PJRT runtime does not see as one world (PJRT's CPU client has no collectives
             across processes: every process is a world of one).
+        RuntimeError: this process ran a backward pass before the XLA runtime started, so
+            autograd cannot use the XLA device (create the backend first).
 
     Example:
         >>> import accelfn as af  # doctest: +SKIP
@@ -156,19 +163,13 @@ class XLA(Backend):
                                     start=host.start, place=_unchanged, padding_ranks=host.padding_ranks)
         return self._active
 
-    # -- collectives the "xla" process group does not provide ------------------------------
+    # -- the collective the "xla" process group lacks -------------------------------------
 
     def barrier(self) -> None:
-        """Waits until every rank reaches this call (``xm.rendezvous``)."""
+        """Waits until every rank reaches this call (``xm.rendezvous``; the ``"xla"`` process
+        group's own barrier returns at once)."""
         if self.world_size > 1:
             self._xm.rendezvous("accelfn.barrier")
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order (exchanged with ``xm.rendezvous``)."""
-        if self.world_size == 1:
-            return [obj]
-        payloads = self._xm.rendezvous("accelfn.gather_object", pickle.dumps(obj))
-        return [pickle.loads(p) for p in payloads]  # noqa: S301 - bytes from our own ranks
 
 
 def _join_process_group(env: LaunchEnv) -> None:
