@@ -143,6 +143,18 @@ class TrainState:
         """
         return attrs.evolve(self, **changes)
 
+    def _advance(self, **changes: Any) -> TrainState:
+        """``replace`` without validation or conversion, for the interpreter's hot path.
+
+        The caller guarantees valid counters and a read-only ``transforms_state``.
+        """
+        new = object.__new__(TrainState)
+        for name in _FIELD_NAMES:
+            _setattr(new, name, changes[name] if name in changes else getattr(self, name))
+        if "transforms_state" in changes:
+            _setattr(new, "transforms_state", MappingProxyType(changes["transforms_state"]))
+        return new
+
     def with_transform_state(self, **entries: Any) -> TrainState:
         """Returns a new record whose ``transforms_state`` has ``entries`` set (None removes)."""
         merged = dict(self.transforms_state)
@@ -152,3 +164,7 @@ class TrainState:
             else:
                 merged[key] = value
         return attrs.evolve(self, transforms_state=merged)
+
+
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState))
+_setattr = object.__setattr__

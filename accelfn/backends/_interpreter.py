@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from accelfn.backends.base import Backend
 
 _NO_METRICS: Mapping[str, Any] = {}
+_NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
 
 
@@ -171,7 +172,7 @@ class StepFn:
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
         samples = num_samples(batch)
 
-        with contextlib.nullcontext() if last else self._no_sync():
+        with _NULL if last else self._no_sync():
             if self._autocast is not None:
                 with self._autocast(self._policy):
                     out = self._loss_fn(self._model, batch)
@@ -189,22 +190,27 @@ class StepFn:
             else:
                 loss.backward()
 
+        if window is None and last:  # a window of one micro-batch: its mean is its own loss
+            mean = loss.detach() / count if is_sum else loss.detach()
+            user_means = {k: _detach(v) for k, v in user_metrics.items()} if user_metrics else _NO_METRICS
+            return self._update(state, reference, count, samples, mean, user_means, is_sum)
+
         summed = loss.detach() if is_sum else loss.detach() * count
         total_count = _add(window.count if window else None, count)
         loss_sum = _add(window.loss_sum if window else None, summed)
         metric_sums = self._add_metrics(window, user_metrics, count)
         total_samples = samples + (window.num_samples if window else 0)
-
         if not last:
             new_window = Window(reference, total_count, total_samples, loss_sum, metric_sums)
             if self._graph_cut is not None:
                 self._graph_cut()
-            return state.replace(
+            return state._advance(
                 micro_step=state.micro_step + 1,
                 epoch_micro_step=state.epoch_micro_step + 1,
                 transforms_state={**state.transforms_state, "window": new_window},
             ), _NO_METRICS
-        return self._update(state, reference, total_count, total_samples, loss_sum, metric_sums, is_sum)
+        user_means = {k: v / total_count for k, v in metric_sums.items()}
+        return self._update(state, reference, total_count, total_samples, loss_sum / total_count, user_means, is_sum)
 
     def _reference(self, count: Any, is_sum: bool) -> float | torch.Tensor:
         # Under replicate, an af.Loss's counts differ across ranks, so R must be the same
@@ -227,8 +233,8 @@ class StepFn:
         reference: Any,
         count: Any,
         samples: int,
-        loss_sum: torch.Tensor,
-        metric_sums: Mapping[str, Any],
+        loss_mean: torch.Tensor,
+        metric_means: Mapping[str, Any],
         is_sum: bool,
     ) -> tuple[TrainState, Mapping[str, Any]]:
         params = self._params
@@ -236,7 +242,7 @@ class StepFn:
             self._reduce_gradients(params)
         world_size, global_count = 1, count
         if is_sum and self._replicated:
-            device = loss_sum.device
+            device = loss_mean.device
             global_count = self._backend.all_reduce_sum(torch.as_tensor(count, dtype=torch.float64, device=device))
             world_size = self._world_size
         correction = _math.window_correction(reference, world_size, global_count)
@@ -244,17 +250,14 @@ class StepFn:
         loss_scale: LossScale | None = transforms_state.get("loss_scale") if self._scaling else None
         inv_scale = correction / loss_scale.scale if loss_scale is not None else correction
 
-        grads = [p.grad for p in params if p.grad is not None]
         found_inf = None
         if self._guard:
-            found_inf = _math.unscale_and_check(grads, inv_scale)
+            found_inf = _math.unscale_and_check([p.grad for p in params if p.grad is not None], inv_scale)
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            _math.scale_(grads, inv_scale)
+            _math.scale_([p.grad for p in params if p.grad is not None], inv_scale)
 
         lr = self._optimizer.param_groups[0]["lr"]
-        metrics: dict[str, Any] = {"loss": loss_sum / count}  # this rank's window mean
-        for key, value in metric_sums.items():
-            metrics[key] = value / count
+        metrics: dict[str, Any] = {"loss": loss_mean, **metric_means}  # this rank's window means
         if self._clip is not None:
             metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
                 params, self._clip.max_norm, self._clip.norm_type
@@ -284,7 +287,7 @@ class StepFn:
             merged = {k: v for k, v in transforms_state.items() if k != "window"}
             merged.update(changes)
             transforms_state = merged
-        new_state = state.replace(
+        new_state = state._advance(
             step=state.step + (1 if finite else 0),
             micro_step=state.micro_step + 1,
             epoch_micro_step=state.epoch_micro_step + 1,
