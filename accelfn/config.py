@@ -188,7 +188,9 @@ def load(path: str | os.PathLike[str]) -> LaunchConfig:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise LaunchError(f"cannot read the launch config {path}: {e.strerror}; write one with `accelfn config`") from None
+        raise LaunchError(
+            f"cannot read the launch config {path}: {e.strerror}; write one with `accelfn config`"
+        ) from None
     return from_yaml(text, source=str(path))
 
 

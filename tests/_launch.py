@@ -28,7 +28,7 @@ DEFAULT_TIMEOUT_S = 240
 def environment(**extra: str) -> dict[str, str]:
     """The test process's environment without launch variables, with accelfn importable."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("PET_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -40,7 +40,8 @@ def accelfn_command(*args: str | os.PathLike[str]) -> list[str]:
     return [sys.executable, "-m", "accelfn", *map(str, args)]
 
 
-def start(*args: str | os.PathLike[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(*args: str | os.PathLike[str], cwd: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``python -m accelfn ARGS...`` in a new process session (stdout/stderr captured)."""
     return subprocess.Popen(accelfn_command(*args), cwd=cwd, env=env or environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

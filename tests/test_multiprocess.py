@@ -38,7 +38,7 @@ class _Record:
 @pytest.fixture(scope="module")
 def mp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("mp_checks")
-    _launch.launch("--nproc-per-node", "2", "--timeout-s", "60", script="mp_checks.py",
+    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="mp_checks.py",
                    script_args=("--out", out), cwd=out)
     return {
         "out": out,
@@ -128,16 +128,19 @@ def test_gather_of_lengths_two_and_three_returns_five_in_rank_order(mp: dict[str
 
 
 def test_evaluate_returns_every_sample_once_in_dataset_order(mp: dict[str, Any]) -> None:
-    """evaluate on 9 samples, 2 ranks, batch 5 returns the 9 outputs of a single-process run, in dataset order."""
+    """evaluate on 9 samples, 2 ranks, batch 5 returns the 9 outputs of a single-process run, in dataset order
+    (and on 1 sample, where rank 1 has none, that one output)."""
     state = P.make_state(seed=7)
     loader = DataLoader(P.IndexDataset(9), batch_size=5)
     reference = af.evaluate(P.eval_outputs, state, loader, backend=_one_process())
     assert torch.equal(reference["index"], torch.arange(9))
     assert [r["evaluate_local_batches"] for r in mp["json"]] == [1, 1]  # 5 and 4 samples
+    one_reference = state.model(P.IndexDataset(1).x).detach()
     for rank in range(2):
         got = mp["tensors"][rank]
         assert torch.equal(got["evaluate.index"], torch.arange(9))
         torch.testing.assert_close(got["evaluate.prediction"], reference["prediction"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["evaluate_one.prediction"], one_reference, rtol=1e-6, atol=1e-7)
 
 
 def test_one_gradient_allreduce_per_optimizer_update(mp: dict[str, Any]) -> None:

@@ -110,6 +110,8 @@ def collectives_and_evaluate(backend: af.backends.Backend, results: dict[str, An
     tensors["evaluate.prediction"] = outputs["prediction"]
     tensors["evaluate.index"] = outputs["index"]
     results["evaluate_local_batches"] = len(list(af.data.keyed_batches(loader, rank=r, world_size=2)))
+    one = af.evaluate(P.eval_outputs, state, DataLoader(P.IndexDataset(1), batch_size=5), backend=backend)
+    tensors["evaluate_one.prediction"] = one["prediction"]  # rank 1 has no sample at all
 
 
 def count_allreduces(results: dict[str, Any]) -> None:
