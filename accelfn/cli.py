@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -104,19 +105,33 @@ def _launch(args: argparse.Namespace) -> int:
 
 # -- accelfn config -------------------------------------------------------------------------
 
-def _ask(name: str, current: Any, stdin: TextIO, stdout: TextIO) -> Any:
-    """One answer from ``stdin``, parsed as YAML (``2`` an int, ``null`` None); empty keeps ``current``."""
-    import yaml
-
+def _ask(name: str, current: Any, stdin: TextIO, stdout: TextIO) -> str | None:
+    """One answer from ``stdin``, stripped; None for an empty answer or the end of input."""
     choices = {"backend": BACKEND_NAMES, "precision": POLICY_NAMES, "rdzv_backend": _config.RDZV_BACKENDS}.get(name)
     hint = f" ({'/'.join(choices)})" if choices else ""
     shown = "null" if current is None else current
     stdout.write(f"{name}{hint} [{shown}]: ")
     stdout.flush()
-    line = stdin.readline()
-    if not line.strip():
-        return current
-    return yaml.safe_load(line)
+    return stdin.readline().strip() or None
+
+
+def _parse_answer(field: attrs.Attribute, answer: str) -> Any:
+    """An answer in the field's type: ``int``, ``float``, or a string; ``null`` for None.
+
+    Raises:
+        LaunchError: not a number where one is needed.
+    """
+    kind = attrs.fields_dict(attrs.resolve_types(_config.LaunchConfig))[field.name].type
+    options = typing.get_args(kind) or (kind,)  # int | None -> (int, NoneType)
+    if answer.lower() in ("null", "none") and type(None) in options:
+        return None
+    number = next((t for t in options if t in (int, float)), None)
+    if number is None:
+        return answer
+    try:
+        return number(answer)
+    except ValueError:
+        raise LaunchError(f"{field.name}={answer!r}: must be {'an int' if number is int else 'a number'}") from None
 
 
 def _interactive(config: _config.LaunchConfig, given: dict[str, Any], stdin: TextIO,
@@ -129,24 +144,15 @@ def _interactive(config: _config.LaunchConfig, given: dict[str, Any], stdin: Tex
         if field.name in given:
             continue
         while True:
-            value = _ask(field.name, getattr(config, field.name), stdin, stdout)
+            answer = _ask(field.name, getattr(config, field.name), stdin, stdout)
+            if answer is None:
+                break
             try:
-                config = _config.merge(config, **{field.name: _coerce(field, value)})
+                config = _config.merge(config, **{field.name: _parse_answer(field, answer)})
                 break
             except LaunchError as e:
                 stdout.write(f"  {e}\n")
     return config
-
-
-def _coerce(field: attrs.Attribute, value: Any) -> Any:
-    """A YAML-parsed answer in the field's type where the conversion is lossless (3 -> 3.0)."""
-    if value is None or isinstance(value, bool):
-        return value
-    if field.type in (float, "float") and isinstance(value, int):
-        return float(value)
-    if field.type in ("str", "str | None", str) and isinstance(value, (int, float)):
-        return str(value)
-    return value
 
 
 def _write_config(args: argparse.Namespace, *, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
@@ -188,6 +194,21 @@ def _availability() -> list[tuple[str, str]]:
     return rows
 
 
+_PACKAGES = ("numpy", "attrs", "cattrs", "toolz", "safetensors", "tensorboardX", "orjson", "PyYAML", "tqdm")
+
+
+def _package_versions() -> str:
+    import importlib.metadata
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return ", ".join(f"{name} {version(name)}" for name in _PACKAGES)
+
+
 def _devices() -> list[str]:
     import torch
 
@@ -214,6 +235,7 @@ def _report(args: argparse.Namespace) -> int:
               f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None})\n")
     out.write(f"python: {platform.python_version()} ({platform.python_implementation()}, {sys.executable})\n")
     out.write(f"platform: {platform.platform()}\n")
+    out.write(f"packages: {_package_versions()}\n")
     out.write("devices:\n" + "".join(f"  {line}\n" for line in _devices()))
     out.write("backends:\n" + "".join(f"  {name}: {value}\n" for name, value in _availability()))
     try:

@@ -92,7 +92,8 @@ class LaunchConfig:
 
         Raises:
             LaunchError: ``node_rank`` outside ``nnodes``; several nodes without
-                ``master_addr``/``master_port`` or ``rdzv_endpoint``; both given.
+                ``master_addr``/``master_port`` or ``rdzv_endpoint``; both given; a master
+                address without a port.
         """
         if self.node_rank >= self.nnodes:
             raise LaunchError(
@@ -105,6 +106,11 @@ class LaunchConfig:
                 "give either --master-addr/--master-port (static rendezvous) or "
                 f"--rdzv-endpoint, not both (got {self.master_addr}:{self.master_port} and "
                 f"{self.rdzv_endpoint})"
+            )
+        if self.nnodes == 1 and self.master_addr is not None and self.master_port is None:
+            raise LaunchError(
+                f"--master-addr {self.master_addr} needs --master-port too; on one node, leave both "
+                "out to let the OS pick a free port"
             )
         if self.nnodes > 1 and self.rdzv_endpoint is None and (self.master_addr is None or self.master_port is None):
             raise LaunchError(

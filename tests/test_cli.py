@@ -43,6 +43,7 @@ def test_rdzv_endpoint_gives_a_c10d_rendezvous() -> None:
     ({"nnodes": 2, "master_addr": "h"}, "--nnodes 2 needs the address of node 0"),
     ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "--node-rank 2 is outside --nnodes 2"),
     ({"master_port": 1234, "rdzv_endpoint": "h:1"}, "not both"),
+    ({"master_addr": "h"}, "--master-addr h needs --master-port too"),
 ])
 def test_inconsistent_launch_options_are_rejected(fields: dict, message: str) -> None:
     """Options that cannot form a job raise LaunchError naming the options."""
@@ -110,7 +111,8 @@ def test_config_command_writes_the_flags_given(tmp_path: Path) -> None:
 def test_interactive_config_reads_answers_and_asks_again_after_a_bad_one(tmp_path: Path) -> None:
     """--interactive asks each field not given as a flag; an invalid answer is explained and asked again."""
     names = [f.name for f in attrs.fields(LaunchConfig) if f.name != "backend"]
-    answers = {"nproc_per_node": ["0", "4"], "precision": ["bf16"], "timeout_s": ["90"], "rdzv_id": ["123"]}
+    answers = {"nproc_per_node": ["0", "two", "4"], "precision": ["bf16"], "timeout_s": ["90"], "rdzv_id": ["123"],
+               "rdzv_endpoint": ["10:30"], "master_port": ["null"]}
     lines = []
     for name in names:
         lines.extend(answers.get(name, [""]))
@@ -119,8 +121,9 @@ def test_interactive_config_reads_answers_and_asks_again_after_a_bad_one(tmp_pat
         ["config", "--interactive", "--backend", "cpu", "-o", str(tmp_path / "c.yaml")])
     assert cli._write_config(args, stdin=io.StringIO("\n".join(lines) + "\n"), stdout=stdout) == 0  # noqa: SLF001
     assert launch_config.load(tmp_path / "c.yaml") == LaunchConfig(
-        nproc_per_node=4, precision="bf16", timeout_s=90.0, rdzv_id="123", backend="cpu")
+        nproc_per_node=4, precision="bf16", timeout_s=90.0, rdzv_id="123", rdzv_endpoint="10:30", backend="cpu")
     assert "nproc_per_node=0: must be >= 1" in stdout.getvalue()
+    assert "nproc_per_node='two': must be an int" in stdout.getvalue()
     assert "backend (cpu/cuda/xla)" not in stdout.getvalue()  # given as a flag: not asked
 
 
@@ -146,6 +149,7 @@ def test_env_prints_versions_devices_backends_and_the_config(tmp_path: Path,
     assert f"accelfn: {accelfn.__version__}" in out
     assert f"torch: {torch.__version__}" in out
     assert "python: 3." in out and "platform: " in out
+    assert "packages: numpy " in out and "cattrs " in out
     assert "gloo (CPU processes): yes" in out
     assert f"cuda: {'yes' if torch.cuda.is_available() else 'no'}" in out
     assert "torch_xla: " in out

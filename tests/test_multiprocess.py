@@ -151,6 +151,13 @@ def test_one_gradient_allreduce_per_optimizer_update(mp: dict[str, Any]) -> None
         assert [m["updated"] for m in per_micro_batch] == [False, False, True, False, False, True, False, True] * 2
         assert [m["allreduces"] for m in per_micro_batch] == [int(m["updated"]) for m in per_micro_batch]
         assert r["allreduce_steps"] == 6
+        assert r["state_model_type"] == "Sequential"  # the state keeps the unwrapped model
+
+
+def test_replicate_options_reach_ddp(mp: dict[str, Any]) -> None:
+    """replicate(bucket_cap_mb=1, find_unused_parameters=True, gradient_as_bucket_view=True) builds that DDP."""
+    for r in mp["json"]:
+        assert r["ddp_options"] == ["DistributedDataParallel", 2**20, True, True, False]
 
 
 def test_loss_counts_are_summed_over_ranks(mp: dict[str, Any]) -> None:

@@ -129,6 +129,12 @@ def count_allreduces(results: dict[str, Any]) -> None:
         state = state.replace(epoch=state.epoch + 1, epoch_micro_step=0)
     results["allreduces"] = per_micro_batch
     results["allreduce_steps"] = state.step
+    results["state_model_type"] = type(state.model).__name__
+
+    options = af.replicate(bucket_cap_mb=1, find_unused_parameters=True, gradient_as_bucket_view=True)
+    ddp = backend.wrap_model(P.make_state().model, options)
+    results["ddp_options"] = [type(ddp).__name__, ddp.bucket_bytes_cap, ddp.find_unused_parameters,
+                              ddp.gradient_as_bucket_view, ddp.static_graph]
 
 
 def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
