@@ -6,7 +6,6 @@ compares one part of it with a single-process reference computed here.
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import _launch
 import _programs as P
 import accelfn as af
+from tests._events import read_scalars
 
 pytestmark = pytest.mark.multiprocess
 
@@ -178,27 +178,11 @@ def test_loss_counts_are_summed_over_ranks(mp: dict[str, Any]) -> None:
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name}")
 
 
-def _scalars(event_file: Path) -> dict[str, list[tuple[int, float]]]:
-    """The scalars of a TensorBoard event file (TFRecord framing: length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    data = event_file.read_bytes()
-    out: dict[str, list[tuple[int, float]]] = {}
-    pos = 0
-    while pos < len(data):
-        (length,) = struct.unpack_from("<Q", data, pos)
-        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-        pos += 12 + length + 4
-        for value in event.summary.value:
-            out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
-
-
 def test_one_tensorboard_file_from_rank_zero_with_reduced_values(mp: dict[str, Any]) -> None:
     """A 2-process run writes one event file whose loss and grad_norm equal a single-process run's."""
     files = [p for p in (mp["out"] / "tb").rglob("*") if p.is_file()]
     assert len(files) == 1, files
-    scalars = _scalars(files[0])
+    scalars = read_scalars(files[0])
     record = _Record()
     P.train_case("e2_acc2_clip", _one_process(), 2 * P.PER_RANK_BATCH, trackers=(record,))
     assert [step for step, _ in scalars["loss"]] == [step for step, _ in record.points] == list(range(1, 7))
