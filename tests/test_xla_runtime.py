@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import accelfn as af
-from tests._xla import loss_fn, met
+from tests import _launch
+from tests._xla import counts, loss_fn, met, since
 from tests.conftest import classification_data, make_mlp
 
 pytestmark = pytest.mark.xla
@@ -97,6 +98,28 @@ def test_reduce_gradients_is_an_all_reduce_inside_the_graph(xla, monkeypatch):
     assert total.cpu().tolist() == [3.0, 3.0]
 
 
+def test_evaluate_on_xla_matches_the_cpu_backend(cpu, xla):
+    """af.evaluate on XLA returns the CPU backend's outputs for all 42 samples in order, one
+    graph per batch; evaluating again compiles nothing."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = DataLoader(classification_data(42), batch_size=4)  # 11 batches, the last of 2
+
+    def fn(model, batch):
+        return torch.softmax(model(batch[0]), -1)
+
+    expected = af.evaluate(fn, state, data, backend=cpu)
+    placed, _ = xla.prepare(af.train_step(loss_fn), state)
+    af.evaluate(fn, placed, data, backend=xla)
+    before = counts()
+    got = af.evaluate(fn, placed, data, backend=xla)
+    cost = since(before)
+
+    assert got.device.type == "xla" and got.shape == (42, 3)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-6, atol=1e-7)
+    assert cost["compilations"] == 0 and cost["graphs"] >= 11
+
+
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, cwd=ROOT,
@@ -115,20 +138,23 @@ def test_a_backend_created_after_a_backward_pass_says_how_to_fix_it():
     assert "Create af.backends.XLA() (or af.backends.auto()) before the first backward pass" in done.stderr
 
 
+def test_accelfn_launch_runs_one_xla_process(tmp_path):
+    """``accelfn launch --backend xla --nproc-per-node 1`` runs the script on the XLA backend."""
+    _launch.launch("--backend", "xla", "--nproc-per-node", "1", script="hello.py", script_args=("--out", tmp_path),
+                   env=_launch.environment(PJRT_DEVICE="CPU"))
+    (record,) = _launch.read_ranks(tmp_path, 1)
+    assert (record["backend"], record["world_size"], record["sum_of_ranks_plus_one"]) == ("xla", 1, 1.0)
+
+
 @pytest.mark.multiprocess
 def test_two_xla_processes_on_pjrt_cpu_stop_with_a_launch_error(tmp_path):
-    """Two processes launched for the XLA backend on PJRT's CPU device, whose runtime makes
-    each process its own world, both stop with a LaunchError that explains it."""
-    script = tmp_path / "train.py"
-    script.write_text("import accelfn as af\naf.backends.auto()\nprint('trained')\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29631",
-         str(script)],
-        env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), "ACCELFN_BACKEND": "xla"},
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert done.returncode != 0 and "trained" not in done.stdout
-    output = done.stdout + done.stderr
+    """``accelfn launch --backend xla`` of two processes on PJRT's CPU device, whose runtime
+    makes each process its own world, stops both with a LaunchError that explains it."""
+    result = _launch.launch("--backend", "xla", "--nproc-per-node", "2", "--timeout-s", "60", script="hello.py",
+                            script_args=("--out", tmp_path), env=_launch.environment(PJRT_DEVICE="CPU"),
+                            check=False)
+    assert result.returncode != 0 and not list(tmp_path.glob("rank*.json"))
+    output = result.stdout + result.stderr
     for rank in (0, 1):
         assert f"accelfn launched 2 XLA processes (this is rank {rank}), but the PJRT runtime sees a world of 1" in output
     assert "has no collectives across processes" in output
