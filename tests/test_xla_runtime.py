@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -45,6 +46,26 @@ def test_sharded_batches_arrive_on_the_device_in_the_cpu_backends_order(cpu, xla
     assert [last for _, last in got] == [False, False, False, True]
     for ((x, y), last), ((ex, ey), elast) in zip(as_cpu(got), expected):
         assert torch.equal(x, ex) and torch.equal(y, ey) and last == elast
+
+
+Pair = collections.namedtuple("Pair", "features label")
+
+
+def test_batches_keep_their_structure_through_the_loader(cpu, xla):
+    """Tuples, named tuples, dicts and non-tensor values in a batch arrive as the CPU backend
+    yields them, with every tensor on the XLA device."""
+    data = [{"pair": Pair(torch.full((2, 3), float(i)), torch.tensor([i, i])), "span": (torch.ones(2), i),
+             "name": f"b{i}"} for i in range(3)]
+    step = af.shard_data()(af.train_step(loss_fn))
+    expected = [batch for batch, _ in cpu.batches(data, step, 0)]
+    got = [batch for batch, _ in xla.batches(data, step, 0)]
+
+    for batch, wanted in zip(got, expected, strict=True):
+        assert type(batch["pair"]) is Pair and type(batch["span"]) is tuple
+        assert (batch["name"], batch["span"][1]) == (wanted["name"], wanted["span"][1])
+        for t, w in ((batch["pair"].features, wanted["pair"].features), (batch["pair"].label, wanted["pair"].label),
+                     (batch["span"][0], wanted["span"][0])):
+            assert t.device.type == "xla" and torch.equal(t.cpu(), w)
 
 
 class Stream(IterableDataset):

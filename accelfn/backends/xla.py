@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from accelfn._errors import LaunchError
 from accelfn._precision import Policy
+from accelfn._tree import map_tensors
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
 from accelfn.data import EpochBatches, epoch_batches
@@ -225,7 +226,12 @@ def _unchanged(batch: Any) -> Any:
 
 class _ParallelLoad:
     """Iterating yields ``host``'s batches on ``device``, copied ahead by torch_xla's
-    ``ParallelLoader`` (whose threads stop when the iteration ends or is abandoned)."""
+    ``ParallelLoader`` (whose threads stop when the iteration ends or is abandoned).
+
+    The loader copies each batch's tensors as a flat list next to an opaque skeleton of the
+    batch, which is refilled here: torch_xla's own traversal would turn tuples and named
+    tuples into lists.
+    """
 
     def __init__(self, host: EpochBatches, device: torch.device):
         self._host, self._device = host, device
@@ -233,22 +239,39 @@ class _ParallelLoad:
     def __iter__(self) -> Iterator[Any]:
         from torch_xla.distributed.parallel_loader import ParallelLoader
 
-        loader = ParallelLoader(_Batches(self._host), [self._device])
+        loader = ParallelLoader(_Flattened(self._host), [self._device])
         try:
-            yield from loader.per_device_loader(self._device)
+            for tensors, skeleton in loader.per_device_loader(self._device):
+                yield skeleton.refill(tensors, self._device)
         finally:
             loader.close()
 
 
-class _Batches:
-    """The batches of an ``EpochBatches``, without their ``is_last`` flags."""
+class _Skeleton:
+    """A host batch that torch_xla leaves alone (no ``__dict__``, not a container)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any):
+        self.batch = batch
+
+    def refill(self, tensors: list[torch.Tensor], device: torch.device) -> Any:
+        """The batch with its tensors, in traversal order, replaced by ``tensors`` on ``device``."""
+        moved = iter(tensors)
+        return map_tensors(lambda _: next(moved).to(device), self.batch)
+
+
+class _Flattened:
+    """The batches of an ``EpochBatches`` as ``[tensors, skeleton]``, without ``is_last``."""
 
     def __init__(self, pairs: EpochBatches):
         self._pairs = pairs
 
-    def __iter__(self) -> Iterator[Any]:
-        return (batch for batch, _ in self._pairs)
+    def __iter__(self) -> Iterator[list[Any]]:
+        for batch, _ in self._pairs:
+            tensors: list[torch.Tensor] = []
+            map_tensors(tensors.append, batch)
+            yield [tensors, _Skeleton(batch)]
 
     def __len__(self) -> int:
         return len(self._pairs)
-
