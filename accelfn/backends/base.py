@@ -279,7 +279,8 @@ class Backend(abc.ABC):
         return wrapper  # type: ignore[return-value]
 
 
-def _move_module(model: torch.nn.Module, device: torch.device, dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
+def _move_module(model: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
     """Moves ``model`` to ``device`` (and ``dtype``) in place; returns {id(old): new} for the
     parameters the move replaced.
 
