@@ -66,12 +66,14 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        with backend.inference_mode():
             for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
                 out = fn(model, backend.place(batch))
                 _check_leading(out, len(batch_keys))
                 keys.append(batch_keys)
                 outputs.append(map_tensors(lambda t: t.detach(), out))
+                if backend.graph_cut is not None:
+                    backend.graph_cut()
     finally:
         model.train(was_training)
     return _gather_in_order(backend, keys, outputs)
