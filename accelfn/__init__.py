@@ -2,6 +2,7 @@
 
 from accelfn import backends
 from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
+from accelfn.evaluate import evaluate
 from accelfn.loop import run
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
@@ -52,6 +53,7 @@ __all__ = [
     "clip",
     "clip_value",
     "compose",
+    "evaluate",
     "replicate",
     "run",
     "shard_data",
