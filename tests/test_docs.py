@@ -12,7 +12,8 @@ the way a reader would type them:
   ``python -m accelfn``); its standard output is captured. A non-zero exit fails the page.
 - ```` ```bash concurrent ````: each command (``\\``-continued lines joined; ``#`` lines are
   comments) is started at once and all must succeed: the two nodes of a multi-node example.
-  ``$NODE0_ADDR`` is 127.0.0.1 and the port ``29500`` becomes a free port.
+  In every bash block ``$NODE0_ADDR`` is 127.0.0.1 and the port ``29500`` becomes a free
+  port (shown on the page as ``29500``, so output blocks may name it).
 - ```` ```text output ````: the output of the block just before it, compared line by line
   (trailing spaces ignored; a line ``...`` stands for any lines, ``...`` inside a line for
   any text).
@@ -29,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import attrs
@@ -37,7 +39,7 @@ import pytest
 import _launch
 
 DOCS = _launch.ROOT / "docs"
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.DOTALL | re.MULTILINE)
+FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.DOTALL | re.MULTILINE)  # may be indented (in a list)
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -60,8 +62,9 @@ def blocks(page: Path) -> list[Block]:
     text = page.read_text(encoding="utf-8")
     found = []
     for match in FENCE.finditer(text):
-        language, *options = match.group(1).split()
-        found.append(Block(language, tuple(options), match.group(2), text.count("\n", 0, match.start()) + 1))
+        language, *options = match.group(2).split()
+        code = textwrap.dedent(match.group(3))
+        found.append(Block(language, tuple(options), code, text.count("\n", 0, match.start()) + 1))
     return found
 
 
@@ -91,20 +94,16 @@ def commands(code: str) -> list[str]:
 
 
 def run_bash(block: Block, cwd: Path, env: dict[str, str], where: str) -> str:
-    if block.option("concurrent"):
-        port = str(_launch.free_port())
-        procs = [subprocess.Popen(["bash", "-euo", "pipefail", "-c", command.replace("29500", port)], cwd=cwd,
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for command in commands(block.code)]
-        results = [_launch.finish(proc, timeout_s=LAUNCH_TIMEOUT_S) for proc in procs]
-    else:
-        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        results = [_launch.finish(proc, timeout_s=LAUNCH_TIMEOUT_S)]
+    port = str(_launch.free_port())
+    scripts = commands(block.code) if block.option("concurrent") else [block.code]
+    procs = [subprocess.Popen(["bash", "-euo", "pipefail", "-c", script.replace("29500", port)], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for script in scripts]
+    results = [_launch.finish(proc, timeout_s=LAUNCH_TIMEOUT_S) for proc in procs]
     for result in results:
         assert result.returncode == 0, (f"{where}: bash block exited {result.returncode}\n{block.code}\n"
                                         f"--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-6000:]}")
-    return "".join(result.stdout for result in results)
+    return "".join(result.stdout for result in results).replace(port, "29500")
 
 
 def run_python(block: Block, namespace: dict, where: str) -> str:
