@@ -10,8 +10,10 @@ all-reduce per optimizer update; accelfn runs ``compose(replicate(), accumulate(
 ``af.run``, which does the same. Each rank reads its own in-memory batches; the processes
 use one thread each.
 
-Rounds are interleaved as in ``overhead.py`` (rotating order, first update of a round
-untimed, timing from inside the data iterator). A round's time is the slower rank's, since
+Rounds are interleaved as in ``overhead.py`` (rotating order, timing from inside the data
+iterator). The first two updates of a round are untimed: accelfn's ``run`` wraps the model
+in a new DDP each time it is called (once per round here, once per job in real use), and
+DDP rebuilds its gradient buckets after its first synchronized backward. A round's time is the slower rank's, since
 a synchronous job moves at the pace of its slowest process. The primary clock is CPU time
 (``time.process_time``, which includes gloo's communication threads but not time spent
 waiting); elapsed-time ratios are printed too.
@@ -38,6 +40,7 @@ from overhead import Batch, Timed, make_batches, mlp, optimizer, print_table, su
 WIDTHS = (128, 512, 512, 10)
 BATCH_SIZE = 16
 ACCUMULATE = 4
+WARMUP_UPDATES = 2  # untimed per round: DDP rebuilds its buckets after its first synced backward
 
 
 def loss_fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -81,17 +84,17 @@ def worker(rounds: int, updates: int) -> None:
     torch.set_num_threads(1)
     backend = af.backends.CPU()  # joins the gloo group torchrun describes
     rank = backend.rank
-    batches = make_batches(WIDTHS, BATCH_SIZE, (updates + 1) * ACCUMULATE, seed=1 + rank)
+    batches = make_batches(WIDTHS, BATCH_SIZE, (updates + WARMUP_UPDATES) * ACCUMULATE, seed=1 + rank)
     runners = {"raw": raw_ddp(), "accelfn": accelfn(backend)}
     names = list(runners)
     for fn in runners.values():
-        fn(Timed(batches, ACCUMULATE))
+        fn(Timed(batches, WARMUP_UPDATES * ACCUMULATE))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             gc.collect()
             dist.barrier()
-            timed = Timed(batches, ACCUMULATE)
+            timed = Timed(batches, WARMUP_UPDATES * ACCUMULATE)
             runners[name](timed)
             times[name].append((timed.cpu_s / updates, timed.wall_s / updates))
     everyone = backend.gather_object(times)
