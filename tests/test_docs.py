@@ -18,6 +18,10 @@ the way a reader would type them:
   (trailing spaces ignored; a line ``...`` stands for any lines, ``...`` inside a line for
   any text).
 - Any other fence (``text``, ``yaml`` without ``file=``) is prose, not code.
+- ``requires=cuda`` on a block: it runs only where torch sees a GPU; elsewhere the page's
+  other blocks run and the test then reports the page as skipped, naming the blocks. (The
+  pages avoid such blocks: a script with ``af.backends.auto()`` is the same on a GPU, so
+  the CUDA specifics are prose.)
 
 Pages that launch processes are marked ``multiprocess``.
 """
@@ -35,12 +39,14 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
 import _launch
 
 DOCS = _launch.ROOT / "docs"
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.DOTALL | re.MULTILINE)  # may be indented (in a list)
 LAUNCH_TIMEOUT_S = 240
+_NOT_RUN = "<a block that needs a GPU, not run here>"
 
 
 @attrs.frozen
@@ -139,10 +145,14 @@ def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: P
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     last_output: str | None = None
     ran = 0
+    needs_gpu = []
     for block in blocks(page):
         where = f"{page.relative_to(_launch.ROOT)}:{block.line}"
         target = block.option("file")
-        if target is not None:
+        if block.option("requires") == "cuda" and not torch.cuda.is_available():
+            needs_gpu.append(where)
+            last_output = _NOT_RUN
+        elif target is not None:
             (tmp_path / target).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / target).write_text(block.code)
             last_output = None
@@ -152,9 +162,11 @@ def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: P
         elif block.language == "bash":
             last_output = run_bash(block, tmp_path, env, where)
             ran += 1
-        elif block.option("output"):
+        elif block.option("output") and last_output is not _NOT_RUN:
             assert last_output is not None, f"{where}: an output block must follow a python or bash block"
             assert matches(block.code, last_output), (
                 f"{where}: the page shows\n{block.code}\nbut the code printed\n{last_output}")
             last_output = None
     assert ran, f"{page.name} has no code block to run"
+    if needs_gpu:
+        pytest.skip(f"needs a CUDA GPU, not run here: {', '.join(needs_gpu)} (all other blocks passed)")
