@@ -2,6 +2,8 @@
 
 from accelfn import backends
 from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
+from accelfn._snapshot import Snapshot, restore, snapshot
+from accelfn.checkpoint import Checkpoints, load, save
 from accelfn.loop import run
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
@@ -31,6 +33,7 @@ __all__ = [
     "JSONL",
     "Accumulate",
     "CheckpointError",
+    "Checkpoints",
     "Clip",
     "ClipValue",
     "LaunchError",
@@ -39,6 +42,7 @@ __all__ = [
     "Replicate",
     "ShardData",
     "SkipNonfinite",
+    "Snapshot",
     "Step",
     "TensorBoard",
     "Tracker",
@@ -52,10 +56,14 @@ __all__ = [
     "clip",
     "clip_value",
     "compose",
+    "load",
     "replicate",
+    "restore",
     "run",
+    "save",
     "shard_data",
     "skip_nonfinite",
+    "snapshot",
     "train_step",
     "with_precision",
 ]
