@@ -4,6 +4,7 @@ from accelfn import backends
 from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn._snapshot import Snapshot, restore, snapshot
 from accelfn.checkpoint import Checkpoints, load, save
+from accelfn.evaluate import evaluate
 from accelfn.loop import run
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
@@ -56,6 +57,7 @@ __all__ = [
     "clip",
     "clip_value",
     "compose",
+    "evaluate",
     "load",
     "replicate",
     "restore",

@@ -98,7 +98,8 @@ def _shuffles(loader: DataLoader) -> bool:
 
 
 def _rebuild(loader: DataLoader, *, dataset: Any = None, sampler: Sampler | None = None,
-             generator: torch.Generator | None = None) -> DataLoader:
+             generator: torch.Generator | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
+             drop_last: bool | None = None) -> DataLoader:
     """The same DataLoader (batch size, collate, workers, pinning) over a new sampler/dataset."""
     workers = loader.num_workers
     return DataLoader(
@@ -106,9 +107,9 @@ def _rebuild(loader: DataLoader, *, dataset: Any = None, sampler: Sampler | None
         batch_size=loader.batch_size,
         sampler=sampler,
         num_workers=workers,
-        collate_fn=loader.collate_fn,
+        collate_fn=loader.collate_fn if collate_fn is None else collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
+        drop_last=loader.drop_last if drop_last is None else drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context if workers else None,
@@ -265,6 +266,84 @@ def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]
         elif first is _NOTHING:
             first = batch
         yield batch
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """``dataset[i]`` as ``(i, dataset[i])``: each sample carries its dataset index."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _Enumerated:
+    """``(position, item)`` pairs of an iterable, from the start at each ``iter`` (as a dataset)."""
+
+    def __init__(self, dataset: Iterable[Any]):
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return enumerate(self.dataset)
+
+
+class _KeyedCollate:
+    """Collates ``(key, sample)`` pairs into ``(keys, collate(samples))``; picklable for workers."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]):
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
+        keys = torch.tensor([k for k, _ in items], dtype=torch.int64)
+        return keys, self.collate_fn([x for _, x in items])
+
+
+def keyed_batches(data: Iterable[Any], *, rank: int, world_size: int) -> Iterable[tuple[torch.Tensor, Any]]:
+    """This rank's part of ``data`` for evaluation, each batch with the keys of its samples.
+
+    Every sample goes to exactly one rank (nothing is padded: ranks may differ by a batch),
+    and sorting all ranks' keys puts the samples back in the order of ``data``. A key is
+    the dataset index (map-style DataLoader), the position in the stream (DataLoader over
+    an IterableDataset, split over ranks x workers), or ``batch_number * 2**32 + position``
+    (any other iterable of batches, split over ranks batch by batch).
+
+    Args:
+        data: a DataLoader built with ``batch_size=...``, or an iterable of batches.
+        rank, world_size: this process's place in the world.
+
+    Returns:
+        Iterable of ``(keys, batch)``: ``keys`` an int64 tensor of shape ``(batch,)``.
+
+    Raises:
+        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler).
+    """
+    if isinstance(data, DataLoader):
+        if data.batch_size is None:
+            raise ValueError(
+                "evaluate() needs a DataLoader built with batch_size=...; one with a custom "
+                "batch_sampler cannot be split by samples"
+            )
+        collate = _KeyedCollate(data.collate_fn)
+        if _is_map_style(data):
+            indices = shard_indices(len(data.dataset), rank=rank, world_size=world_size,  # type: ignore[arg-type]
+                                    shuffle=False, seed=0, epoch=0, even_batches=False)
+            return _rebuild(data, dataset=_Keyed(data.dataset), sampler=_IndexSampler(indices),
+                            collate_fn=collate, drop_last=False)
+        keyed = ShardedIterable(_Enumerated(data.dataset), rank=rank, world_size=world_size)
+        return _rebuild(data, dataset=keyed, collate_fn=collate, drop_last=False)
+    return _keyed_stream(data, rank=rank, world_size=world_size)
+
+
+def _keyed_stream(data: Iterable[Any], *, rank: int, world_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
+    from accelfn._tree import num_samples
+
+    for number, batch in itertools.islice(enumerate(data), rank, None, world_size):
+        size = num_samples(batch)
+        yield torch.arange(size, dtype=torch.int64) + number * 2**32, batch
 
 
 def place_on(device: torch.device) -> Callable[[Any], Any]:

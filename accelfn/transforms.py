@@ -16,8 +16,6 @@ backend interprets them.
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Union
 
@@ -26,81 +24,22 @@ import toolz
 
 from accelfn._errors import TransformError
 from accelfn._precision import DynamicScaling, LossScale, Policy, SkipCount, parse_policy
+from accelfn._transform_base import (
+    Phase,
+    boolean,
+    count_at_least_one,
+    finite_positive,
+    non_negative_int,
+    TransformBase,
+)
 
 if TYPE_CHECKING:
     from accelfn.state import TrainState
     from accelfn.step import Step
 
 
-class Phase(enum.IntEnum):
-    """Where in the step a transform acts; ``Step.transforms`` is sorted by it."""
-
-    DATA = 0
-    MODEL = 1
-    FORWARD = 2
-    BACKWARD = 3
-    GRADIENT = 4
-    UPDATE = 5
-
-
-class _Transform:
-    """Shared behaviour: a transform applied to a Step returns a new Step that holds it."""
-
-    phase: ClassVar[Phase]
-    # Transforms of the same kind cannot be applied twice (clip and clip_value share one).
-    kind: ClassVar[str]
-
-    def __call__(self, step: Step) -> Step:
-        from accelfn.step import Step  # step.py imports this module for the Transform union
-
-        if not isinstance(step, Step):
-            raise TypeError(
-                f"{self!r} transforms a Step, got {type(step).__name__}; "
-                "build one with af.train_step(loss_fn)"
-            )
-        return step.with_transform(self)  # type: ignore[arg-type]
-
-    def init(self, state: TrainState) -> TrainState:
-        """Adds this transform's entry to ``state.transforms_state``, keeping one already there."""
-        return state
-
-    def conflicts_with(self, other: Transform) -> str | None:
-        """Why ``self`` and ``other`` cannot be composed, or None."""
-        return None
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
-def _bool(instance: object, attribute: attrs.Attribute, value: bool) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be True or False, got {value!r}")
-
-
-def _verb(instance: object) -> str:
-    return _VERBS.get(type(instance), type(instance).__name__)
-
-
-def _finite_positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{_verb(instance)}({attribute.name}=...) must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{_verb(instance)}({attribute.name}={value!r}): must be a finite number > 0")
-
-
-def _count_at_least_one(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_verb(instance)}({attribute.name}=...) must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{_verb(instance)}({attribute.name}={value!r}): must be >= 1")
-
-
 @attrs.frozen
-class ShardData(_Transform):
+class ShardData(TransformBase):
     """Each process reads its own shard of every epoch (``torch.utils.data.DistributedSampler``).
 
     Attributes:
@@ -114,10 +53,11 @@ class ShardData(_Transform):
 
     phase: ClassVar[Phase] = Phase.DATA
     kind: ClassVar[str] = "shard_data"
+    verb: ClassVar[str] = "shard_data"
 
-    seed: int = attrs.field(default=0, validator=_non_negative_int)
-    drop_last: bool = attrs.field(default=False, validator=_bool)
-    even_batches: bool = attrs.field(default=True, validator=_bool)
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+    drop_last: bool = attrs.field(default=False, validator=boolean)
+    even_batches: bool = attrs.field(default=True, validator=boolean)
 
     def conflicts_with(self, other: Transform) -> str | None:
         if isinstance(other, Replicate) and not self.even_batches and not self.drop_last:
@@ -130,7 +70,7 @@ class ShardData(_Transform):
 
 
 @attrs.frozen
-class Replicate(_Transform):
+class Replicate(TransformBase):
     """Data parallel: the model is replicated and gradients are all-reduced (averaged).
 
     On CPU and CUDA this is ``torch.nn.parallel.DistributedDataParallel``, whose options
@@ -146,11 +86,12 @@ class Replicate(_Transform):
 
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "replicate"
+    verb: ClassVar[str] = "replicate"
 
     bucket_cap_mb: float = attrs.field(default=25.0)
-    find_unused_parameters: bool = attrs.field(default=False, validator=_bool)
-    static_graph: bool = attrs.field(default=False, validator=_bool)
-    gradient_as_bucket_view: bool = attrs.field(default=False, validator=_bool)
+    find_unused_parameters: bool = attrs.field(default=False, validator=boolean)
+    static_graph: bool = attrs.field(default=False, validator=boolean)
+    gradient_as_bucket_view: bool = attrs.field(default=False, validator=boolean)
 
     @bucket_cap_mb.validator
     def _check_bucket(self, attribute: attrs.Attribute, value: float) -> None:
@@ -159,7 +100,7 @@ class Replicate(_Transform):
 
 
 @attrs.frozen
-class WithPrecision(_Transform):
+class WithPrecision(TransformBase):
     """Mixed or low precision: autocast, low-precision parameters, dynamic loss scaling.
 
     Attributes:
@@ -168,6 +109,7 @@ class WithPrecision(_Transform):
 
     phase: ClassVar[Phase] = Phase.FORWARD
     kind: ClassVar[str] = "with_precision"
+    verb: ClassVar[str] = "with_precision"
 
     policy: Policy
 
@@ -189,7 +131,7 @@ class WithPrecision(_Transform):
 
 
 @attrs.frozen
-class Accumulate(_Transform):
+class Accumulate(TransformBase):
     """Accumulate gradients over ``num_micro_batches`` micro-batches per optimizer update.
 
     The window's gradient is the mean over its samples (or over the counted items of an
@@ -199,12 +141,13 @@ class Accumulate(_Transform):
 
     phase: ClassVar[Phase] = Phase.BACKWARD
     kind: ClassVar[str] = "accumulate"
+    verb: ClassVar[str] = "accumulate"
 
-    num_micro_batches: int = attrs.field(validator=_count_at_least_one)
+    num_micro_batches: int = attrs.field(validator=count_at_least_one)
 
 
 @attrs.frozen
-class Clip(_Transform):
+class Clip(TransformBase):
     """Clip the global gradient norm over all parameter groups to ``max_norm``.
 
     ``torch.nn.utils.clip_grad_norm_`` on unscaled, all-reduced gradients, once per update;
@@ -217,8 +160,9 @@ class Clip(_Transform):
 
     phase: ClassVar[Phase] = Phase.GRADIENT
     kind: ClassVar[str] = "clip"
+    verb: ClassVar[str] = "clip"
 
-    max_norm: float = attrs.field(converter=float, validator=_finite_positive)
+    max_norm: float = attrs.field(converter=float, validator=finite_positive)
     norm_type: float = attrs.field(default=2.0, converter=float)
 
     @norm_type.validator
@@ -228,17 +172,18 @@ class Clip(_Transform):
 
 
 @attrs.frozen
-class ClipValue(_Transform):
+class ClipValue(TransformBase):
     """Clamp every gradient element to ``[-max_value, max_value]`` (``clip_grad_value_``)."""
 
     phase: ClassVar[Phase] = Phase.GRADIENT
     kind: ClassVar[str] = "clip"
+    verb: ClassVar[str] = "clip_value"
 
-    max_value: float = attrs.field(converter=float, validator=_finite_positive)
+    max_value: float = attrs.field(converter=float, validator=finite_positive)
 
 
 @attrs.frozen
-class SkipNonfinite(_Transform):
+class SkipNonfinite(TransformBase):
     """Skip optimizer updates whose gradients hold inf or NaN (optax's ``apply_if_finite``).
 
     A skipped update leaves parameters, optimizer state, scheduler and ``state.step``
@@ -249,16 +194,14 @@ class SkipNonfinite(_Transform):
 
     phase: ClassVar[Phase] = Phase.UPDATE
     kind: ClassVar[str] = "skip_nonfinite"
+    verb: ClassVar[str] = "skip_nonfinite"
 
-    max_consecutive_skips: int = attrs.field(default=50, validator=_count_at_least_one)
+    max_consecutive_skips: int = attrs.field(default=50, validator=count_at_least_one)
 
     def init(self, state: TrainState) -> TrainState:
         if "skips" in state.transforms_state:
             return state
         return state.with_transform_state(skips=SkipCount())
-
-
-_VERBS: dict[type, str] = {}  # filled below: record type -> the verb users call
 
 
 def _require_number(fn: str, name: str, value: object) -> None:
@@ -313,7 +256,7 @@ def replicate(
 
 
 def with_precision(
-    policy: str = "bf16",
+    policy: str,
     *,
     init_scale: float | None = None,
     growth_factor: float | None = None,
@@ -438,11 +381,6 @@ def compose(*transforms: Transform) -> Callable[[Step], Step]:
             raise TypeError(f"compose() takes transforms, got {t!r}{hint}")
     return toolz.compose(*transforms)
 
-
-_VERBS.update({
-    ShardData: "shard_data", Replicate: "replicate", WithPrecision: "with_precision",
-    Accumulate: "accumulate", Clip: "clip", ClipValue: "clip_value", SkipNonfinite: "skip_nonfinite",
-})
 
 
 def check_composition(existing: tuple[Transform, ...], new: Transform) -> None:

@@ -21,7 +21,8 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     the others fail with an error instead of waiting forever.
 
     Raises:
-        LaunchError: a group already exists with another world size or rank.
+        LaunchError: a group already exists with another world size or rank, or the other
+            ranks did not all arrive at ``MASTER_ADDR:MASTER_PORT`` within ``env.timeout_s``.
     """
     if env.world_size == 1:
         return
@@ -32,14 +33,22 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
                 f"rank {dist.get_rank()}, but the launch environment says {env.world_size} and {env.rank}"
             )
         return
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=env.timeout_s),
-        device_id=device if device is not None and device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=env.timeout_s),
+            device_id=device if device is not None and device.type == "cuda" else None,
+        )
+    except dist.DistError as e:
+        raise LaunchError(
+            f"rank {env.rank} of WORLD_SIZE={env.world_size} could not form the {backend} process "
+            f"group at {env.master_addr}:{env.master_port} within {env.timeout_s:g} s ({e}); start "
+            "all ranks together with `accelfn launch`, and check that MASTER_ADDR is reachable "
+            "from every node"
+        ) from e
     atexit.register(_destroy)
 
 

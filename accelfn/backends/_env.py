@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import attrs
 
 from accelfn._errors import LaunchError
+from accelfn._precision import POLICY_NAMES
 
 DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
@@ -49,9 +50,11 @@ class LaunchEnv:
         """Reads and checks the launch variables.
 
         Raises:
-            LaunchError: a variable that is not a number, a rank outside the world, or a
-                multi-process world without ``MASTER_ADDR``/``MASTER_PORT``; the message
-                names the variable and how the process should be started.
+            LaunchError: a variable that is not a number, ``RANK`` without ``WORLD_SIZE``
+                (or the reverse), a rank outside the world, a multi-process world without
+                ``MASTER_ADDR``/``MASTER_PORT``, an unknown backend or precision name, or a
+                timeout that is not > 0; the message names the variable and how the process
+                should be started.
         """
         env = os.environ if environ is None else environ
         given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
@@ -69,7 +72,9 @@ class LaunchEnv:
             raise LaunchError(f"WORLD_SIZE={world_size} must be >= 1")
         if not 0 <= rank < world_size:
             raise LaunchError(f"RANK={rank} is outside the world of WORLD_SIZE={world_size} (0..{world_size - 1})")
-        if not 0 <= local_rank < max(local_world_size, 1):
+        if not 1 <= local_world_size <= world_size:
+            raise LaunchError(f"LOCAL_WORLD_SIZE={local_world_size} must be in 1..WORLD_SIZE={world_size}")
+        if not 0 <= local_rank < local_world_size:
             raise LaunchError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
         addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if world_size > 1 and (not addr or not port):
@@ -80,11 +85,16 @@ class LaunchEnv:
         backend = env.get("ACCELFN_BACKEND") or None
         if backend is not None and backend not in BACKEND_NAMES:
             raise LaunchError(f"ACCELFN_BACKEND={backend!r}: accepted values are {', '.join(BACKEND_NAMES)}")
+        precision = env.get("ACCELFN_PRECISION") or None
+        if precision is not None and precision not in POLICY_NAMES:
+            raise LaunchError(f"ACCELFN_PRECISION={precision!r}: accepted values are {', '.join(POLICY_NAMES)}")
+        timeout_s = _float(env, "ACCELFN_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+        if not timeout_s > 0:
+            raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a number of seconds > 0")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
-            backend=backend, precision=env.get("ACCELFN_PRECISION") or None,
-            timeout_s=float(_int(env, "ACCELFN_TIMEOUT_S", int(DEFAULT_TIMEOUT_S))),
+            backend=backend, precision=precision, timeout_s=timeout_s,
         )
 
 
@@ -96,3 +106,13 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise LaunchError(f"{name}={value!r} is not an integer") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise LaunchError(f"{name}={value!r} is not a number") from None

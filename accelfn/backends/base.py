@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import functools
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -98,6 +99,10 @@ class Backend(abc.ABC):
         """Sum of ``tensor`` over all ranks (used for the item counts of ``af.Loss``)."""
         return collectives.reduce(tensor, "sum")
 
+    def inference_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The context ``evaluate`` runs the model in (``torch.inference_mode``)."""
+        return torch.inference_mode()
+
     # -- the generic part ----------------------------------------------------------------
 
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:
@@ -151,9 +156,8 @@ class Backend(abc.ABC):
 
     def _place_state(self, state: TrainState, policy: Policy) -> None:
         model, optimizer = state.model, state.optimizer
-        model.to(self.device)
-        if policy.param_dtype != torch.float32:
-            model.to(policy.param_dtype)
+        dtype = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        _rebind_optimizer(optimizer, _move_module(model, self.device, dtype))
         if optimizer.state:  # re-cast existing moments to the parameters' device and dtype
             optimizer.load_state_dict(optimizer.state_dict())
 
@@ -273,3 +277,32 @@ class Backend(abc.ABC):
             return fn(*args, **kwargs) if condition else None
 
         return wrapper  # type: ignore[return-value]
+
+
+def _move_module(model: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
+    """Moves ``model`` to ``device`` (and ``dtype``) in place; returns {id(old): new} for the
+    parameters the move replaced.
+
+    ``Module.to`` keeps each Parameter object when the new tensor can share its type (CPU to
+    CUDA) but makes new ones otherwise (CPU to XLA); tied parameters are then tied again.
+    """
+    owners = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module, name, old in owners:
+        new = module._parameters[name]
+        if new is not old:
+            module._parameters[name] = moved.setdefault(id(old), new)  # type: ignore[assignment]
+    return moved
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
+    """Points ``optimizer``'s param groups and state at the parameters that replaced theirs."""
+    if not moved:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    optimizer.state = defaultdict(dict, {moved.get(id(p), p): v for p, v in optimizer.state.items()})

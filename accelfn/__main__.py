@@ -1,0 +1,5 @@
+"""``python -m accelfn launch | config | env``: the same as the ``accelfn`` command."""
+
+from accelfn.cli import main
+
+raise SystemExit(main())

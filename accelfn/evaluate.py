@@ -1,0 +1,127 @@
+"""``evaluate``: a function of the model over the whole dataset, split over ranks, in order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from accelfn._tree import map_tensors
+from accelfn.backends.base import Backend
+from accelfn.data import keyed_batches
+from accelfn.state import TrainState
+
+Outputs = Any  # a tensor, or a tuple/list/dict of tensors, each of shape (batch, ...)
+
+
+def evaluate(
+    fn: Callable[[torch.nn.Module, Any], Outputs],
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    backend: Backend,
+) -> Outputs:
+    """``fn(model, batch)`` over all of ``data``, each sample once, in dataset order, on every rank.
+
+    Each rank runs ``fn`` on its own part of ``data`` in inference mode with the model in
+    eval mode (its training mode is restored afterwards); the outputs are then gathered and
+    put back in the order of ``data``. Nothing is padded, so no sample is counted twice.
+
+    Args:
+        fn: ``fn(model, batch)`` returning a tensor of shape ``(batch, ...)``, or a
+            tuple/list/dict of such tensors; ``batch`` is on ``backend.device``.
+        state: the state whose (unwrapped) model is evaluated.
+        data: a DataLoader built with ``batch_size=...`` (map-style: samples in index order;
+            an IterableDataset: in stream order), or any iterable of batches (in batch order).
+        backend: the backend, e.g. ``af.backends.auto()``.
+
+    Returns:
+        The outputs for every sample of ``data``, same structure as ``fn``'s, each tensor of
+        shape ``(num_samples, ...)``, identical on every rank, on the backend's collective
+        device (CPU for gloo, the rank's GPU for NCCL).
+
+    Raises:
+        TypeError: ``fn`` is not callable, ``state`` is not a TrainState, or ``fn`` returned
+            something other than tensors.
+        ValueError: an output whose leading dimension is not the batch size, or ``data``
+            without any sample; a DataLoader without ``batch_size``.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> model = torch.nn.Linear(3, 2)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> data = torch.utils.data.DataLoader(torch.randn(9, 3), batch_size=5)
+        >>> af.evaluate(lambda m, x: m(x), state, data, backend=af.backends.CPU()).shape
+        torch.Size([9, 2])
+    """
+    if not callable(fn):
+        raise TypeError(f"evaluate(fn, ...) needs a callable fn(model, batch), got {type(fn).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"evaluate() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"evaluate(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
+    model = state.model
+    keys, outputs = [], []
+    was_training = model.training
+    model.eval()
+    try:
+        with backend.inference_mode():
+            for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
+                out = fn(model, backend.place(batch))
+                _check_leading(out, len(batch_keys))
+                keys.append(batch_keys)
+                outputs.append(map_tensors(lambda t: t.detach(), out))
+                if backend.graph_cut is not None:
+                    backend.graph_cut()
+    finally:
+        model.train(was_training)
+    return _gather_in_order(backend, keys, outputs)
+
+
+def _check_leading(out: Any, batch: int, where: str = "output") -> None:
+    if isinstance(out, torch.Tensor):
+        if out.ndim == 0 or out.shape[0] != batch:
+            raise ValueError(
+                f"evaluate(): fn's {where} has shape {tuple(out.shape)}, but its leading dimension "
+                f"must be the batch size {batch} (one row per sample); return per-sample values, "
+                "not a reduced metric"
+            )
+    elif isinstance(out, (tuple, list)):
+        for i, x in enumerate(out):
+            _check_leading(x, batch, f"{where}[{i}]")
+    elif isinstance(out, Mapping):
+        for k, x in out.items():
+            _check_leading(x, batch, f"{where}[{k!r}]")
+    else:
+        raise TypeError(
+            f"evaluate(): fn's {where} is a {type(out).__name__}; fn must return a tensor or a "
+            "tuple/list/dict of tensors"
+        )
+
+
+def _concat(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]
+    items = [_concat([p[i] for p in parts]) for i in range(len(first))]
+    return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+
+
+def _gather_in_order(backend: Backend, keys: list[torch.Tensor], outputs: list[Any]) -> Any:
+    local = _concat(outputs) if outputs else None
+    # A rank without samples (fewer samples than ranks) has no outputs to gather: it takes
+    # empty ones shaped like another rank's. Every rank takes part in the same collectives.
+    (all_have,) = backend.reduce(torch.tensor([0 if local is None else 1]), "min").tolist()
+    if not all_have:
+        templates = backend.gather_object(None if local is None else map_tensors(lambda t: t[:0].cpu(), local))
+        template = next((t for t in templates if t is not None), None)
+        if template is None:
+            raise ValueError("evaluate(): data holds no samples on any rank")
+        if local is None:
+            local = map_tensors(lambda t: t.to(backend.device), template)
+    local_keys = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
+    order = torch.argsort(backend.gather(local_keys))
+    return map_tensors(lambda t: backend.gather(t)[order], local)

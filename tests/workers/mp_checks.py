@@ -1,0 +1,171 @@
+"""Worker for tests/test_multiprocess.py: one launch of 2 processes runs every check.
+
+Usage: accelfn launch --nproc-per-node 2 mp_checks.py --out DIR
+Each rank writes DIR/rank{r}.json (indices, counts, metadata) and DIR/rank{r}.safetensors
+(parameters and outputs); the test compares them with single-process references.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.utils.data import DataLoader
+
+import _programs as P
+import accelfn as af
+
+
+class CountingCPU(af.backends.CPU):
+    """The CPU backend with a DDP communication hook that counts gradient all-reduces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allreduces = 0
+
+    def wrap_model(self, model: torch.nn.Module, replicate: af.Replicate) -> torch.nn.Module:
+        wrapped = super().wrap_model(model, replicate)
+
+        def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations, or none
+            self.allreduces += 1
+            return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+        wrapped.register_comm_hook(None, counting_hook)
+        return wrapped
+
+
+def train_cases(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
+    """Acceptance 1: every case of TRAIN_CASES with per-rank batch PER_RANK_BATCH."""
+    for name in P.TRAIN_CASES:
+        state = P.train_case(name, backend, P.PER_RANK_BATCH)
+        tensors.update(P.parameters(state, f"train.{name}."))
+
+
+def shard_orders(backend: af.backends.Backend, results: dict[str, Any]) -> None:
+    """Acceptance 2: the indices each rank reads per epoch and seed, read twice."""
+    loader = DataLoader(P.IndexDataset(P.NUM_SAMPLES), batch_size=P.PER_RANK_BATCH, shuffle=True)
+    orders: dict[str, list[int]] = {}
+    for seed in (P.SHARD_SEED, P.SHARD_SEED + 10):
+        step = af.shard_data(seed=seed)(af.train_step(P.mse))
+        for epoch in (0, 1):
+            for attempt in (0, 1):
+                seen = [int(i) for (_, index), _ in backend.batches(loader, step, epoch) for i in index]
+                orders[f"seed{seed}.epoch{epoch}.read{attempt}"] = seen
+    results["orders"] = orders
+
+    stream = DataLoader(P.CountingStream(22), batch_size=3, num_workers=2)
+    step = af.shard_data()(af.train_step(P.mse))
+    results["stream_items"] = [int(i) for batch, _ in backend.batches(stream, step, 0) for i in batch]
+
+
+def uneven(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Acceptance 3: 5 samples on 2 ranks, batch 1, map-style and streamed; gather_for_metrics."""
+    step = af.compose(af.shard_data(seed=1), af.replicate())(af.train_step(P.mse))
+    data = P.regression_data(5)
+    state = af.run(step, P.make_state(), DataLoader(data, batch_size=1, shuffle=True), backend=backend,
+                   epochs=2, progress=False)
+    results["uneven_map_steps"] = state.step
+    tensors.update(P.parameters(state, "uneven.map."))
+
+    stream = DataLoader(_Samples(data), batch_size=1)  # ranks read 3 and 2 batches: even_out pads
+    state = af.run(step, P.make_state(), stream, backend=backend, epochs=2, progress=False)
+    results["uneven_stream_steps"] = state.step
+    tensors.update(P.parameters(state, "uneven.stream."))
+
+    loader = DataLoader(P.IndexDataset(5), batch_size=1)
+    index_step = af.shard_data()(af.train_step(P.mse))
+    gathered = [backend.gather_for_metrics(index) for (_, index), _ in backend.batches(loader, index_step, 0)]
+    results["uneven_gathered"] = torch.cat(gathered).tolist()
+
+
+class _Samples(torch.utils.data.IterableDataset):
+    """A map-style dataset's samples as a stream (no length)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        return (self.dataset[i] for i in range(len(self.dataset)))
+
+
+def collectives_and_evaluate(backend: af.backends.Backend, results: dict[str, Any],
+                             tensors: dict[str, torch.Tensor]) -> None:
+    """Acceptance 4: gather of lengths 2 and 3; evaluate on 9 samples, batch 5."""
+    r = backend.rank
+    mine = torch.stack([torch.arange(2 + r, dtype=torch.float32) + 10 * r, torch.full((2 + r,), float(r))], dim=1)
+    tensors["gather"] = backend.gather(mine)
+    results["reduce_sum"] = backend.reduce(torch.tensor([1.0 + r]), "sum").item()
+    results["reduce_mean"] = backend.reduce(torch.tensor([1.0 + r]), "mean").item()
+    results["broadcast"] = backend.broadcast(torch.tensor([5.0 + r]), src=1).item()
+    results["gather_object"] = backend.gather_object({"rank": r})
+
+    state = P.make_state(seed=7)
+    loader = DataLoader(P.IndexDataset(9), batch_size=5)
+    outputs = af.evaluate(P.eval_outputs, state, loader, backend=backend)
+    tensors["evaluate.prediction"] = outputs["prediction"]
+    tensors["evaluate.index"] = outputs["index"]
+    results["evaluate_local_batches"] = len(list(af.data.keyed_batches(loader, rank=r, world_size=2)))
+    one = af.evaluate(P.eval_outputs, state, DataLoader(P.IndexDataset(1), batch_size=5), backend=backend)
+    tensors["evaluate_one.prediction"] = one["prediction"]  # rank 1 has no sample at all
+
+
+def count_allreduces(results: dict[str, Any]) -> None:
+    """Acceptance 5: one gradient all-reduce per optimizer update under accumulate(3)."""
+    backend = CountingCPU()
+    step = af.compose(af.shard_data(), af.replicate(), af.accumulate(3))(af.train_step(P.mse))
+    state, step_fn = backend.prepare(step, P.make_state())
+    loader = DataLoader(P.regression_data(16), batch_size=1)  # 8 micro-batches per rank: windows 3, 3, 2
+    per_micro_batch = []
+    for epoch in (0, 1):
+        for batch, last in backend.batches(loader, step, epoch):
+            before = backend.allreduces
+            state, metrics = step_fn(state, batch, flush=last)
+            per_micro_batch.append({"allreduces": backend.allreduces - before, "updated": bool(metrics)})
+        state = state.replace(epoch=state.epoch + 1, epoch_micro_step=0)
+    results["allreduces"] = per_micro_batch
+    results["allreduce_steps"] = state.step
+    results["state_model_type"] = type(state.model).__name__
+
+    options = af.replicate(bucket_cap_mb=1, find_unused_parameters=True, gradient_as_bucket_view=True)
+    ddp = backend.wrap_model(P.make_state().model, options)
+    results["ddp_options"] = [type(ddp).__name__, ddp.bucket_bytes_cap, ddp.find_unused_parameters,
+                              ddp.gradient_as_bucket_view, ddp.static_graph]
+
+
+def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
+    """af.Loss under replicate: 2 and 10 counted tokens equal one process with all 12."""
+    step = af.replicate()(af.train_step(P.summed_mse))
+    state = af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False)
+    tensors.update(P.parameters(state, "tokens."))
+
+
+def tensorboard(backend: af.backends.Backend, out: Path) -> None:
+    """Acceptance 7: a run with a TensorBoard tracker on every rank."""
+    P.train_case("e2_acc2_clip", backend, P.PER_RANK_BATCH, trackers=(af.TensorBoard(out / "tb"),))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    backend = af.backends.auto()
+    results: dict[str, Any] = {"rank": backend.rank, "world_size": backend.world_size, "backend": backend.name}
+    tensors: dict[str, torch.Tensor] = {}
+    train_cases(backend, tensors)
+    shard_orders(backend, results)
+    uneven(backend, results, tensors)
+    collectives_and_evaluate(backend, results, tensors)
+    count_allreduces(results)
+    loss_counts(backend, tensors)
+    tensorboard(backend, args.out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
+    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
