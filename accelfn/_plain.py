@@ -54,8 +54,16 @@ def copy_tree(tree: Any, tensor_fn: Callable[[torch.Tensor], torch.Tensor]) -> A
     return copy.deepcopy(tree)
 
 
-def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+def view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes ``t`` the same tensor as another: storage, offset, shape, strides, dtype
+    (None for an empty tensor, or one without addressable storage, such as XLA's)."""
+    if not t.numel():
+        return None
+    try:
+        pointer = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, pointer, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 class Encoder:
@@ -78,11 +86,11 @@ class Encoder:
             raise ValueError(f"cannot save tensor {key!r}: {t.layout} {t.dtype} tensors on "
                              f"{t.device} are not supported; make it a dense tensor")
         t = t.detach()
-        view = _view_key(t) if t.numel() else None
+        view = view_key(t)
         if view is not None and view in self._keys:
             return self._keys[view]
-        storage = (t.device, t.untyped_storage().data_ptr())
-        shares = view is not None and storage in self._storages
+        storage = view[:2] if view is not None else None
+        shares = storage is not None and storage in self._storages
         stored = t.clone(memory_format=torch.contiguous_format) if shares else t.contiguous()
         if view is not None:
             self._storages.add(storage)

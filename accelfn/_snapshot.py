@@ -19,7 +19,7 @@ import torch
 
 from accelfn import _rng
 from accelfn._errors import CheckpointError
-from accelfn._plain import copy_tree
+from accelfn._plain import copy_tree, view_key
 from accelfn._rng import RngState
 from accelfn.state import TrainState
 
@@ -125,8 +125,10 @@ class _Copier:
         t = t.detach()
         if not self._copy:
             return t
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if key not in self._done or not t.numel():
+        key = view_key(t)
+        if key is None:
+            return t.to("cpu", copy=True)
+        if key not in self._done:
             self._done[key] = t.to("cpu", copy=True)
         return self._done[key]
 

@@ -1,7 +1,6 @@
 """Preemption and restarts: SIGTERM/SIGINT checkpoint and exit, restarted jobs resume bitwise.
 
-Multi-process tests start real workers with ``python -m torch.distributed.run`` (torchrun,
-which ``accelfn launch`` drives) and gloo on 127.0.0.1.
+Multi-process tests start real workers with ``accelfn launch`` (torchrun) and gloo on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -18,15 +17,13 @@ import torch
 
 import accelfn as af
 from accelfn._errors import CheckpointError
+from tests._launch import environment, launch
 from tests._resume_script import job, total_steps
 from tests._states import assert_same_state, build
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "_resume_script.py"
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun (torch 2.13) otherwise hands restarted
-# workers the store of the failed attempt, whose stale gloo addresses make the new process
-# group hang or fail (pytorch/pytorch#167288); with it, every attempt gets a fresh store.
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+ENV = environment()
 
 
 def _run(*command: str) -> subprocess.CompletedProcess:
@@ -34,10 +31,9 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 
 
 def _launch(tmp: Path, *extra: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Two workers of the training script under torchrun; checkpoints, result and logs in ``tmp``."""
-    return _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
-                str(SCRIPT), str(tmp / "ckpts"), str(tmp / "result"), str(tmp / "logs"), *extra)
+    """``accelfn launch --nproc-per-node 2`` of the training script; checkpoints, result and logs in ``tmp``."""
+    return launch("--nproc-per-node", "2", "--max-restarts", str(max_restarts), script=SCRIPT,
+                  script_args=(tmp / "ckpts", tmp / "result", tmp / "logs", *extra), check=False)
 
 
 def _log(tmp: Path, rank: int) -> list[list[str]]:
@@ -134,7 +130,7 @@ def uninterrupted_two_processes(tmp_path_factory) -> Path:
 
 @pytest.mark.multiprocess
 def test_crashed_worker_is_restarted_and_the_job_ends_bitwise(tmp_path, uninterrupted_two_processes) -> None:
-    """Under torchrun --max-restarts 2, a worker that crashes (os._exit) mid-epoch makes the
+    """Under accelfn launch --max-restarts 2, a worker that crashes (os._exit) mid-epoch makes the
     group restart; resume="auto" continues from the latest checkpoint, and the final state,
     saved by 2 processes and loaded into 1, equals the uninterrupted run's on every rank."""
     done = _launch(tmp_path, "--interrupt", "exit:1:9", max_restarts=2)
