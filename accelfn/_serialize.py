@@ -146,12 +146,10 @@ def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> 
         )
     section = rank if rank < manifest.world_size else 0
     files = {name: e for name, e in manifest.files.items() if e.rank is None or e.rank == section}
-    tables = _tensorfiles.read(directory, files)
-
-    def owned(group: str) -> dict[str, torch.Tensor]:
-        return {key: t.clone() for key, t in tables.get(group, {}).items()}
-
-    state, own = owned("state"), owned(_rank_group(section))
+    # the model's tensors are copied straight into the parameters; the others are kept, so
+    # they get memory of their own instead of pages of files that may be deleted later
+    tables = _tensorfiles.read(directory, files, copy=frozenset({"state", _rank_group(section)}))
+    state, own = tables.get("state", {}), tables.get(_rank_group(section), {})
     entry = manifest.ranks[section]
     return Snapshot(
         model=decode(manifest.model, tables.get("model", {})),
