@@ -20,7 +20,6 @@ import torch
 from cattrs.preconf.orjson import make_converter
 
 from accelfn._errors import CheckpointError
-from accelfn._rng import RngState
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -47,34 +46,36 @@ class FileEntry:
 
 @attrs.frozen
 class RankEntry:
-    """What differs between ranks: RNG states, transform states, open-window gradients.
+    """What differs between ranks (the Snapshot fields of the same names), as encoded trees."""
 
-    ``transforms_state`` and ``grads`` are encoded trees (``accelfn._plain``).
-    """
-
-    rng: RngState
+    rng: Any
     transforms_state: Any
     grads: Any
 
 
 @attrs.frozen
 class Manifest:
-    """Everything in a checkpoint but the tensors; trees are encoded by ``accelfn._plain``."""
+    """Everything in a checkpoint but the tensors.
+
+    After the format fields come the Snapshot's shared fields as trees encoded by
+    ``accelfn._plain`` (tensors as references into the files), then each rank's entry and
+    the tensor files with their checksums.
+    """
 
     format_version: int
     accelfn_version: str
     torch_version: str
     world_size: int
+    transforms: Any
     counters: Any
     model: Any
+    optimizer_type: Any
+    optimizer_params: Any
     optimizer: Any
-    optimizer_type: str
-    optimizer_params: tuple[tuple[str, ...], ...]
+    scheduler_type: Any
     scheduler: Any
-    scheduler_type: str | None
     extra: Any
     ranks: tuple[RankEntry, ...]
-    transforms: Any
     files: dict[str, FileEntry]
 
 

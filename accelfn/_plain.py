@@ -102,7 +102,8 @@ class Encoder:
         return key
 
     def encode(self, tree: Any, prefix: str) -> Any:
-        """Plain JSON data for ``tree``; its tensors are added under keys from ``prefix``.
+        """Plain JSON data for ``tree``; its tensors are added under keys from ``prefix``
+        (``prefix.key.0`` for ``tree["key"][0]``; with an empty prefix, ``key.0``).
 
         Raises:
             TypeError: a value that is none of the supported kinds (the message names it).
@@ -119,20 +120,20 @@ class Encoder:
             return {BYTES: tree.hex()}
         if isinstance(tree, Mapping):
             if all(isinstance(k, str) for k in tree) and not _TAGS.intersection(tree):
-                return {k: self.encode(v, f"{prefix}.{k}") for k, v in tree.items()}
-            return {DICT: [[self.encode(k, f"{prefix}.key"), self.encode(v, f"{prefix}.{k}")]
+                return {k: self.encode(v, _join(prefix, k)) for k, v in tree.items()}
+            return {DICT: [[self.encode(k, _join(prefix, "key")), self.encode(v, _join(prefix, k))]
                            for k, v in tree.items()]}
         if isinstance(tree, list):
-            return [self.encode(v, f"{prefix}.{i}") for i, v in enumerate(tree)]
+            return [self.encode(v, _join(prefix, i)) for i, v in enumerate(tree)]
         if isinstance(tree, tuple):
-            return {TUPLE: [self.encode(v, f"{prefix}.{i}") for i, v in enumerate(tree)]}
+            return {TUPLE: [self.encode(v, _join(prefix, i)) for i, v in enumerate(tree)]}
         if isinstance(tree, np.ndarray):
             return {NDARRAY: self.tensor(torch.from_numpy(np.ascontiguousarray(tree)), prefix)}
         if isinstance(tree, np.generic):
             return {NUMPY: [tree.dtype.str, self.encode(tree.item(), prefix)]}
         if attrs.has(type(tree)):
             cls = type(tree)
-            fields = {f.name: self.encode(getattr(tree, f.name), f"{prefix}.{f.name}")
+            fields = {f.name: self.encode(getattr(tree, f.name), _join(prefix, f.name))
                       for f in attrs.fields(cls) if f.init}
             return {RECORD: f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
         raise TypeError(
@@ -140,6 +141,10 @@ class Encoder:
             "checkpoints hold tensors, numpy arrays, numbers, strings, bytes, None, and lists, "
             "tuples and dicts of them (make state_dict() return those)"
         )
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
 
 
 def decode(plain: Any, tensors: Mapping[str, torch.Tensor]) -> Any:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import orjson
 import torch
 
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from accelfn.backends.base import Backend
 
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]
+#: Snapshot fields that differ between ranks (in each RankEntry) and those every rank shares
+#: (in the Manifest); the model's tensors go to their own table, under their own names
+PER_RANK: tuple[str, ...] = tuple(f.name for f in attrs.fields(RankEntry))
+SHARED: tuple[str, ...] = tuple(f.name for f in attrs.fields(Snapshot) if f.name not in PER_RANK)
 
 
 def _rank_group(rank: int) -> str:
@@ -39,11 +44,7 @@ def _rank_group(rank: int) -> str:
 def rank_part(snap: Snapshot) -> RankPart:
     """This rank's entry and its tensors (open-window gradients, transform-state tensors)."""
     encoder = Encoder()
-    entry = RankEntry(
-        rng=snap.rng,
-        transforms_state=encoder.encode(dict(snap.transforms_state), "transforms_state"),
-        grads=encoder.encode(dict(snap.grads), "grads"),
-    )
+    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK})
     return entry, encoder.tensors
 
 
@@ -98,11 +99,11 @@ def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: An
     """Writes ``snap`` (with every rank's part) into ``directory``: tensor files, then the manifest."""
     from accelfn import __version__
 
-    model, state = Encoder(), Encoder()
-    model_tree = {name: model.encode(value, name) for name, value in snap.model.items()}
-    trees = {name: state.encode(getattr(snap, name), name) for name in ("optimizer", "scheduler", "extra", "counters")}
+    encoders = {"model": Encoder(), "state": Encoder()}
+    trees = {name: encoders[_table(name)].encode(getattr(snap, name), "" if name == "model" else name)
+             for name in SHARED}
     groups: dict[str, tuple[Mapping[str, torch.Tensor], int | None]] = {
-        "model": (model.tensors, None), "state": (state.tensors, None),
+        table: (encoder.tensors, None) for table, encoder in encoders.items()
     }
     for rank, (_, tensors) in enumerate(parts):
         groups[_rank_group(rank)] = (tensors, rank)
@@ -112,15 +113,16 @@ def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: An
         accelfn_version=__version__,
         torch_version=torch.__version__,
         world_size=len(parts),
-        model=model_tree,
-        optimizer_type=snap.optimizer_type,
-        optimizer_params=snap.optimizer_params,
-        scheduler_type=snap.scheduler_type,
-        ranks=tuple(entry for entry, _ in parts),
         transforms=transforms,
+        ranks=tuple(entry for entry, _ in parts),
         files=files,
         **trees,
     ))
+
+
+def _table(name: str) -> str:
+    """The tensor table of a shared Snapshot field: the model's own, or the other states'."""
+    return "model" if name == "model" else "state"
 
 
 def opens_window(entry: RankEntry) -> bool:
@@ -149,18 +151,9 @@ def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> 
     # the model's tensors are copied straight into the parameters; the others are kept, so
     # they get memory of their own instead of pages of files that may be deleted later
     tables = _tensorfiles.read(directory, files, copy=frozenset({"state", _rank_group(section)}))
-    state, own = tables.get("state", {}), tables.get(_rank_group(section), {})
+    own = tables.get(_rank_group(section), {})
     entry = manifest.ranks[section]
     return Snapshot(
-        model=decode(manifest.model, tables.get("model", {})),
-        optimizer=decode(manifest.optimizer, state),
-        optimizer_type=manifest.optimizer_type,
-        optimizer_params=manifest.optimizer_params,
-        scheduler=decode(manifest.scheduler, state),
-        scheduler_type=manifest.scheduler_type,
-        extra=decode(manifest.extra, state),
-        counters=decode(manifest.counters, state),
-        transforms_state=decode(entry.transforms_state, own),
-        grads=decode(entry.grads, own),
-        rng=entry.rng,
+        **{name: decode(getattr(manifest, name), tables.get(_table(name), {})) for name in SHARED},
+        **{name: decode(getattr(entry, name), own) for name in PER_RANK},
     )

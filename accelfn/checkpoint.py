@@ -252,6 +252,7 @@ class Checkpoints:
             CheckpointError, OSError: as ``af.save``.
         """
         path = self.path_for(state.step)
+        backend = _context(backend)
         main = backend is None or backend.is_main_process
         if main:
             for name in {n for n, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(n)}:

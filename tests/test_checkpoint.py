@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import orjson
 import pytest
 import safetensors
@@ -19,6 +20,8 @@ import torch
 
 import accelfn as af
 from accelfn._errors import CheckpointError
+from accelfn._manifest import Manifest
+from accelfn._serialize import PER_RANK, SHARED
 from tests._save_child import make_model
 from tests._states import assert_same_state, build, loader, program
 
@@ -84,10 +87,17 @@ def test_manifest_records_versions_world_and_checksums(cpu, tmp_path) -> None:
     assert manifest["world_size"] == 1
     assert manifest["counters"] == {"step": 2, "micro_step": 4, "epoch": 0, "epoch_micro_step": 4}
     assert [t["type"] for t in manifest["transforms"]] == ["ShardData", "Accumulate", "Clip"]
-    assert len(manifest["ranks"][0]["rng"]["torch_cpu"]) == 2 * 5056
+    assert len(manifest["ranks"][0]["rng"]["fields"]["torch_cpu"]) == 2 * 5056
     for name, entry in manifest["files"].items():
         data = (path / name).read_bytes()
         assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["num_bytes"] == len(data)
+
+
+def test_every_snapshot_field_is_written() -> None:
+    """Every Snapshot field has a place in a checkpoint: shared ones as Manifest fields,
+    per-rank ones in each rank's entry (both derived from attrs.fields)."""
+    assert set(SHARED) | set(PER_RANK) == {f.name for f in attrs.fields(af.Snapshot)}
+    assert set(SHARED) <= {f.name for f in attrs.fields(Manifest)}
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "state.safetensors", "rank_00000.safetensors"])
@@ -243,6 +253,16 @@ def test_run_arguments_are_checked_before_the_state_is_touched(cpu, tmp_path) ->
     with pytest.raises(TypeError, match="'auto' or the path"):
         af.run(step, state, loader(), backend=cpu, resume=7)
     assert "loss_scale" not in state.transforms_state
+
+
+def test_resuming_with_other_transforms_warns(cpu, tmp_path) -> None:
+    """Resuming a checkpoint written by a program with other transforms warns, naming both."""
+    checkpoints = af.Checkpoints(tmp_path, every_steps=1)
+    af.run(program(), build(0), loader(), backend=cpu, max_steps=1, checkpoints=checkpoints, progress=False)
+    other = af.compose(af.shard_data(seed=3), af.accumulate(4))(af.train_step(program().loss_fn))
+    with pytest.warns(UserWarning, match="'num_micro_batches': 2.*'num_micro_batches': 4"):
+        af.run(other, build(0), loader(), backend=cpu, max_steps=2, checkpoints=checkpoints, resume="auto",
+               progress=False)
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
