@@ -200,7 +200,8 @@ def _record_class(name: str) -> type:
     try:
         cls = getattr(importlib.import_module(module), qualname)
     except (ImportError, AttributeError):
-        raise CheckpointError(f"the checkpoint holds a record of class {name!r}, which this accelfn does not have") from None
+        raise CheckpointError(f"the checkpoint holds a record of class {name!r}, which this accelfn "
+                              "does not have") from None
     if not (isinstance(cls, type) and attrs.has(cls)):
         raise CheckpointError(f"{name!r} in the checkpoint is not an accelfn record")
     return cls

@@ -114,6 +114,11 @@ def _save(state: TrainState, path: Path, backend: Backend | None, transforms: An
             failure = e
     if world_size > 1:
         written = backend.broadcast(torch.tensor([int(failure is None)], dtype=torch.int64))  # type: ignore[union-attr]
+        # A gloo worker thread may drop its reference to ``written`` just after the call
+        # returned; were the script to exit at that instant, freeing the tensor would need
+        # the GIL during interpreter shutdown and abort the process (std::terminate). A
+        # barrier (no Python tensor in it) while ``written`` is held lets that happen first.
+        backend.barrier()  # type: ignore[union-attr]
         if failure is None and not int(written.item()):
             raise CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why")
     if failure is not None:

@@ -124,9 +124,7 @@ def main() -> None:
     base_save = median_ms(bare_save, root, args.repeats)
     rows.append(("save  safetensors.save_file", base_save, 1.0))
     rows.append(("save  safetensors.save_file + fsync", median_ms(bare_save_fsync, root, args.repeats), None))
-    rows.append(("save  torch.save (state dicts)",
-                 median_ms(lambda p: torch.save({"model": state.model.state_dict(),
-                                                 "optimizer": state.optimizer.state_dict()}, p), root, args.repeats), None))
+    rows.append(("save  torch.save (state dicts)", median_ms(lambda p: _torch_save(state, p), root, args.repeats), None))
     rows.append(("save  af.save", median_ms(lambda p: af.save(state, p), root, args.repeats), None))
 
     base_load = median_ms(lambda p: copy_into(state, safetensors.torch.load_file(p)), root, args.repeats,
@@ -134,8 +132,7 @@ def main() -> None:
     rows.append(("load  safetensors.load_file + copy", base_load, 1.0))
     rows.append(("load  torch.load(weights_only=True) + load_state_dict",
                  median_ms(lambda p: _torch_load(state, p), root, args.repeats,
-                           prepare=lambda p: torch.save({"model": state.model.state_dict(),
-                                                         "optimizer": state.optimizer.state_dict()}, p)), None))
+                           prepare=lambda p: _torch_save(state, p)), None))
     rows.append(("load  af.load", median_ms(lambda p: af.load(p, into=state), root, args.repeats,
                                             prepare=lambda p: af.save(state, p)), None))
     shutil.rmtree(root, ignore_errors=True)
@@ -146,6 +143,10 @@ def main() -> None:
     for name, ms, _ in rows:
         base = base_save if name.startswith("save") else base_load
         print(f"{name:54s} {ms:9.1f} {ms / base:14.2f}")
+
+
+def _torch_save(state: af.TrainState, path: Path) -> None:
+    torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, path)
 
 
 def _torch_load(state: af.TrainState, path: Path) -> None:

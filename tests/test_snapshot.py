@@ -86,7 +86,8 @@ def test_snapshot_is_a_detached_cpu_copy() -> None:
             p.add_(1.0)
     state.optimizer.state[state.model.fc1.weight]["exp_avg"].add_(1.0)
     assert all(torch.equal(before[k], snap.model[k]) for k in before)
-    assert not torch.equal(snap.optimizer["state"][0]["exp_avg"], state.optimizer.state[state.model.fc1.weight]["exp_avg"])
+    live_moment = state.optimizer.state[state.model.fc1.weight]["exp_avg"]
+    assert not torch.equal(snap.optimizer["state"][0]["exp_avg"], live_moment)
 
 
 def test_restore_puts_back_every_field_and_can_repeat() -> None:
