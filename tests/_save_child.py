@@ -1,9 +1,10 @@
 """Child process for the crash test: saves a ~100 MB state over an existing checkpoint.
 
 Usage: ``python tests/_save_child.py PATH``. Writes the "old" checkpoint (every parameter
-1.0, step 1) at PATH, prints ``ready <seconds that save took>``, waits for a line on
-stdin, then saves the "new" state (every parameter 2.0, step 2) over it and prints
-``done``. The test SIGKILLs it at some moment of the second save.
+1.0, step 1) at PATH twice (the second time over the first, timed), prints ``ready
+<seconds that replace took>``, waits for a line on stdin, then saves the "new" state
+(every parameter 2.0, step 2) over it and prints ``done``. The test SIGKILLs it at some
+moment of that last save.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def state_at(model: torch.nn.Module, value: float, step: int) -> af.TrainState:
 
 def main(path: str) -> None:
     model = make_model()
+    old = state_at(model, 1.0, 1)
+    af.save(old, path)
     start = time.perf_counter()
-    af.save(state_at(model, 1.0, 1), path)
+    af.save(old, path)
     took = time.perf_counter() - start
     new = state_at(model, 2.0, 2)
     print(f"ready {took:.6f}", flush=True)

@@ -125,23 +125,31 @@ def test_missing_tensor_file_is_named(cpu, tmp_path) -> None:
         af.load(path, into=build(99, extra=True))
 
 
+def _wait_for_write_to_start(parent: Path, name: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(p.name.startswith(f".{name}.tmp-") for p in parent.iterdir()):
+        assert time.monotonic() < deadline, "the save never started"
+        time.sleep(0.0005)
+
+
 def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path) -> None:
-    """A process SIGKILLed at random moments while saving a ~100 MB state over an existing
-    checkpoint always leaves a checkpoint that loads and is entirely the old state or
-    entirely the new one; the next save cleans up the leftovers."""
+    """A process SIGKILLed at moments spread over a save of a ~100 MB state over an existing
+    checkpoint (from the start of the write to past its end) always leaves a checkpoint that
+    loads and is entirely the old state or entirely the new one; the next save cleans up."""
     path = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     model = make_model()
     target = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     jitter = random.Random(7)
     outcomes = []
-    for fraction in (0.1, 0.4, 0.7, 1.0):
+    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
         child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_save_child.py"), str(path)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         ready = child.stdout.readline().split()
         assert ready[0] == "ready", ready
         child.stdin.write("go\n")
         child.stdin.flush()
+        _wait_for_write_to_start(tmp_path, "ckpt")
         time.sleep(float(ready[1]) * fraction * jitter.uniform(0.8, 1.2))
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -151,7 +159,7 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path) -> N
         outcomes.append(state.step)
     af.save(target, path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
-    assert 1 in outcomes  # at least one kill landed mid-save (the first, at 10% of a save)
+    assert outcomes[0] == 1  # killed as the write began: the old checkpoint
 
 
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path) -> None:
