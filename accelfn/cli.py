@@ -92,6 +92,10 @@ def _launch(args: argparse.Namespace) -> int:
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     os.environ.update(config.worker_env())  # torchrun's workers inherit this process's environment
+    # torchrun (torch 2.4+) hands restarted workers the rendezvous store of the failed
+    # attempt, whose stale process-group keys make the new group hang or fail
+    # (pytorch/pytorch#167288); without sharing it, every attempt gets a fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
