@@ -2,6 +2,8 @@
 
 from accelfn import backends
 from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
+from accelfn._snapshot import Snapshot, restore, snapshot
+from accelfn.checkpoint import Checkpoints, load, save
 from accelfn.evaluate import evaluate
 from accelfn.loop import run
 from accelfn.state import TrainState
@@ -32,6 +34,7 @@ __all__ = [
     "JSONL",
     "Accumulate",
     "CheckpointError",
+    "Checkpoints",
     "Clip",
     "ClipValue",
     "LaunchError",
@@ -40,6 +43,7 @@ __all__ = [
     "Replicate",
     "ShardData",
     "SkipNonfinite",
+    "Snapshot",
     "Step",
     "TensorBoard",
     "Tracker",
@@ -54,10 +58,14 @@ __all__ = [
     "clip_value",
     "compose",
     "evaluate",
+    "load",
     "replicate",
+    "restore",
     "run",
+    "save",
     "shard_data",
     "skip_nonfinite",
+    "snapshot",
     "train_step",
     "with_precision",
 ]

@@ -21,7 +21,7 @@ import attrs
 from accelfn import config as _config
 from accelfn._errors import LaunchError
 from accelfn._precision import POLICY_NAMES
-from accelfn.backends._env import BACKEND_NAMES
+from accelfn.backends._env import BACKEND_NAMES, launcher_environment
 
 _EXAMPLES = """\
 examples:
@@ -92,6 +92,8 @@ def _launch(args: argparse.Namespace) -> int:
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     os.environ.update(config.worker_env())  # torchrun's workers inherit this process's environment
+    for name, value in launcher_environment(config.backend).items():
+        os.environ.setdefault(name, value)
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -82,7 +82,8 @@ def run(
         backend: the backend that interprets the program, e.g. ``af.backends.auto()``.
         epochs: total epochs of the job.
         max_steps: total optimizer updates of the job, or None for no limit.
-        checkpoints: an ``af.Checkpoints`` policy saving during training, or None.
+        checkpoints: an ``af.Checkpoints`` policy saving during training (and on SIGTERM/
+            SIGINT), or None.
         resume: ``"auto"`` (the latest checkpoint of ``checkpoints``, if any) or the path of
             a checkpoint to resume from, or None to start from ``state`` as it is.
         trackers: where metrics go (``af.TensorBoard``, ``af.JSONL``); main process only.
@@ -98,6 +99,9 @@ def run(
         ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``resume="auto"``
             without ``checkpoints``.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit.
+        SystemExit: status 128 + signal number after SIGTERM or SIGINT when ``checkpoints``
+            is given: the current micro-batch finishes and a checkpoint is written first.
 
     Example:
         >>> import torch, torch.nn.functional as F, accelfn as af
@@ -115,13 +119,15 @@ def run(
 
     _checkpoint.check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
-    state = _checkpoint.resume_state(state, checkpoints, resume, backend)
+    state = _checkpoint.resume_state(state, checkpoints, resume, backend, program=step)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
     preemption = _checkpoint.Preemption(backend) if checkpoints is not None else None
     try:
         with preemption or _checkpoint.NO_PREEMPTION:
             state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, checkpoints, bar, preemption)
+            if preemption is not None and preemption.requested():  # agreed during the last micro-batch
+                preemption.stop(state, checkpoints)
     finally:
         bar.close()
     return state

@@ -240,3 +240,23 @@ def test_fp16_scale_floor_stops_training(cpu):
     data = batches_with({i: math.inf for i in range(8)}, n=8)
     with pytest.raises(af.NonFiniteError, match="below its floor"):
         af.run(step, state, data, backend=cpu, progress=False)
+
+
+def test_unsupported_precision_fails_when_the_program_is_prepared():
+    """A backend that cannot run a policy refuses it in ``prepare``, naming the backend, the
+    policy and the supported set, before the state is touched (no silent fp32 fallback).
+
+    The CPU backend runs all four policies, so a backend with a narrower set (as XLA on TPU,
+    bf16 only) is modelled by restricting the CPU backend's declared set.
+    """
+
+    class Bf16Only(af.backends.CPU):
+        supported_precisions = ("fp32", "bf16")
+
+    backend = Bf16Only(af.backends.LaunchEnv())
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.with_precision("fp16")(af.train_step(loss_fn))
+    with pytest.raises(NotImplementedError, match=r"cpu backend does not support with_precision\('fp16'\); supported: 'fp32', 'bf16'"):
+        backend.prepare(step, state)
+    assert "loss_scale" not in state.transforms_state

@@ -116,3 +116,17 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise LaunchError(f"{name}={value!r} is not a number") from None
+
+
+def launcher_environment(backend: str | None) -> dict[str, str]:
+    """Settings ``accelfn launch`` gives torchrun itself for workers of ``backend``.
+
+    torchrun (torch 2.4+) hands restarted workers the rendezvous store of the failed
+    attempt, whose stale process-group keys make the new group hang or fail
+    (pytorch/pytorch#167288); without sharing it, every attempt gets a fresh store.
+    torch_xla's own rendezvous (``xla://``) serves a store at ``MASTER_PORT`` itself, which
+    would collide with an unshared torchrun store, so XLA keeps torchrun's default.
+    """
+    if backend == "xla":
+        return {}
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

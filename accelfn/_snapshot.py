@@ -1,0 +1,321 @@
+"""Snapshots: the immutable value of a TrainState, and putting one back in place.
+
+``snapshot(state)`` copies everything a run is at a moment to the CPU: model and optimizer
+tensors, scheduler and ``extra`` states, the counters (the data position among them), each
+transform's state, the gradients accumulated so far in an open accumulation window, and
+the global RNG states. ``restore(state, snap)`` checks that the snapshot fits the state,
+then copies it back in place (tensors to the state's device) and returns the new record.
+A checkpoint (``af.save``) is a snapshot serialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+from accelfn import _rng
+from accelfn._errors import CheckpointError
+from accelfn._plain import copy_tree, view_key
+from accelfn._rng import RngState
+from accelfn.state import TrainState
+
+#: TrainState fields a snapshot holds in parts of their own; every other field is a counter
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra"})
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
+#: transform state that belongs to the micro-batches consumed (the open accumulation
+#: window): restored from the snapshot or dropped, never kept from the target state
+TRANSIENT = frozenset({"window"})
+_COMPILED = "_orig_mod"
+
+
+def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return value if isinstance(value, MappingProxyType) else MappingProxyType(dict(value))
+
+
+@attrs.frozen(eq=False)
+class Snapshot:
+    """The value of a TrainState at one moment: detached CPU copies, restorable anywhere.
+
+    Attributes:
+        model: the unwrapped model's ``state_dict`` (keys without ``module.`` or
+            ``_orig_mod.``); tied weights are one tensor under each of their names.
+        optimizer: the optimizer's ``state_dict``.
+        optimizer_type: the optimizer's class name (``"AdamW"``).
+        optimizer_params: per parameter group, the model name of each parameter.
+        scheduler: the lr scheduler's ``state_dict``, or None without a scheduler.
+        scheduler_type: its class name, or None.
+        extra: each ``extra`` object's ``state_dict``, by name.
+        counters: ``step``, ``micro_step``, ``epoch``, ``epoch_micro_step`` (every
+            TrainState field that is not one of the parts above).
+        transforms_state: the transforms' records (loss scale, skip count, open window).
+        grads: the accumulated ``.grad`` of each parameter that has one (an open
+            accumulation window), by name; empty after an optimizer update.
+        rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
+    """
+
+    model: Mapping[str, Any] = attrs.field(converter=_frozen)
+    optimizer: Mapping[str, Any]
+    optimizer_type: str
+    optimizer_params: tuple[tuple[str, ...], ...]
+    scheduler: Mapping[str, Any] | None
+    scheduler_type: str | None
+    extra: Mapping[str, Any] = attrs.field(converter=_frozen)
+    counters: Mapping[str, Any] = attrs.field(converter=_frozen)
+    transforms_state: Mapping[str, Any] = attrs.field(converter=_frozen)
+    grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
+    rng: RngState
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP/DataParallel and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, _COMPILED, None), torch.nn.Module):
+            model = getattr(model, _COMPILED)
+        else:
+            return model
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components compiled submodules add."""
+    if _COMPILED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED)
+
+
+def _type_name(obj: Any) -> str:
+    return type(obj).__qualname__
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], ...]:
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"optimizer param_groups[{i}] holds tensors of shapes {missing} that are not "
+                "parameters of the model; build the optimizer from model.parameters()"
+            )
+        groups.append(tuple(names[id(p)] for p in group["params"]))
+    return tuple(groups)
+
+
+class _Copier:
+    """Detaches tensors (``copy=False``) or copies them to the CPU once per view (``copy=True``)."""
+
+    def __init__(self, copy: bool):
+        self._copy = copy
+        self._done: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not self._copy:
+            return t
+        key = view_key(t)
+        if key is None:
+            return t.to("cpu", copy=True)
+        if key not in self._done:
+            self._done[key] = t.to("cpu", copy=True)
+        return self._done[key]
+
+
+def capture(state: TrainState, *, copy: bool) -> Snapshot:
+    """The snapshot of ``state``; with ``copy=False`` its tensors alias the live ones (for
+    writing them out at once), with ``copy=True`` they are independent CPU copies.
+
+    Raises:
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+        TypeError: ``state`` is not a TrainState.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"snapshot() takes a TrainState, got {type(state).__name__}")
+    to_cpu = _Copier(copy)
+    model = unwrap(state.model)
+    return Snapshot(
+        model={clean_name(k): copy_tree(v, to_cpu) for k, v in model.state_dict().items()},
+        optimizer=copy_tree(state.optimizer.state_dict(), to_cpu),
+        optimizer_type=_type_name(state.optimizer),
+        optimizer_params=_param_names(model, state.optimizer),
+        scheduler=None if state.scheduler is None else copy_tree(state.scheduler.state_dict(), to_cpu),
+        scheduler_type=None if state.scheduler is None else _type_name(state.scheduler),
+        extra={name: copy_tree(obj.state_dict(), to_cpu) for name, obj in state.extra.items()},
+        counters={name: getattr(state, name) for name in COUNTERS},
+        transforms_state={k: copy_tree(v, to_cpu) for k, v in state.transforms_state.items()},
+        grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+        rng=_rng.capture(),
+    )
+
+
+def snapshot(state: TrainState) -> Snapshot:
+    """A detached CPU copy of everything ``state`` is: the immutable value of a TrainState.
+
+    Args:
+        state: the state; nothing in it changes and no generator is drawn from.
+
+    Returns:
+        Snapshot: CPU copies of the model, optimizer, scheduler and ``extra`` states, the
+        counters, the transforms' states, open-window gradients and the global RNG states.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState.
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> snap = af.snapshot(state)
+        >>> sorted(snap.model)
+        ['bias', 'weight']
+    """
+    return capture(state, copy=True)
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _check_tensors(what: str, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """Problems of ``theirs`` (the snapshot's) against ``ours`` (the state's): keys, shapes, dtypes."""
+    problems = []
+    missing = [k for k in ours if k not in theirs]
+    unexpected = [k for k in theirs if k not in ours]
+    if missing:
+        problems.append(f"{what}: missing from the checkpoint ({len(missing)}): {_names(missing)}")
+    if unexpected:
+        problems.append(f"{what}: unexpected in the checkpoint ({len(unexpected)}): {_names(unexpected)}")
+    for key, saved in theirs.items():
+        here = ours.get(key)
+        if not (isinstance(saved, torch.Tensor) and isinstance(here, torch.Tensor)):
+            continue
+        if saved.shape != here.shape:
+            problems.append(f"{what} {key!r}: shape {tuple(saved.shape)} in the checkpoint, {tuple(here.shape)} here")
+        elif saved.dtype != here.dtype:
+            problems.append(f"{what} {key!r}: dtype {saved.dtype} in the checkpoint, {here.dtype} here")
+    return problems
+
+
+def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) -> list[str]:
+    if snap.optimizer_type != _type_name(state.optimizer):
+        return [f"optimizer: {snap.optimizer_type} in the checkpoint, {_type_name(state.optimizer)} here"]
+    ours = _param_names(model, state.optimizer)
+    theirs = snap.optimizer_params
+    if [len(g) for g in ours] != [len(g) for g in theirs]:
+        return [f"optimizer: parameter groups of sizes {[len(g) for g in theirs]} in the checkpoint, "
+                f"{[len(g) for g in ours]} here"]
+    differ = [f"param_groups[{g}][{i}] is {a!r} in the checkpoint, {b!r} here"
+              for g, (group_a, group_b) in enumerate(zip(theirs, ours))
+              for i, (a, b) in enumerate(zip(group_a, group_b)) if a != b]
+    return [f"optimizer: {_names(differ, 4)}"] if differ else []
+
+
+def check(state: TrainState, snap: Snapshot) -> list[str]:
+    """Every way ``snap`` does not fit ``state`` (empty if it fits)."""
+    model = unwrap(state.model)
+    problems = _check_tensors("model", {clean_name(k): v for k, v in model.state_dict().items()}, snap.model)
+    problems += _check_optimizer(state, snap, model)
+    scheduler_type = None if state.scheduler is None else _type_name(state.scheduler)
+    if snap.scheduler_type != scheduler_type:
+        problems.append(f"scheduler: {snap.scheduler_type} in the checkpoint, {scheduler_type} here")
+    if set(snap.extra) != set(state.extra):
+        problems.append(f"extra: {sorted(snap.extra)} in the checkpoint, {sorted(state.extra)} here")
+    if set(snap.counters) != set(COUNTERS):
+        problems.append(f"counters: {sorted(snap.counters)} in the checkpoint, {sorted(COUNTERS)} here")
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    unknown = [n for n in snap.grads if n not in params]
+    if unknown:
+        problems.append(f"gradients of unknown parameters: {_names(unknown)}")
+    for name, grad in snap.grads.items():
+        if name in params and grad.shape != params[name].shape:
+            problems.append(f"gradient {name!r}: shape {tuple(grad.shape)} in the checkpoint, "
+                            f"{tuple(params[name].shape)} here")
+    return problems
+
+
+def apply(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
+    """Checks ``snap`` against ``state``, then puts it in place; ``copy=False`` lets the
+    state take ownership of the snapshot's tensors (the snapshot must not be used again).
+
+    Raises:
+        CheckpointError: the snapshot does not fit the state; nothing was changed.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"restore() takes a TrainState first, got {type(state).__name__}")
+    if not isinstance(snap, Snapshot):
+        raise TypeError(f"restore() takes a Snapshot second (af.snapshot(state)), got {type(snap).__name__}")
+    problems = check(state, snap)
+    if problems:
+        raise CheckpointError("the checkpoint does not match the state it is loaded into:\n  " + "\n  ".join(problems))
+    model = unwrap(state.model)
+    device = _device(model)
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if copy else t
+
+    names = {clean_name(k): k for k in model.state_dict()}
+    model.load_state_dict({names[k]: copy_tree(v, own) for k, v in snap.model.items()})
+    state.optimizer.load_state_dict(copy_tree(snap.optimizer, own))
+    if state.scheduler is not None:
+        state.scheduler.load_state_dict(copy_tree(snap.scheduler, own))
+    for name, obj in state.extra.items():
+        obj.load_state_dict(copy_tree(snap.extra[name], own))
+    _restore_grads(model, snap.grads, copy)
+    restored = {k: copy_tree(v, lambda t: t.to(device, copy=copy)) for k, v in snap.transforms_state.items()}
+    for key, value in state.transforms_state.items():
+        if key not in restored and key not in TRANSIENT:  # a transform added since the snapshot
+            restored[key] = value
+    _rng.restore(snap.rng)
+    return state.replace(transforms_state=restored, **snap.counters)
+
+
+def _restore_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor], copy: bool) -> None:
+    for name, p in model.named_parameters():
+        saved = grads.get(clean_name(name))
+        if saved is None:
+            p.grad = None
+            continue
+        g = saved.to(device=p.device, dtype=p.dtype, copy=copy)
+        if p.grad is not None:
+            p.grad.copy_(g)
+        else:
+            p.grad = g
+
+
+def restore(state: TrainState, snap: Snapshot) -> TrainState:
+    """Puts ``snap`` back into ``state`` in place and returns the restored record.
+
+    Copies parameters, buffers and optimizer state into the state's tensors (on its
+    device), loads the scheduler and ``extra`` states, sets open-window gradients, the
+    transforms' states, the counters and the global RNG states. The snapshot stays intact
+    and can be restored again. Transform state the snapshot lacks (a transform added since)
+    keeps the state's own entry.
+
+    Args:
+        state: a state with the same model architecture, optimizer type and parameter
+            groups, scheduler type and ``extra`` names as the one snapshotted.
+        snap: from ``af.snapshot``.
+
+    Returns:
+        TrainState: ``state`` with the snapshot's counters and transform states.
+
+    Raises:
+        TypeError: arguments of the wrong types.
+        CheckpointError: the snapshot does not fit the state (the message lists every
+            missing, unexpected or mismatched key, shape and dtype); nothing was changed.
+    """
+    return apply(state, snap, copy=True)

@@ -1,0 +1,84 @@
+"""A small training job with every kind of state, and a bitwise comparison of two states."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import accelfn as af
+
+
+class DropNet(torch.nn.Module):
+    """6 -> 16 -> 3 with dropout: training draws from the global torch RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 16)
+        self.drop = torch.nn.Dropout(0.3)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+class Counter:
+    """A user object with state_dict/load_state_dict, as ``TrainState.extra`` holds."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.history: list[float] = []
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.history = state["seen"], list(state["history"])
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def build(seed: int = 0, *, total_steps: int = 15, extra: bool = False) -> af.TrainState:
+    """DropNet with AdamW and a cosine schedule over ``total_steps``; its init depends on ``seed``."""
+    torch.manual_seed(seed)
+    model = DropNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    return af.TrainState.create(model, optimizer, scheduler=scheduler, extra={"counter": Counter()} if extra else None)
+
+
+def dataset(n: int = 40) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def loader(n: int = 40, batch_size: int = 4) -> DataLoader:
+    """A shuffled DataLoader: 10 micro-batches per epoch by default."""
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True)
+
+
+def program(*transforms: af.Transform) -> af.Step:
+    """shard_data, accumulate(2) and clip(0.5), plus ``transforms``."""
+    return af.compose(af.shard_data(seed=3), af.accumulate(2), af.clip(0.5), *transforms)(af.train_step(loss_fn))
+
+
+def assert_same_state(a: af.TrainState, b: af.TrainState) -> None:
+    """Parameters, buffers, optimizer state, lr, scheduler, counters and transform states
+    of ``a`` and ``b`` are bitwise equal."""
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), f"model {name} differs"
+    oa, ob = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for i, entries in oa["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, ob["state"][i][key]), f"optimizer state[{i}][{key}] differs"
+    if a.scheduler is not None:
+        assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert (a.step, a.micro_step, a.epoch, a.epoch_micro_step) == (b.step, b.micro_step, b.epoch, b.epoch_micro_step)
+    assert a.transforms_state.keys() == b.transforms_state.keys()
+    for key in a.transforms_state:
+        assert repr(a.transforms_state[key]) == repr(b.transforms_state[key]), f"transforms_state[{key}] differs"

@@ -1,0 +1,123 @@
+"""Resume is invisible: a run saved and resumed ends bitwise where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import accelfn as af
+from tests._states import assert_same_state, build, loader, program
+
+
+def _perturb_global_rng() -> None:
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    torch.rand(100), random.random(), np.random.rand(3)
+
+
+def test_resume_at_step_7_of_15_is_bitwise(cpu, tmp_path) -> None:
+    """Saving at step 7 of a 15-step, 3-epoch run (shard_data shuffle, dropout, AdamW, cosine
+    lr, accumulate(2), clip), perturbing the global RNG and loading into a freshly built
+    state finishes with parameters, optimizer state, lr and RNG bitwise equal to the
+    uninterrupted run."""
+    step, data = program(), loader()
+    uninterrupted = af.run(step, build(0), data, backend=cpu, epochs=3, progress=False)
+    rng_after = torch.get_rng_state()
+    assert uninterrupted.step == 15
+
+    first = af.run(step, build(0), data, backend=cpu, epochs=3, max_steps=7, progress=False)
+    assert (first.step, first.epoch, first.epoch_micro_step) == (7, 1, 4)  # mid-epoch
+    af.save(first, tmp_path / "ckpt")
+    _perturb_global_rng()
+    fresh = build(99)
+    assert not torch.equal(fresh.model.fc1.weight, first.model.fc1.weight)
+    resumed = af.load(tmp_path / "ckpt", into=fresh)
+    assert (resumed.step, resumed.epoch, resumed.epoch_micro_step) == (7, 1, 4)
+    resumed = af.run(step, resumed, data, backend=cpu, epochs=3, progress=False)
+
+    assert_same_state(resumed, uninterrupted)
+    assert resumed.optimizer.param_groups[0]["lr"] == uninterrupted.optimizer.param_groups[0]["lr"]
+    assert torch.equal(torch.get_rng_state(), rng_after)
+
+
+@pytest.mark.parametrize("via", ["snapshot", "checkpoint"])
+def test_resume_mid_accumulation_window_is_bitwise(cpu, tmp_path, via) -> None:
+    """A state captured after the first micro-batch of an accumulation window (gradients
+    accumulated, window open) and restored into a fresh state continues bitwise like the
+    original."""
+    step, data = program(), loader()
+    state, step_fn = cpu.prepare(step, build(0))
+    batches = iter(cpu.batches(data, step, 0))
+    for _ in range(5):
+        batch, last = next(batches)
+        state, _ = step_fn(state, batch, flush=last)
+    assert "window" in state.transforms_state and state.model.fc1.weight.grad is not None
+    if via == "snapshot":
+        saved = af.snapshot(state)
+    else:
+        af.save(state, tmp_path / "ckpt")
+    for batch, last in batches:
+        state, _ = step_fn(state, batch, flush=last)
+
+    _perturb_global_rng()
+    fresh, fresh_fn = cpu.prepare(step, build(99))
+    if via == "snapshot":
+        fresh = af.restore(fresh, saved)
+    else:
+        fresh = af.load(tmp_path / "ckpt", into=fresh)
+    assert fresh.epoch_micro_step == 5 and "window" in fresh.transforms_state
+    for batch, last in cpu.batches(data, step, 0, start=fresh.epoch_micro_step):
+        fresh, _ = fresh_fn(fresh, batch, flush=last)
+    assert_same_state(fresh, state)
+
+
+@pytest.mark.parametrize("via", ["snapshot", "checkpoint"])
+def test_fp16_resume_keeps_the_loss_scale_and_is_bitwise(cpu, tmp_path, via) -> None:
+    """An fp16 run whose loss scale has grown continues, after a snapshot or a checkpoint is
+    restored into a fresh state, with the same scale and growth tracker and bitwise equal
+    to the uninterrupted run."""
+    step, data = program(af.with_precision("fp16", growth_interval=2)), loader()
+    uninterrupted = af.run(step, build(0), data, backend=cpu, epochs=2, progress=False)
+
+    first = af.run(step, build(0), data, backend=cpu, epochs=2, max_steps=5, progress=False)
+    scale = first.transforms_state["loss_scale"]
+    assert (scale.scale, scale.growth_tracker) == (2.0**18, 1)  # grew at steps 2 and 4
+    saved = af.snapshot(first) if via == "snapshot" else af.save(first, tmp_path / "ckpt")
+    _perturb_global_rng()
+    fresh = af.restore(build(99), saved) if via == "snapshot" else af.load(saved, into=build(99))
+    assert fresh.transforms_state["loss_scale"] == scale
+    assert fresh.transforms_state["skips"] == first.transforms_state["skips"]
+    resumed = af.run(step, fresh, data, backend=cpu, epochs=2, progress=False)
+    assert_same_state(resumed, uninterrupted)
+
+
+def test_checkpoints_keep_the_last_two_and_auto_resume_continues(cpu, tmp_path) -> None:
+    """Checkpoints(every_steps=2, keep=2) over 10 steps leaves exactly step 8 and step 10, and
+    run(resume="auto") from a fresh state continues from step 10 to the same end as an
+    uninterrupted 15-step run."""
+    step, data = program(), loader()
+    checkpoints = af.Checkpoints(tmp_path / "ckpts", every_steps=2, keep=2)
+    ten = af.run(step, build(0), data, backend=cpu, epochs=2, checkpoints=checkpoints, progress=False)
+    assert ten.step == 10
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == ["step_00000008", "step_00000010"]
+    assert checkpoints.latest() == tmp_path / "ckpts" / "step_00000010"
+
+    _perturb_global_rng()
+    resumed = af.run(step, build(99), data, backend=cpu, epochs=3, checkpoints=checkpoints, resume="auto",
+                     progress=False)
+    uninterrupted = af.run(step, build(0), data, backend=cpu, epochs=3, progress=False)
+    assert_same_state(resumed, uninterrupted)
+    assert checkpoints.steps() == [12, 14]
+
+
+def test_auto_resume_without_checkpoints_starts_fresh(cpu, tmp_path) -> None:
+    """resume="auto" with an empty checkpoint directory trains from the given state."""
+    step, data = program(), loader()
+    fresh = af.run(step, build(0), data, backend=cpu, epochs=1, progress=False,
+                   checkpoints=af.Checkpoints(tmp_path / "none"), resume="auto")
+    plain = af.run(step, build(0), data, backend=cpu, epochs=1, progress=False)
+    assert_same_state(fresh, plain)
