@@ -14,7 +14,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
         return fn(tree)
     if isinstance(tree, tuple):
         mapped = [map_tensors(fn, x) for x in tree]
-        return type(tree)(*mapped) if hasattr(tree, "_fields") else tuple(mapped)
+        if type(tree) is not tuple and hasattr(tree, "_fields"):  # a named tuple
+            return type(tree)(*mapped)
+        return tuple(mapped)
     if isinstance(tree, list):
         return [map_tensors(fn, x) for x in tree]
     if isinstance(tree, Mapping):

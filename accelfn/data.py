@@ -191,7 +191,7 @@ def epoch_batches(
     """
     if shard is None or world_size == 1 and not isinstance(data, DataLoader):
         num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
-        return EpochBatches(itertools.islice(data, start, None), num_batches=num, start=start, place=place)
+        return EpochBatches(_lazy_slice(data, start), num_batches=num, start=start, place=place)
     if isinstance(data, DataLoader):
         if data.batch_size is None:
             raise ValueError(
@@ -202,15 +202,24 @@ def epoch_batches(
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
         loader = _rebuild(data, dataset=ShardedIterable(data.dataset, rank=rank, world_size=world_size),
                           generator=torch.Generator().manual_seed(shard.seed + epoch))
-        return EpochBatches(itertools.islice(loader, start, None), num_batches=None, start=start,
+        return EpochBatches(_lazy_slice(loader, start), num_batches=None, start=start,
                             place=place, sync=sync if world_size > 1 else None)
     if isinstance(data, Sequence):
         indices = shard_indices(len(data), rank=rank, world_size=world_size, shuffle=False, seed=shard.seed,
                                 epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches)
         return EpochBatches((data[i] for i in indices[start:]), num_batches=len(indices), start=start, place=place)
-    stream = itertools.islice(data, rank, None, world_size)
-    return EpochBatches(itertools.islice(stream, start, None), num_batches=None, start=start, place=place,
-                        sync=sync if world_size > 1 else None)
+    return EpochBatches(_lazy_slice(data, start, rank=rank, world_size=world_size), num_batches=None,
+                        start=start, place=place, sync=sync if world_size > 1 else None)
+
+
+def _lazy_slice(data: Iterable[Any], start: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Any]:
+    """Items ``rank, rank + world_size, ...`` of ``data``, from the ``start``-th of those on.
+
+    A generator: ``data`` is first iterated when the epoch is, so building an epoch's batches
+    (``run`` does it once to count them) starts no DataLoader workers and draws no random
+    numbers from the global RNG (a shuffled DataLoader draws its seed in ``iter``).
+    """
+    yield from itertools.islice(data, rank + start * world_size, None, world_size)
 
 
 def _sized(data: Any) -> bool:
@@ -352,7 +361,11 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
 
     non_blocking = device.type == "cuda"
 
+    def move(t: torch.Tensor) -> torch.Tensor:
+        # .to() would return t itself too; the comparison is cheaper than the call
+        return t if t.device == device else t.to(device, non_blocking=non_blocking)
+
     def place(batch: Any) -> Any:
-        return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+        return map_tensors(move, batch)
 
     return place

@@ -143,16 +143,25 @@ class TrainState:
         """
         return attrs.evolve(self, **changes)
 
-    def _advance(self, **changes: Any) -> TrainState:
-        """``replace`` without validation or conversion, for the interpreter's hot path.
+    def _advance(self, *, step: int, micro_step: int, epoch_micro_step: int,
+                 transforms_state: Mapping[str, Any]) -> TrainState:
+        """The state after a micro-batch, for the interpreter's hot path.
 
-        The caller guarantees valid counters and a read-only ``transforms_state``.
+        ``replace`` without validation or conversion: the caller guarantees valid counters
+        and a ``transforms_state`` of immutable records (a plain dict is wrapped read-only
+        once; a read-only mapping is kept, never wrapped again). It names every field: a new
+        field must be added here too (a test checks).
         """
         new = object.__new__(TrainState)
-        for name in _FIELD_NAMES:
-            _setattr(new, name, changes[name] if name in changes else getattr(self, name))
-        if "transforms_state" in changes:
-            _setattr(new, "transforms_state", MappingProxyType(changes["transforms_state"]))
+        _setattr(new, "model", self.model)
+        _setattr(new, "optimizer", self.optimizer)
+        _setattr(new, "scheduler", self.scheduler)
+        _setattr(new, "step", step)
+        _setattr(new, "micro_step", micro_step)
+        _setattr(new, "epoch", self.epoch)
+        _setattr(new, "epoch_micro_step", epoch_micro_step)
+        _setattr(new, "transforms_state", _frozen_mapping(transforms_state))
+        _setattr(new, "extra", self.extra)
         return new
 
     def with_transform_state(self, **entries: Any) -> TrainState:
@@ -166,5 +175,4 @@ class TrainState:
         return attrs.evolve(self, transforms_state=merged)
 
 
-_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState))
 _setattr = object.__setattr__

@@ -271,3 +271,35 @@ def test_metrics_report_the_window_mean_loss(cpu):
     expected = F.cross_entropy(model(x), y)
     assert seen["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
     assert seen["num_samples"] == 16
+
+
+def test_unsharded_shuffled_loader_is_read_like_a_hand_written_loop(cpu, monkeypatch):
+    """Without shard_data, ``run`` iterates a shuffled DataLoader exactly once per epoch and
+    nowhere else, so from the same global seed it sees the hand-written loop's batch order
+    and reaches its parameters."""
+    dataset = classification_data(40)
+    loader = DataLoader(dataset, batch_size=4, shuffle=True)
+
+    model, optimizer, _ = build("adamw", False)
+    torch.manual_seed(5)
+    for _ in range(2):
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    ours, our_optimizer, _ = build("adamw", False)
+    state = af.TrainState.create(ours, our_optimizer)
+    iterations = []
+    original_iter = DataLoader.__iter__
+
+    def counting_iter(self):
+        iterations.append(self)
+        return original_iter(self)
+
+    monkeypatch.setattr(DataLoader, "__iter__", counting_iter)
+    torch.manual_seed(5)
+    state = af.run(af.train_step(loss_fn), state, loader, backend=cpu, epochs=2, progress=False)
+    assert len(iterations) == 2
+    for (name, expected), actual in zip(model.named_parameters(), state.model.parameters()):
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7, msg=name)

@@ -132,6 +132,19 @@ def test_train_state_fields_cannot_be_assigned():
     assert (state.step, later.step) == (0, 3) and later.model is state.model
 
 
+@pytest.mark.parametrize("transforms", [(), (af.accumulate(2),), (af.with_precision("fp16"),)])
+def test_transforms_state_stays_one_read_only_mapping_over_many_steps(transforms, cpu):
+    """Each step's state wraps its transforms_state once: a proxy is never nested in a proxy,
+    so a lookup costs the same at step 30 as at step 1."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.compose(*transforms)(af.train_step(loss_fn))
+    data = [(torch.randn(2, 6), torch.randn(2, 3)) for _ in range(30)]
+    state = af.run(step, state, data, backend=cpu, progress=False)
+    assert state.micro_step == 30
+    assert repr(state.transforms_state).count("mappingproxy(") == 1
+
+
 def test_train_state_create_checks_its_arguments():
     """An optimizer over foreign tensors, a scheduler of another optimizer, or a bad extra
     object are refused with a message saying what to do."""
@@ -186,3 +199,24 @@ def test_run_rejects_bad_arguments_before_touching_state(cpu):
     with pytest.raises(TypeError, match="trackers"):
         af.run(step, state, data, backend=cpu, trackers=["tb"])
     assert state.step == 0
+
+
+def test_advance_carries_every_field_it_does_not_change():
+    """The interpreter's unchecked ``_advance`` sets the four fields it is given and copies
+    every other field of TrainState, so a field added later cannot be silently dropped."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    state = af.TrainState.create(model, optimizer, scheduler=scheduler, extra={"sched": scheduler})
+    state = state.replace(epoch=2, transforms_state={"skips": af._precision.SkipCount(1, 0)})
+    new = state._advance(step=5, micro_step=7, epoch_micro_step=3, transforms_state={"x": 1})
+    changed = {"step": 5, "micro_step": 7, "epoch_micro_step": 3}
+    for field in attrs.fields(af.TrainState):
+        if field.name in changed:
+            assert getattr(new, field.name) == changed[field.name]
+        elif field.name == "transforms_state":
+            assert dict(new.transforms_state) == {"x": 1}
+            with pytest.raises(TypeError):
+                new.transforms_state["y"] = 2
+        else:
+            assert getattr(new, field.name) is getattr(state, field.name), field.name

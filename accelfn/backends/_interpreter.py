@@ -205,6 +205,7 @@ class StepFn:
             if self._graph_cut is not None:
                 self._graph_cut()
             return state._advance(
+                step=state.step,
                 micro_step=state.micro_step + 1,
                 epoch_micro_step=state.epoch_micro_step + 1,
                 transforms_state={**state.transforms_state, "window": new_window},
