@@ -361,9 +361,14 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
 
     non_blocking = device.type == "cuda"
 
-    def move(t: torch.Tensor) -> torch.Tensor:
-        # .to() would return t itself too; the comparison is cheaper than the call
+    # .to() would return t itself too; the checks are cheaper than the call (is_cpu most)
+    def move_to_cpu(t: torch.Tensor) -> torch.Tensor:
+        return t if t.is_cpu else t.to(device)
+
+    def move_to_device(t: torch.Tensor) -> torch.Tensor:
         return t if t.device == device else t.to(device, non_blocking=non_blocking)
+
+    move = move_to_cpu if device.type == "cpu" else move_to_device
 
     def place(batch: Any) -> Any:
         return map_tensors(move, batch)

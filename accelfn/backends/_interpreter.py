@@ -65,6 +65,8 @@ class Window:
 def _unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
     """``loss_fn``'s result as ``(loss, count or None, metrics, is_sum)``."""
     metrics: Mapping[str, Any] = _NO_METRICS
+    if type(out) is torch.Tensor and out.requires_grad and out.numel() == 1:  # the common case, fast
+        return out, None, metrics, False
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
             raise TypeError(
@@ -163,22 +165,40 @@ class StepFn:
                 "this step function was prepared for another TrainState's model; call "
                 "backend.prepare(step, state) for this state"
             )
-        n = self._n
-        position = state.epoch_micro_step % n
-        last = flush or position == n - 1
-        window: Window | None = state.transforms_state.get("window") if position else None
+        position = state.epoch_micro_step % self._n
+        last = flush or position == self._n - 1
         if self._cast_inputs:
             dtype = self._policy.param_dtype
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
-        samples = num_samples(batch)
+        if position or not last:
+            return self._window_part(state, batch, state.transforms_state.get("window") if position else None, last)
 
+        # A window of one micro-batch: R = C, so the backward is of the plain (mean) loss.
+        samples = num_samples(batch)
+        loss, count, user_metrics, is_sum = self._forward(batch)
+        scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
+        if is_sum:
+            reference = self._reference(count, is_sum)
+            (loss * (scale / reference)).backward()
+            correction = self._correction(reference, count, is_sum, loss)
+            mean = loss.detach() / count
+        else:
+            (loss * scale if scale != 1.0 else loss).backward()
+            correction, mean = 1.0, loss.detach()
+        return self._update(state, correction, samples, mean, user_metrics)
+
+    def _forward(self, batch: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
+        if self._autocast is not None:
+            with self._autocast(self._policy):
+                return _unpack(self._loss_fn(self._model, batch))
+        return _unpack(self._loss_fn(self._model, batch))
+
+    def _window_part(self, state: TrainState, batch: Any, window: Window | None,
+                     last: bool) -> tuple[TrainState, Mapping[str, Any]]:
+        """A micro-batch of a window of several: accumulate, and close the window if ``last``."""
+        samples = num_samples(batch)
         with _NULL if last else self._no_sync():
-            if self._autocast is not None:
-                with self._autocast(self._policy):
-                    out = self._loss_fn(self._model, batch)
-            else:
-                out = self._loss_fn(self._model, batch)
-            loss, count, user_metrics, is_sum = _unpack(out)
+            loss, count, user_metrics, is_sum = self._forward(batch)
             if count is None:
                 count = samples
             reference = window.reference if window is not None else self._reference(count, is_sum)
@@ -189,11 +209,6 @@ class StepFn:
                 (loss * coefficient).backward()
             else:
                 loss.backward()
-
-        if window is None and last:  # a window of one micro-batch: its mean is its own loss
-            mean = loss.detach() / count if is_sum else loss.detach()
-            user_means = {k: _detach(v) for k, v in user_metrics.items()} if user_metrics else _NO_METRICS
-            return self._update(state, reference, count, samples, mean, user_means, is_sum)
 
         summed = loss.detach() if is_sum else loss.detach() * count
         total_count = _add(window.count if window else None, count)
@@ -210,8 +225,9 @@ class StepFn:
                 epoch_micro_step=state.epoch_micro_step + 1,
                 transforms_state={**state.transforms_state, "window": new_window},
             ), _NO_METRICS
+        correction = self._correction(reference, total_count, is_sum, loss)
         user_means = {k: v / total_count for k, v in metric_sums.items()}
-        return self._update(state, reference, total_count, total_samples, loss_sum / total_count, user_means, is_sum)
+        return self._update(state, correction, total_samples, loss_sum / total_count, user_means)
 
     def _reference(self, count: Any, is_sum: bool) -> float | torch.Tensor:
         # Under replicate, an af.Loss's counts differ across ranks, so R must be the same
@@ -219,6 +235,14 @@ class StepFn:
         if is_sum and self._replicated:
             return 1.0
         return _math.window_reference(self._n, count)
+
+    def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
+        """``R * W / sum(C)``; an ``af.Loss``'s counts are summed over ranks (one all-reduce)."""
+        if is_sum and self._replicated:
+            global_count = self._backend.all_reduce_sum(
+                torch.as_tensor(count, dtype=torch.float64, device=loss.device))
+            return _math.window_correction(reference, self._world_size, global_count)
+        return _math.window_correction(reference, 1, count)
 
     def _add_metrics(self, window: Window | None, metrics: Mapping[str, Any], count: Any) -> Mapping[str, Any]:
         if not metrics:
@@ -228,27 +252,13 @@ class StepFn:
 
     # -- the last micro-batch of a window: sync, unscale, clip, check, update ----------
 
-    def _update(
-        self,
-        state: TrainState,
-        reference: Any,
-        count: Any,
-        samples: int,
-        loss_mean: torch.Tensor,
-        metric_means: Mapping[str, Any],
-        is_sum: bool,
-    ) -> tuple[TrainState, Mapping[str, Any]]:
+    def _update(self, state: TrainState, correction: float | torch.Tensor, samples: int, loss_mean: torch.Tensor,
+                metric_means: Mapping[str, Any]) -> tuple[TrainState, Mapping[str, Any]]:
         params = self._params
         if self._reduce_gradients is not None:
             self._reduce_gradients(params)
-        world_size, global_count = 1, count
-        if is_sum and self._replicated:
-            device = loss_mean.device
-            global_count = self._backend.all_reduce_sum(torch.as_tensor(count, dtype=torch.float64, device=device))
-            world_size = self._world_size
-        correction = _math.window_correction(reference, world_size, global_count)
         transforms_state = state.transforms_state
-        loss_scale: LossScale | None = transforms_state.get("loss_scale") if self._scaling else None
+        loss_scale: LossScale | None = transforms_state["loss_scale"] if self._scaling is not None else None
         inv_scale = correction / loss_scale.scale if loss_scale is not None else correction
 
         found_inf = None
@@ -257,46 +267,42 @@ class StepFn:
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
             _math.scale_([p.grad for p in params if p.grad is not None], inv_scale)
 
-        lr = self._optimizer.param_groups[0]["lr"]
-        metrics: dict[str, Any] = {"loss": loss_mean, **metric_means}  # this rank's window means
+        # this rank's window means, the lr this update uses, and the window's sample count
+        metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
+                                   "num_samples": samples}
+        for name, value in metric_means.items():
+            metrics[name] = _detach(value)
         if self._clip is not None:
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                params, self._clip.max_norm, self._clip.norm_type
-            )
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
 
         finite = True
-        changes: dict[str, Any] = {}
         if found_inf is not None:
             finite = not bool(found_inf.item())  # the one host sync of a guarded update
-            skips: SkipCount = transforms_state.get("skips", SkipCount()).record(finite)
-            changes["skips"] = skips
+            changes: dict[str, Any] = {"skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
             if loss_scale is not None:
                 metrics["loss_scale"] = loss_scale.scale
                 changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]
+            transforms_state = {**transforms_state, **changes}
         if finite:
             self._optimizer.step()
             if self._scheduler is not None:
                 self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
-        metrics["lr"] = lr
-        metrics["num_samples"] = samples
 
-        if "window" in transforms_state or changes:
-            merged = {k: v for k, v in transforms_state.items() if k != "window"}
-            merged.update(changes)
-            transforms_state = merged
+        if "window" in transforms_state:
+            transforms_state = {k: v for k, v in transforms_state.items() if k != "window"}
         new_state = state._advance(
-            step=state.step + (1 if finite else 0),
+            step=state.step + 1 if finite else state.step,
             micro_step=state.micro_step + 1,
             epoch_micro_step=state.epoch_micro_step + 1,
             transforms_state=transforms_state,
         )
         if self._graph_cut is not None:
             self._graph_cut()
-        if "skips" in changes:
+        if found_inf is not None:
             self._check_skips(new_state)
         return new_state, metrics
 
