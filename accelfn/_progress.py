@@ -52,14 +52,13 @@ class Progress:
                 tracker.log(values, step)
 
     def _reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
+        """The metrics as floats, averaged over ranks: one collective and one device read."""
         names = [k for k in metrics if k != "num_samples"]
-        if self._backend.world_size == 1:
-            return {k: float(metrics[k]) for k in names}
-        device = self._backend._collective_device  # noqa: SLF001 - the backend's own choice
-        stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64).to(device).reshape(())
-                               for k in names])
-        reduced = self._backend.reduce(stacked, "mean").tolist()
-        return dict(zip(names, reduced))
+        device = self._backend.collective_device
+        stacked = torch.stack([torch.as_tensor(metrics[k]).to(device, torch.float64).reshape(()) for k in names])
+        if self._backend.world_size > 1:
+            stacked = self._backend.reduce(stacked, "mean")
+        return dict(zip(names, stacked.tolist()))
 
     def close(self) -> None:
         """Closes the bar and flushes the trackers."""

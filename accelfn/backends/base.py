@@ -185,13 +185,14 @@ class Backend(abc.ABC):
 
     def _sync_ranks(self, it: Iterator[Any]) -> Iterator[Any]:
         def all_reduce_max(values: list[int]) -> list[int]:
-            t = torch.tensor(values, dtype=torch.int64, device=self._collective_device)
+            t = torch.tensor(values, dtype=torch.int64, device=self.collective_device)
             return [int(v) for v in collectives.reduce(t, "max").tolist()]
 
         return even_out(it, all_reduce_max)
 
     @property
-    def _collective_device(self) -> torch.device:
+    def collective_device(self) -> torch.device:
+        """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
 
     # -- collectives -----------------------------------------------------------------------
@@ -202,7 +203,7 @@ class Backend(abc.ABC):
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order (sizes may differ)."""
-        return collectives.gather(tensor.to(self._collective_device))
+        return collectives.gather(tensor.to(self.collective_device))
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order."""
@@ -232,16 +233,16 @@ class Backend(abc.ABC):
 
     def reduce(self, tensor: torch.Tensor, op: collectives.ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` reduced over ranks with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``."""
-        return collectives.reduce(tensor.to(self._collective_device), op)
+        return collectives.reduce(tensor.to(self.collective_device), op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``tensor`` on every rank."""
-        return collectives.broadcast(tensor.to(self._collective_device), src)
+        return collectives.broadcast(tensor.to(self.collective_device), src)
 
     def pad_across_processes(self, tensor: torch.Tensor, *, dim: int = 0, pad_index: float = 0,
                              pad_first: bool = False) -> torch.Tensor:
         """``tensor`` padded along ``dim`` to the largest size over ranks."""
-        return collectives.pad_across_processes(tensor.to(self._collective_device), dim=dim,
+        return collectives.pad_across_processes(tensor.to(self.collective_device), dim=dim,
                                                 pad_index=pad_index, pad_first=pad_first)
 
     def split_between_processes(self, inputs: Any) -> Any:
