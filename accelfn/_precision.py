@@ -18,8 +18,17 @@ POLICY_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-true")
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int (a count of optimizer updates), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
 
 
 @attrs.frozen
@@ -41,17 +50,15 @@ class DynamicScaling:
     init_scale: float = attrs.field(default=2.0**16, validator=_positive)
     growth_factor: float = attrs.field(default=2.0, validator=_positive)
     backoff_factor: float = attrs.field(default=0.5, validator=_positive)
-    growth_interval: int = attrs.field(default=2000, validator=_positive)
+    growth_interval: int = attrs.field(default=2000, validator=_positive_int)
     min_scale: float = attrs.field(default=2.0**-14, validator=_positive)
-    max_consecutive_skips: int = attrs.field(default=50, validator=_positive)
+    max_consecutive_skips: int = attrs.field(default=50, validator=_positive_int)
 
     def __attrs_post_init__(self) -> None:
         if self.growth_factor <= 1.0:
             raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
         if self.backoff_factor >= 1.0:
             raise ValueError(f"backoff_factor must be < 1, got {self.backoff_factor!r}")
-        if not isinstance(self.growth_interval, int):
-            raise TypeError(f"growth_interval must be an int, got {self.growth_interval!r}")
 
 
 @attrs.frozen
@@ -101,8 +108,9 @@ def parse_policy(name: str, scaling: DynamicScaling | None = None) -> Policy:
         return Policy(name, torch.float32, torch.float16, scaling or DynamicScaling())
     if scaling is not None:
         raise ValueError(
-            f"with_precision({name!r}) does not scale the loss; loss-scale options "
-            "(init_scale, growth_factor, backoff_factor, growth_interval) apply to 'fp16' only"
+            f"with_precision({name!r}) does not scale the loss; loss-scale options (init_scale, "
+            "growth_factor, backoff_factor, growth_interval, max_consecutive_skips) apply to "
+            "'fp16' only (use skip_nonfinite() to skip non-finite updates in other precisions)"
         )
     if name == "bf16":
         return Policy(name, torch.float32, torch.bfloat16)

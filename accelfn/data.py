@@ -11,9 +11,12 @@ global RNG (which would make a resumed run diverge).
 from __future__ import annotations
 
 import itertools
+import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 from torch.utils.data import SequentialSampler, get_worker_info
@@ -190,13 +193,25 @@ def epoch_batches(
         ValueError: a DataLoader whose sampler cannot be sharded, or ``start`` beyond the epoch.
     """
     if shard is None or world_size == 1 and not isinstance(data, DataLoader):
+        if start and isinstance(data, DataLoader) and _is_map_style(data) and not isinstance(
+                data.sampler, SequentialSampler):
+            warnings.warn(
+                f"resuming at micro-batch {start} of epoch {epoch} of a DataLoader whose "
+                f"{type(data.sampler).__name__} draws a new order on every pass: the rest of "
+                "this epoch will not be the batches the interrupted run would have read. Add "
+                "af.shard_data() to the program (it works in one process too): its shuffle is "
+                "seeded by (seed, epoch), so a resumed run continues exactly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
         return EpochBatches(_lazy_slice(data, start), num_batches=num, start=start, place=place)
     if isinstance(data, DataLoader):
         if data.batch_size is None:
             raise ValueError(
-                "shard_data() needs a DataLoader built with batch_size=...; one with a custom "
-                "batch_sampler cannot be sharded by samples"
+                "shard_data() needs a DataLoader built with batch_size=...; this one has "
+                "batch_size=None (unbatched samples, or a custom batch_sampler), which cannot be "
+                "sharded by samples"
             )
         if _is_map_style(data):
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
@@ -245,11 +260,46 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
     num_batches = full + (1 if partial and not loader.drop_last else 0)
     if start > num_batches:
         raise ValueError(f"cannot resume at micro-batch {start} of an epoch of {num_batches}")
-    sampler = _IndexSampler(indices[start * batch_size:])
     padded = shard.even_batches and not shard.drop_last and num_samples % world_size
     padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
-    rebuilt = _rebuild(loader, sampler=sampler, generator=torch.Generator().manual_seed(shard.seed + epoch))
+    generator = torch.Generator().manual_seed(shard.seed + epoch)
+    remaining = indices[start * batch_size:]
+    if loader.num_workers == 0:
+        rebuilt = _rebuild(loader, sampler=_IndexSampler(remaining), generator=generator)
+    else:  # a worker fetches each batch with its RNGs seeded by (seed, epoch, batch number)
+        keys = [(start + j // batch_size, i) for j, i in enumerate(remaining)]
+        rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch),
+                           sampler=_IndexSampler(keys), generator=generator)
     return EpochBatches(rebuilt, num_batches=num_batches, start=start, place=place, padding_ranks=padding_ranks)
+
+
+class SeededFetch(torch.utils.data.Dataset):
+    """Fetches the samples of batch ``k`` of an epoch with the RNGs seeded from ``(seed, epoch, k)``.
+
+    In DataLoader workers, random augmentation otherwise depends on which worker fetches a
+    batch and how many it fetched before, which a resumed run changes. Seeding torch,
+    ``random`` and NumPy per batch (``numpy.random.SeedSequence``) makes every batch's random
+    draws a function of its place in the epoch, so a resumed run reads the same batches,
+    whatever the number of workers. Sampler keys are ``(batch number, dataset index)``.
+    """
+
+    def __init__(self, dataset: Any, seed: int, epoch: int):
+        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        state = np.random.SeedSequence([self.seed, self.epoch, keys[0][0]]).generate_state(2)
+        torch.manual_seed(int(state[0]) << 32 | int(state[1]))
+        random.seed(int(state[0]))
+        np.random.seed(int(state[1]))
+        indices = [i for _, i in keys]
+        fetch = getattr(self.dataset, "__getitems__", None)
+        return fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
 
 
 def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]) -> Iterator[Any]:

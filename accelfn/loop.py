@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,16 +35,20 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
         raise TypeError(f"run(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
     if not isinstance(data, Iterable):
         raise TypeError(f"run() needs iterable data (a DataLoader), got {type(data).__name__}")
-    _check_count("epochs", epochs)
+    _check_count("epochs", epochs, allow_none=max_steps is not None)
     _check_count("max_steps", max_steps, allow_none=True)
     _check_count("log_every", log_every)
+    if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
+        raise TypeError(f"run(trackers=...) takes a list of trackers, e.g. trackers=[af.JSONL(...)], got {trackers!r}")
     for tracker in trackers:
         if not isinstance(tracker, Tracker):
             raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
 
 
-def _total_steps(backend: Backend, data: Any, step: Step, epochs: int, max_steps: int | None) -> int | None:
+def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, max_steps: int | None) -> int | None:
     """Optimizer updates the whole run will apply, when the data's length is known."""
+    if epochs is None:
+        return max_steps
     try:
         per_epoch = backend.batches(data, step, 0).num_batches
     except (TypeError, ValueError):
@@ -61,7 +66,7 @@ def run(
     data: Iterable[Any],
     *,
     backend: Backend,
-    epochs: int = 1,
+    epochs: int | None = 1,
     max_steps: int | None = None,
     checkpoints: Any = None,
     resume: str | os.PathLike[str] | None = None,
@@ -80,7 +85,8 @@ def run(
         state: the state to train (its model and optimizer are updated in place).
         data: a DataLoader or iterable of batches; ``shard_data`` shards it over ranks.
         backend: the backend that interprets the program, e.g. ``af.backends.auto()``.
-        epochs: total epochs of the job.
+        epochs: total epochs of the job, or None to train until ``max_steps`` alone
+            (then required). Training stops at whichever of the two limits comes first.
         max_steps: total optimizer updates of the job, or None for no limit.
         checkpoints: an ``af.Checkpoints`` policy saving during training (and on SIGTERM/
             SIGINT), or None.
@@ -96,8 +102,8 @@ def run(
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``resume="auto"``
-            without ``checkpoints``.
+        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
+            without ``max_steps``; ``resume="auto"`` without ``checkpoints``.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit.
         SystemExit: status 128 + signal number after SIGTERM or SIGINT when ``checkpoints``
@@ -113,12 +119,13 @@ def run(
         >>> state.step
         8
     """
-    trackers = tuple(trackers)
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
+    trackers = tuple(trackers)
     from accelfn import checkpoint as _checkpoint
 
     _checkpoint.check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
+    state.model.train()  # a training loop trains, also after an evaluation put the model in eval()
     state = _checkpoint.resume_state(state, checkpoints, resume, backend, program=step)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
@@ -137,9 +144,9 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             max_steps: int | None, checkpoints: Any, bar: Progress, preemption: Any) -> TrainState:
     if max_steps is not None and state.step >= max_steps:
         return state
-    while state.epoch < epochs:
+    while epochs is None or state.epoch < epochs:
         batches = backend.batches(data, step, state.epoch, start=state.epoch_micro_step)
-        finished_epoch = True
+        finished_epoch, consumed = True, state.micro_step
         for batch, last in batches:
             state, metrics = step_fn(state, batch, flush=last)
             if preemption is not None and preemption.requested():
@@ -154,8 +161,24 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 break
         else:
             finished_epoch = True
+            if state.micro_step == consumed:
+                _warn_empty_epoch(state, epochs)
+                if epochs is None:
+                    break
         if finished_epoch:
             state = state.replace(epoch=state.epoch + 1, epoch_micro_step=0)
         if max_steps is not None and state.step >= max_steps:
             break
     return state
+
+
+def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:
+    if state.epoch_micro_step:
+        return  # resumed at the very end of an epoch: nothing left to read is expected
+    warnings.warn(
+        f"epoch {state.epoch} read no batches: the data is empty, or a one-shot iterator (a "
+        "generator) that an earlier epoch exhausted; pass a DataLoader or a list to train "
+        f"{'more than one epoch' if epochs is None or epochs > 1 else 'on it'}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

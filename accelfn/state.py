@@ -34,6 +34,42 @@ def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def _check_model(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"TrainState.model must be a torch.nn.Module, got {type(value).__name__}")
+    if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        raise TypeError(
+            f"TrainState.model is wrapped in {type(value).__name__}; pass the model itself "
+            f"(model.module): af.replicate() wraps it for data parallelism"
+        )
+
+
+def _check_ownership(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    owned = {id(p) for p in model.parameters()}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise ValueError(
+                    f"optimizer param_groups[{group_index}] holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the model; build the "
+                    "optimizer from model.parameters() (a new model needs a new optimizer)"
+                )
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.Optimizer) or not hasattr(scheduler, "step") or not isinstance(
+            scheduler, Stateful):
+        raise TypeError(
+            "scheduler must be an lr scheduler of the optimizer (torch.optim.lr_scheduler), with "
+            f"step(), state_dict() and load_state_dict(); got {type(scheduler).__name__}"
+        )
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise TypeError(
+            "ReduceLROnPlateau steps on a validation metric, but accelfn steps the scheduler "
+            "once per optimizer update without arguments; keep it out of TrainState and call "
+            "scheduler.step(metric) yourself after af.evaluate (pass it in extra= to checkpoint it)"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler was built for another optimizer than the one given")
 
 
 def _check_optimizer(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -97,7 +133,8 @@ class TrainState:
             TrainState: the new state.
 
         Raises:
-            TypeError: a model, optimizer, scheduler or extra object of the wrong type.
+            TypeError: a model, optimizer, scheduler or extra object of the wrong type; a
+                model already wrapped in DistributedDataParallel (``replicate()`` wraps it).
             ValueError: the optimizer updates a tensor that is not a parameter of the model,
                 or the scheduler drives another optimizer.
 
@@ -108,38 +145,24 @@ class TrainState:
             >>> state.step
             0
         """
-        _check_model(None, attrs.fields(cls).model, model)
-        _check_optimizer(None, attrs.fields(cls).optimizer, optimizer)
-        owned = {id(p) for p in model.parameters()}
-        for group_index, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if id(p) not in owned:
-                    raise ValueError(
-                        f"optimizer param_groups[{group_index}] holds a tensor of shape "
-                        f"{tuple(p.shape)} that is not a parameter of the model; build the "
-                        "optimizer from model.parameters()"
-                    )
-        if scheduler is not None:
-            if not hasattr(scheduler, "step") or not isinstance(scheduler, Stateful):
-                raise TypeError(
-                    "scheduler must be an lr scheduler with step()/state_dict()/"
-                    f"load_state_dict(), got {type(scheduler).__name__}"
-                )
-            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-                raise ValueError("scheduler was built for another optimizer than the one given")
-        for name, obj in (extra or {}).items():
+        return cls(model, optimizer, scheduler, extra=extra or {})
+
+    def __attrs_post_init__(self) -> None:
+        _check_ownership(self.model, self.optimizer)
+        _check_scheduler(self.scheduler, self.optimizer)
+        for name, obj in self.extra.items():
             if not isinstance(name, str) or not isinstance(obj, Stateful):
                 raise TypeError(
                     f"extra[{name!r}] must be an object with state_dict() and "
                     f"load_state_dict(), got {type(obj).__name__}"
                 )
-        return cls(model, optimizer, scheduler, extra=extra or {})
 
     def replace(self, **changes: Any) -> TrainState:
-        """Returns a new record with ``changes`` applied (``attrs.evolve``).
+        """Returns a new record with ``changes`` applied (``attrs.evolve``), checked as ``create``.
 
         Raises:
-            TypeError: an unknown field name.
+            TypeError: an unknown field name, or a value of the wrong type.
+            ValueError: a model the optimizer does not update, or a counter below 0.
         """
         return attrs.evolve(self, **changes)
 

@@ -22,11 +22,29 @@ class Loss:
 
     Attributes:
         total: scalar tensor, shape ``()``: the sum of the per-item losses.
-        count: the number of items summed, an int, float or scalar tensor (> 0 over a window).
+        count: the number of items summed: an int or float >= 0, or a scalar tensor (not
+            checked on the host, which would synchronize). A window whose counts sum to 0
+            has no items, so its gradient is zero (not NaN).
+
+    Raises:
+        TypeError: ``total`` not a tensor, ``count`` not a number or tensor.
+        ValueError: ``count`` a negative number.
     """
 
-    total: torch.Tensor
-    count: int | float | torch.Tensor
+    total: torch.Tensor = attrs.field()
+    count: int | float | torch.Tensor = attrs.field()
+
+    @total.validator
+    def _check_total(self, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Loss(total=...) must be a scalar tensor (shape ()), got {type(value).__name__}")
+
+    @count.validator
+    def _check_count(self, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+            raise TypeError(f"Loss(count=...) must be a number or a scalar tensor, got {type(value).__name__}")
+        if not isinstance(value, torch.Tensor) and not value >= 0:
+            raise ValueError(f"Loss(count={value!r}): the number of items summed must be >= 0")
 
 
 LossOutput = Union[torch.Tensor, Loss, "tuple[torch.Tensor | Loss, Mapping[str, Any]]"]

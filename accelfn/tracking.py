@@ -32,6 +32,9 @@ class TensorBoard:
     Args:
         logdir: the directory of the event file (created if missing).
 
+    Raises:
+        ValueError: ``logdir`` exists and is not a directory.
+
     Example:
         >>> import accelfn as af
         >>> tracker = af.TensorBoard("runs/tb")
@@ -39,6 +42,8 @@ class TensorBoard:
 
     def __init__(self, logdir: str | os.PathLike[str]):
         self.logdir = Path(logdir)
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise ValueError(f"TensorBoard(logdir={str(logdir)!r}) is a file; give a directory for the event files")
         self._writer: Any = None
 
     def __repr__(self) -> str:
@@ -65,10 +70,15 @@ class JSONL:
 
     Args:
         path: the file (its directory is created if missing); lines are appended.
+
+    Raises:
+        ValueError: ``path`` is a directory.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"JSONL(path={str(path)!r}) is a directory; give a file path, e.g. {str(path)!r} + '/metrics.jsonl'")
         self._file: IO[bytes] | None = None
 
     def __repr__(self) -> str:

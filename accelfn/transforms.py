@@ -377,10 +377,14 @@ def compose(*transforms: Transform) -> Callable[[Step], Step]:
     """
     for t in transforms:
         if not isinstance(t, TRANSFORM_TYPES):
-            hint = " (call it: e.g. af.clip(1.0), not af.clip)" if callable(t) else ""
-            raise TypeError(f"compose() takes transforms, got {t!r}{hint}")
+            verb = getattr(t, "__name__", None)
+            hint = f" (call it: af.{verb}(...), not af.{verb})" if verb in _VERB_NAMES else ""
+            raise TypeError(f"compose() takes transforms such as af.clip(1.0), got {t!r}{hint}")
     return toolz.compose(*transforms)
 
+
+
+_VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 
 
 def check_composition(existing: tuple[Transform, ...], new: Transform) -> None:

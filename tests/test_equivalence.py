@@ -303,3 +303,25 @@ def test_unsharded_shuffled_loader_is_read_like_a_hand_written_loop(cpu, monkeyp
     assert len(iterations) == 2
     for (name, expected), actual in zip(model.named_parameters(), state.model.parameters()):
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_bad_loss_counts_are_refused_and_an_empty_window_has_zero_gradient(cpu):
+    """af.Loss refuses negative or non-numeric counts at construction; a window of 0 counted
+    items (all padding) gives a zero gradient instead of NaN parameters."""
+    total = torch.tensor(1.0, requires_grad=True)
+    with pytest.raises(ValueError, match=r"Loss\(count=-3\)"):
+        af.Loss(total=total, count=-3)
+    with pytest.raises(TypeError, match="count"):
+        af.Loss(total=total, count="3")
+    with pytest.raises(TypeError, match="total"):
+        af.Loss(total=1.0, count=3)
+
+    for count in (0, torch.tensor(0)):
+        torch.manual_seed(0)
+        model = TokenModel()
+        before = model.proj.weight.detach().clone()
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        step = af.train_step(lambda m, b, c=count: af.Loss(total=(m(b[0]) * 0).sum(), count=c))
+        state = af.run(step, state, [(torch.randn(3, 4), None)], backend=cpu, progress=False)
+        assert state.step == 1
+        assert torch.equal(model.proj.weight, before)

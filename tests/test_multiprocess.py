@@ -191,3 +191,12 @@ def test_one_tensorboard_file_from_rank_zero_with_reduced_values(mp: dict[str, A
         expected = [metrics[name] for _, metrics in record.points]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected, dtype=torch.float32),
                                    rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_replicate_over_unequal_per_rank_data_fails_before_training(mp: dict[str, Any]) -> None:
+    """Ranks whose own data have 3 and 5 batches under replicate() get a ValueError naming the
+    fix on every rank before any update, instead of a collective timeout."""
+    for r in mp["json"]:
+        assert "between 3 and 5 batches per epoch" in r["unequal_error"]
+        assert "af.shard_data()" in r["unequal_error"]
+        assert r["unequal_untouched"]

@@ -42,3 +42,62 @@ def test_jsonl_and_tensorboard_log_per_update(tmp_path, cpu, num_micro_batches):
     scalars = read_scalars(event_file)
     assert [s for s, _ in scalars["loss"]] == [2, 4, 6, 8]
     assert [v for _, v in scalars["loss"]] == pytest.approx([line["loss"] for line in lines], rel=1e-6)
+
+
+def test_run_trains_in_train_mode_after_an_evaluation(cpu):
+    """``run`` puts the model in train mode, so dropout is active again after ``model.eval()``."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 3), torch.nn.Dropout(0.5))
+    modes = []
+
+    def observed(m, batch):
+        modes.append(m.training)
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,)))] * 2
+    for epochs in (1, 2):
+        state = af.run(af.train_step(observed), state, data, backend=cpu, epochs=epochs, progress=False)
+        state.model.eval()
+    assert modes == [True, True, True, True]
+
+
+def test_max_steps_alone_with_epochs_none(cpu):
+    """``epochs=None`` trains by steps alone, over as many epochs as ``max_steps`` needs."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,)))] * 3
+    state = af.run(af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])), state, data, backend=cpu,
+                   epochs=None, max_steps=7, progress=False)
+    assert (state.step, state.epoch, state.epoch_micro_step) == (7, 2, 1)
+    with pytest.raises(TypeError, match=r"epochs=\.\.\.\) must be an int, got None"):
+        af.run(af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])), state, data, backend=cpu, epochs=None)
+
+
+def test_empty_and_exhausted_data_warn(cpu):
+    """An epoch that reads no batch (empty data, or a generator spent by an earlier epoch) warns."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    with pytest.warns(RuntimeWarning, match="epoch 0 read no batches"):
+        af.run(step, state, [], backend=cpu, progress=False)
+    one_shot = ((torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(2))
+    with pytest.warns(RuntimeWarning, match="epoch 1 read no batches.*one-shot iterator"):
+        state = af.run(step, state, one_shot, backend=cpu, epochs=2, progress=False)
+    assert state.step == 2
+
+
+def test_trackers_must_be_a_list(tmp_path, cpu):
+    """A single tracker instead of a list is refused before training, with the fix."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"trackers=\[af.JSONL"):
+        af.run(af.train_step(lambda m, b: m(b).sum()), state, [], backend=cpu, trackers=af.JSONL(tmp_path / "m"))
+
+
+def test_tracker_paths_are_checked_when_built(tmp_path):
+    """A JSONL path that is a directory, or a TensorBoard logdir that is a file, fails at once."""
+    with pytest.raises(ValueError, match="is a directory"):
+        af.JSONL(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        af.TensorBoard(tmp_path / "file")

@@ -32,6 +32,7 @@ def loss_fn(model, batch):
         (lambda: af.with_precision("bf16", init_scale=8.0), r"apply to 'fp16' only"),
         (lambda: af.with_precision("fp16", growth_factor=0.5), r"growth_factor must be > 1"),
         (lambda: af.with_precision("fp16", backoff_factor=2.0), r"backoff_factor must be < 1"),
+        (lambda: af.with_precision("bf16", max_consecutive_skips=5), r"max_consecutive_skips\) apply to 'fp16' only"),
         (lambda: af.skip_nonfinite(max_consecutive_skips=0), r"max_consecutive_skips=0"),
         (lambda: af.shard_data(seed=-1), r"seed must be >= 0"),
         (lambda: af.replicate(bucket_cap_mb=0), r"bucket_cap_mb"),
@@ -53,6 +54,8 @@ def test_bad_values_fail_at_construction(make, message):
         lambda: af.with_precision(16),
         lambda: af.shard_data(drop_last=1),
         lambda: af.replicate(static_graph="yes"),
+        lambda: af.with_precision("fp16", max_consecutive_skips=1.5),
+        lambda: af.with_precision("fp16", growth_interval=True),
     ],
 )
 def test_wrong_types_fail_at_construction(make):
@@ -86,8 +89,10 @@ def test_duplicates_and_conflicts_raise_transform_error():
 
 def test_compose_rejects_non_transforms():
     """Passing the verb instead of calling it is a TypeError that says how to fix it."""
-    with pytest.raises(TypeError, match=r"call it: e.g. af.clip\(1.0\)"):
+    with pytest.raises(TypeError, match=r"call it: af.clip\(...\), not af.clip"):
         af.compose(af.clip)
+    with pytest.raises(TypeError, match=r"takes transforms such as af.clip\(1.0\), got <function loss_fn"):
+        af.compose(loss_fn)
     with pytest.raises(TypeError, match="transforms a Step"):
         af.clip(1.0)(loss_fn)
 
@@ -169,6 +174,10 @@ def test_train_state_create_checks_its_arguments():
         (lambda m, b: 1.0, ValueError, "got float"),
         (lambda m, b: F.mse_loss(m(b[0]), b[1]).detach(), ValueError, "does not require grad"),
         (lambda m, b: (F.mse_loss(m(b[0]), b[1]), 2.0, {}), TypeError, "tuple of 3 items"),
+        (lambda m, b: (F.mse_loss(m(b[0]), b[1]), 0.5), TypeError, "tuple whose second item is a float"),
+        (lambda m, b: (F.mse_loss(m(b[0]), b[1]), {"loss": 1.0}), ValueError, "metric named 'loss'"),
+        (lambda m, b: (F.mse_loss(m(b[0]), b[1]), {"err": m(b[0])}), ValueError, r"metric 'err' is a tensor of shape \(4, 3\)"),
+        (lambda m, b: (F.mse_loss(m(b[0]), b[1]), {"note": "x"}), TypeError, "metric 'note' must be a number"),
     ],
 )
 def test_bad_loss_values_are_named(loss, error, message, cpu):
@@ -220,3 +229,19 @@ def test_advance_carries_every_field_it_does_not_change():
                 new.transforms_state["y"] = 2
         else:
             assert getattr(new, field.name) is getattr(state, field.name), field.name
+
+
+def test_train_state_checks_hold_for_replace_and_the_scheduler():
+    """``replace`` checks the model against the optimizer as ``create`` does; an optimizer,
+    a ReduceLROnPlateau or a DataParallel-wrapped model is refused with the fix."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = af.TrainState.create(model, optimizer)
+    with pytest.raises(ValueError, match="a new model needs a new optimizer"):
+        state.replace(model=make_mlp())
+    with pytest.raises(TypeError, match="scheduler must be an lr scheduler"):
+        af.TrainState.create(model, optimizer, scheduler=optimizer)
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau steps on a validation metric.*scheduler.step\(metric\)"):
+        af.TrainState.create(model, optimizer, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    with pytest.raises(TypeError, match=r"wrapped in DataParallel; pass the model itself \(model.module\)"):
+        af.TrainState.create(torch.nn.DataParallel(model), optimizer)

@@ -69,11 +69,13 @@ def _unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
         return out, None, metrics, False
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], Mapping):
+            what = f"of {len(out)} items" if len(out) != 2 else f"whose second item is a {type(out[1]).__name__}"
             raise TypeError(
                 "loss_fn returned a tuple; it must be (loss, metrics) with metrics a mapping "
-                f"of name to scalar, got a tuple of {len(out)} items"
+                f"of name to scalar (a dict), got a tuple {what}"
             )
         out, metrics = out
+        _check_metrics(metrics)
     if isinstance(out, Loss):
         total, count = out.total, out.count
         is_sum = True
@@ -91,6 +93,27 @@ def _unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
             "model's trainable parameters (was it detached, or computed under torch.no_grad()?)"
         )
     return total, count, metrics, is_sum
+
+
+#: metric names the step and ``run`` report themselves
+RESERVED_METRICS = frozenset({"loss", "lr", "num_samples", "grad_norm", "loss_scale", "skipped", "samples_per_s"})
+
+
+def _check_metrics(metrics: Mapping[str, Any]) -> None:
+    for name, value in metrics.items():
+        if name in RESERVED_METRICS:
+            raise ValueError(
+                f"loss_fn returned a metric named {name!r}, which accelfn reports itself; "
+                f"rename it (reserved: {', '.join(sorted(RESERVED_METRICS))})"
+            )
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"loss_fn's metric {name!r} is a tensor of shape {tuple(value.shape)}; metrics "
+                    "must be scalars: reduce it, e.g. .mean()"
+                )
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"loss_fn's metric {name!r} must be a number or a scalar tensor, got {value!r}")
 
 
 def _add(acc: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:

@@ -171,13 +171,31 @@ class Backend(abc.ABC):
             start: micro-batches of this epoch already consumed (skipped).
 
         Raises:
-            ValueError: data that ``shard_data`` cannot shard (the message says why).
+            ValueError: data that ``shard_data`` cannot shard (the message says why), or,
+                under ``replicate()`` without ``shard_data()``, ranks whose data have
+                different numbers of batches (their gradient all-reduces could never pair up).
         """
+        shard = step.find(ShardData)
         self._active = epoch_batches(
-            data, step.find(ShardData), rank=self.rank, world_size=self.world_size, epoch=epoch,
+            data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch,
             start=start, place=self.place, sync=self._sync_ranks,
         )
+        if shard is None and self.world_size > 1 and step.find(Replicate) is not None:
+            self._check_same_length(self._active.num_batches)
         return self._active
+
+    def _check_same_length(self, num_batches: int | None) -> None:
+        """One collective: every rank must have the same number of batches (or all unknown)."""
+        n = -1 if num_batches is None else num_batches
+        t = torch.tensor([n, -n], dtype=torch.int64, device=self.collective_device)
+        longest, shortest = (int(v) for v in collectives.reduce(t, "max").tolist())
+        shortest = -shortest
+        if longest != shortest:
+            raise ValueError(
+                f"under replicate() every rank must run the same number of micro-batches, but the "
+                f"ranks' data have between {shortest} and {longest} batches per epoch (-1: unknown); "
+                "add af.shard_data() to split one dataset evenly over the ranks"
+            )
 
     def place(self, batch: Any) -> Any:
         """``batch`` with every tensor moved to this backend's device."""

@@ -144,6 +144,20 @@ def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) 
     tensors.update(P.parameters(state, "tokens."))
 
 
+def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> None:
+    """replicate() without shard_data over per-rank lists of 3 and 5 batches is refused up front."""
+    step = af.replicate()(af.train_step(P.mse))
+    data = [batch for batch in DataLoader(P.regression_data(4 * (3 + 2 * backend.rank)), batch_size=4)]
+    state = P.make_state()
+    before = [p.detach().clone() for p in state.model.parameters()]
+    try:
+        af.run(step, state, data, backend=backend, progress=False)
+        results["unequal_error"] = None
+    except ValueError as e:
+        results["unequal_error"] = str(e)
+    results["unequal_untouched"] = all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
+
+
 def tensorboard(backend: af.backends.Backend, out: Path) -> None:
     """Acceptance 7: a run with a TensorBoard tracker on every rank."""
     P.train_case("e2_acc2_clip", backend, P.PER_RANK_BATCH, trackers=(af.TensorBoard(out / "tb"),))
@@ -162,6 +176,7 @@ def main() -> None:
     collectives_and_evaluate(backend, results, tensors)
     count_allreduces(results)
     loss_counts(backend, tensors)
+    unequal_lengths(backend, results)
     tensorboard(backend, args.out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
