@@ -410,17 +410,16 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
     from accelfn._tree import map_tensors
 
     non_blocking = device.type == "cuda"
+    # checking is cheaper than .to(), which would return the tensor itself (is_cpu most)
+    here: Callable[[torch.Tensor], bool] = (
+        (lambda t: t.is_cpu) if device.type == "cpu" else (lambda t: t.device == device))
 
-    # .to() would return t itself too; the checks are cheaper than the call (is_cpu most)
-    def move_to_cpu(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_cpu else t.to(device)
-
-    def move_to_device(t: torch.Tensor) -> torch.Tensor:
-        return t if t.device == device else t.to(device, non_blocking=non_blocking)
-
-    move = move_to_cpu if device.type == "cpu" else move_to_device
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t if here(t) else t.to(device, non_blocking=non_blocking)
 
     def place(batch: Any) -> Any:
+        if type(batch) is tuple and all(type(t) is torch.Tensor and here(t) for t in batch):
+            return batch  # the common case: a tuple of tensors already there, kept as is
         return map_tensors(move, batch)
 
     return place

@@ -51,7 +51,11 @@ class Window:
         reference: ``R``, the backward divisor fixed at the window's first micro-batch.
         count: items (samples, or an ``af.Loss``'s counts) seen so far on this rank.
         num_samples: samples seen so far on this rank.
-        loss_sum: the detached sum of the summed losses ``S_i``, for the logged loss.
+        loss_sum: the detached sum of the summed losses ``S_i`` in units of ``unit``, for
+            the logged loss (``loss_sum * unit / count`` is the window's mean).
+        unit: the weight one unit of ``loss_sum`` stands for: the first micro-batch's
+            sample count for a mean loss (so equal micro-batches add without multiplying),
+            1 for an ``af.Loss``.
         metric_sums: the detached, count-weighted sums of the user's metrics.
     """
 
@@ -59,6 +63,7 @@ class Window:
     count: float | torch.Tensor
     num_samples: int
     loss_sum: torch.Tensor
+    unit: float = 1.0
     metric_sums: Mapping[str, torch.Tensor | float] = attrs.field(factory=dict)
 
 
@@ -172,9 +177,7 @@ class StepFn:
         replicated = step.find(Replicate) is not None and backend.world_size > 1
         self._replicated = replicated
         self._world_size = backend.world_size if replicated else 1
-        self._no_sync: Callable[[], Any] = (
-            backend.no_sync(model) if replicated else contextlib.nullcontext
-        )
+        self._no_sync: Callable[[], Any] = backend.no_sync(model) if replicated else lambda: _NULL
         self._autocast = backend.autocast if self._policy.autocast else None
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
@@ -233,13 +236,21 @@ class StepFn:
             else:
                 loss.backward()
 
-        summed = loss.detach() if is_sum else loss.detach() * count
+        # the logged loss: one tensor op per micro-batch (S_i in units of the first weight)
+        if window is None:
+            unit, loss_sum = (1.0 if is_sum else max(count, 1)), loss.detach()
+        else:
+            unit, weight = window.unit, (1.0 if is_sum else count / window.unit)
+            loss_sum = (
+                window.loss_sum + loss.detach()
+                if weight == 1.0
+                else window.loss_sum.add(loss.detach(), alpha=weight)
+            )
         total_count = _add(window.count if window else None, count)
-        loss_sum = _add(window.loss_sum if window else None, summed)
         metric_sums = self._add_metrics(window, user_metrics, count)
         total_samples = samples + (window.num_samples if window else 0)
         if not last:
-            new_window = Window(reference, total_count, total_samples, loss_sum, metric_sums)
+            new_window = Window(reference, total_count, total_samples, loss_sum, unit, metric_sums)
             if self._graph_cut is not None:
                 self._graph_cut()
             return state._advance(
@@ -250,7 +261,8 @@ class StepFn:
             ), _NO_METRICS
         correction = self._correction(reference, total_count, is_sum, loss)
         user_means = {k: v / total_count for k, v in metric_sums.items()}
-        return self._update(state, correction, total_samples, loss_sum / total_count, user_means)
+        mean_loss = loss_sum * (unit / total_count)
+        return self._update(state, correction, total_samples, mean_loss, user_means)
 
     def _reference(self, count: Any, is_sum: bool) -> float | torch.Tensor:
         # Under replicate, an af.Loss's counts differ across ranks, so R must be the same
