@@ -5,11 +5,18 @@ but the tensors: versions, the world size, counters, each rank's RNG states and 
 states as plain data, the optimizer/scheduler/``extra`` skeletons whose tensors are
 references into the ``.safetensors`` files, the program's transforms, and the sha256 of
 every tensor file. Tensors live in the files; nothing in a checkpoint is a pickle.
+
+The manifest's own sha256 is in ``manifest.sha256`` (one line as ``sha256sum`` writes it,
+so ``sha256sum -c manifest.sha256`` checks it too), written just before the manifest and
+verified before the manifest is parsed. Format version 1 had no such file; its checkpoints
+load without that check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +28,11 @@ from cattrs.preconf.orjson import make_converter
 
 from accelfn._errors import CheckpointError
 
-FORMAT_VERSION = 1
+#: 2: manifest.sha256 added (version 1 checkpoints still load)
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+CHECKSUM = "manifest.sha256"
+_SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
 
 
 @attrs.frozen
@@ -106,37 +116,84 @@ def loads(data: bytes, cls: type) -> Any:
         raise CheckpointError(f"not a valid accelfn {cls.__name__}: {detail}") from None
 
 
-def write(directory: Path, manifest: Manifest) -> None:
-    """Writes ``manifest.json`` into ``directory`` durably and atomically (write, fsync, rename)."""
-    part = directory / (MANIFEST + ".part")
+def _write_durably(path: Path, data: bytes) -> None:
+    part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
-        f.write(dumps(manifest))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(part, directory / MANIFEST)
+    os.replace(part, path)
+
+
+def write(directory: Path, manifest: Manifest) -> None:
+    """Writes ``manifest.sha256``, then ``manifest.json``, into ``directory``, each durably
+    and atomically (write, fsync, rename)."""
+    data = dumps(manifest)
+    _write_durably(directory / CHECKSUM, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
+    _write_durably(directory / MANIFEST, data)
+
+
+def _expected_sha256(directory: Path) -> str | None:
+    """The manifest's sha256 as ``manifest.sha256`` gives it, or None without that file."""
+    path = directory / CHECKSUM
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the manifest's checksum ({e})") from None
+    match = _SHA256.match(text)
+    if match is None:
+        raise CheckpointError(f"{path}: not a sha256 line for {MANIFEST} (\"<64 hex digits>  {MANIFEST}\"); "
+                              "the file is corrupted")
+    return match[1]
+
+
+def _check(path: Path, manifest: Manifest) -> None:
+    if manifest.world_size < 1 or manifest.world_size != len(manifest.ranks):
+        raise CheckpointError(f"{path}: world_size {manifest.world_size} with {len(manifest.ranks)} rank "
+                              "entries; the manifest is inconsistent")
+    for name, entry in manifest.files.items():
+        if entry.rank is not None and not 0 <= entry.rank < manifest.world_size:
+            raise CheckpointError(f"{path}: files.{name}.rank is {entry.rank}, outside the world of "
+                                  f"{manifest.world_size}")
 
 
 def read(directory: Path) -> Manifest:
-    """The manifest of the checkpoint in ``directory``.
+    """The manifest of the checkpoint in ``directory``, verified against ``manifest.sha256``.
 
     Raises:
-        CheckpointError: no manifest, an unreadable one, or a newer format version.
+        CheckpointError: no manifest, an unreadable one, one whose sha256 differs from
+            ``manifest.sha256`` or without that file (from format version 2 on), an
+            inconsistent one, or a newer format version.
     """
     path = directory / MANIFEST
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read the manifest ({e.strerror})") from None
+    expected = _expected_sha256(directory)
+    digest = hashlib.sha256(data).hexdigest()
+    if expected is not None and digest != expected:
+        raise CheckpointError(
+            f"{path}: sha256 {digest} does not match {expected} in {CHECKSUM}; the manifest is "
+            "corrupted or was changed after the checkpoint was written"
+        )
     try:
         version = orjson.loads(data).get("format_version")
     except (orjson.JSONDecodeError, AttributeError):
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
             f"{FORMAT_VERSION} (upgrade accelfn to load it)"
         )
+    if expected is None and version >= 2:
+        raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "
+                              f"has the sha256 of its {MANIFEST} in it; the checkpoint is incomplete")
     try:
-        return loads(data, Manifest)
+        manifest = loads(data, Manifest)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    _check(path, manifest)
+    return manifest

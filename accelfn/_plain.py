@@ -6,7 +6,12 @@ accumulation window). ``Encoder.encode`` turns a tree into JSON-compatible data 
 every tensor is replaced by a reference ``{"__tensor__": key}`` into a table of tensors
 (written to ``.safetensors`` files); ``decode`` is the inverse. JSON cannot tell a tuple
 from a list, an int key from a str key, or write inf/NaN, so those are tagged. Nothing is
-ever unpickled: a record is rebuilt only if its class is an ``attrs`` class of accelfn.
+ever unpickled: a record is rebuilt only if its class is an ``attrs`` class of accelfn and
+each field has the type its annotation names.
+
+Loading checks a decoded tree before it replaces anything: ``field_problems`` against a
+record's annotations, ``mismatches`` against the live value it is loaded over (an edited
+``"lr": "fast"`` where the optimizer has a float).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import copy
 import importlib
 import math
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -147,24 +154,48 @@ def _join(prefix: str, key: Any) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def decode(plain: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def _child(path: str, key: Any) -> str:
+    """The path of ``tree[key]`` in messages: ``a.b`` for a str key, ``a[0]`` for another."""
+    return _join(path, key) if isinstance(key, str) else f"{path}[{key!r}]"
+
+
+def decode(plain: Any, tensors: Mapping[str, torch.Tensor], path: str = "") -> Any:
     """The tree ``plain`` encodes, its tensor references looked up in ``tensors``.
 
+    Records are rebuilt only once each field has the type its annotation names
+    (:func:`field_problems`).
+
+    Args:
+        plain: JSON data written by :meth:`Encoder.encode`.
+        tensors: the tensor table its references point into.
+        path: where ``plain`` sits (``"optimizer"``, ``"ranks[0].rng"``), for messages.
+
     Raises:
-        CheckpointError: a reference to a tensor no file holds, an unknown tag, or a record
-            class that is not accelfn's.
+        CheckpointError: naming the path of the value: a reference to a tensor no file
+            holds, a malformed tagged value, a record class that is not accelfn's, or a
+            record field of the wrong type.
     """
     if isinstance(plain, list):
-        return [decode(v, tensors) for v in plain]
+        return [decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain)]
     if not isinstance(plain, dict):
         return plain
     tag = next(iter(plain), None) if len(plain) in (1, 2) else None
+    if tag not in _TAGS:
+        return {k: decode(v, tensors, _join(path, k)) for k, v in plain.items()}
+    try:
+        return _decode_tagged(tag, plain, tensors, path)
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+        raise CheckpointError(f"{path or 'the root'}: a malformed {tag} value {_short(plain)} ({e})") from None
+
+
+def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.Tensor], path: str) -> Any:
     if tag == TENSOR:
-        return _lookup(tensors, plain[TENSOR])
+        return _lookup(tensors, plain[TENSOR], path)
     if tag == TUPLE:
-        return tuple(decode(v, tensors) for v in plain[TUPLE])
+        return tuple(decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain[TUPLE]))
     if tag == DICT:
-        return {decode(k, tensors): decode(v, tensors) for k, v in plain[DICT]}
+        items = [(decode(k, tensors, path), v) for k, v in plain[DICT]]
+        return {k: decode(v, tensors, _child(path, k)) for k, v in items}
     if tag == FLOAT:
         return float(plain[FLOAT])
     if tag == INT:
@@ -172,36 +203,143 @@ def decode(plain: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == BYTES:
         return bytes.fromhex(plain[BYTES])
     if tag == NDARRAY:
-        return _lookup(tensors, plain[NDARRAY]).numpy()
+        return _lookup(tensors, plain[NDARRAY], path).numpy()
     if tag == NUMPY:
         dtype, value = plain[NUMPY]
-        return np.dtype(dtype).type(decode(value, tensors))
-    if tag == RECORD:
-        cls = _record_class(plain[RECORD])
-        fields = {k: decode(v, tensors) for k, v in plain["fields"].items()}
-        try:
-            return cls(**fields)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"cannot rebuild a {plain[RECORD]} from the fields {sorted(fields)}: {e}") from None
-    return {k: decode(v, tensors) for k, v in plain.items()}
-
-
-def _lookup(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+        return np.dtype(dtype).type(decode(value, tensors, path))
+    cls = _record_class(plain[RECORD], path)
+    if not isinstance(plain["fields"], dict):
+        raise TypeError("its fields are not a mapping")
+    fields = {k: decode(v, tensors, _join(path, k)) for k, v in plain["fields"].items()}
+    problems = field_problems(cls, fields, {name: _join(path, name) for name in fields})
+    if problems:
+        raise CheckpointError("; ".join(problems))
     try:
-        return tensors[key]
-    except KeyError:
-        raise CheckpointError(f"the manifest refers to tensor {key!r}, which no tensor file holds") from None
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot rebuild a {plain[RECORD]} from the fields {sorted(fields)}: "
+                              f"{e}") from None
 
 
-def _record_class(name: str) -> type:
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe(value: Any) -> str:
+    """``value`` in a message: short, with its type (``'fast' (a str)``, ``a tensor of shape (3,)``)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape}"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    name = type(value).__name__
+    return f"{_short(value)} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
+
+
+def _type_name(kind: Any) -> str:
+    if isinstance(kind, type):
+        return kind.__name__
+    return str(kind).replace("typing.", "").replace("collections.abc.", "").replace("NoneType", "None")
+
+
+def conforms(value: Any, kind: Any) -> bool:
+    """True if ``value`` has the type annotation ``kind``: classes, ``X | Y``, ``tuple[X, ...]``,
+    ``tuple[X, Y]`` (a list is taken for a tuple: JSON has no tuples), ``Mapping[K, V]``;
+    ``float`` takes an int, ``int`` never takes a bool; other annotations are taken as met."""
+    if kind is Any:
+        return True
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, option) for option in args)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
+    if origin in (Mapping, dict) or kind in (Mapping, dict):
+        key, item = args or (Any, Any)
+        return isinstance(value, Mapping) and all(conforms(k, key) and conforms(v, item) for k, v in value.items())
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+def field_problems(cls: type, fields: Mapping[str, Any], paths: Mapping[str, str]) -> list[str]:
+    """``path: value, must be <annotation>`` for each of ``fields`` (values for the attrs
+    class ``cls``) that does not have its field's type; ``paths`` names each field."""
+    try:
+        kinds = {f.name: f.type for f in attrs.fields(attrs.resolve_types(cls))}
+    except NameError:  # an annotation this module cannot see: the class checks its own fields
+        return []
+    return [f"{paths.get(name, name)}: {describe(value)}, must be {_type_name(kinds[name])}"
+            for name, value in fields.items() if name in kinds and not conforms(value, kinds[name])]
+
+
+def _kind(value: Any) -> str | None:
+    """The kind of value ``mismatches`` compares; None for None and for other objects."""
+    if value is None:
+        return None
+    for kind, classes in (("bool", bool), ("number", (int, float, np.number)), ("str", str), ("bytes", bytes),
+                          ("tensor", (torch.Tensor, np.ndarray)), ("mapping", Mapping), ("sequence", (list, tuple))):
+        if isinstance(value, classes):
+            return kind
+    return "record" if attrs.has(type(value)) else None
+
+
+def _scalar(value: Any) -> bool:
+    """True for a number or a one-element tensor or array."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return not isinstance(value, np.ndarray) or value.size == 1
+
+
+def mismatches(saved: Any, live: Any, path: str, source: str) -> list[str]:
+    """Where the tree ``saved`` (from ``source``) cannot replace ``live``, the value it is
+    loaded over: values of other kinds (a str where a number is, a bool where a str is),
+    tensors of other shapes, records of other classes. None fits anything either way, a
+    number and a one-element tensor fit each other, mappings are compared at their common
+    keys and sequences at their common positions; objects of other types are not compared.
+    """
+    a, b = _kind(saved), _kind(live)
+    if a is None or b is None:
+        return []
+    if a != b:
+        if {a, b} == {"number", "tensor"} and _scalar(saved) and _scalar(live):
+            return []
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+    if a == "tensor" and tuple(saved.shape) != tuple(live.shape):
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+    if a == "mapping":
+        return [p for k in saved if k in live for p in mismatches(saved[k], live[k], _child(path, k), source)]
+    if a == "sequence":
+        return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(x, y, f"{path}[{i}]", source)]
+    if a == "record":
+        if type(saved) is not type(live):
+            return [f"{path}: a {type(saved).__name__} in {source}, a {type(live).__name__} here"]
+        return [p for f in attrs.fields(type(saved)) if f.init
+                for p in mismatches(getattr(saved, f.name), getattr(live, f.name), _join(path, f.name), source)]
+    return []
+
+
+def _lookup(tensors: Mapping[str, torch.Tensor], key: str, path: str) -> torch.Tensor:
+    if not isinstance(key, str) or key not in tensors:
+        raise CheckpointError(f"{path}: refers to tensor {key!r}, which no tensor file holds")
+    return tensors[key]
+
+
+def _record_class(name: str, path: str) -> type:
     module, _, qualname = name.rpartition(".")
     if module != "accelfn" and not module.startswith("accelfn."):
-        raise CheckpointError(f"the checkpoint holds a record of class {name!r}; only accelfn's records can be loaded")
+        raise CheckpointError(f"{path}: a record of class {name!r}; only accelfn's records can be loaded")
     try:
         cls = getattr(importlib.import_module(module), qualname)
     except (ImportError, AttributeError):
-        raise CheckpointError(f"the checkpoint holds a record of class {name!r}, which this accelfn "
-                              "does not have") from None
+        raise CheckpointError(f"{path}: a record of class {name!r}, which this accelfn does not have") from None
     if not (isinstance(cls, type) and attrs.has(cls)):
-        raise CheckpointError(f"{name!r} in the checkpoint is not an accelfn record")
+        raise CheckpointError(f"{path}: {name!r} is not an accelfn record")
     return cls

@@ -58,8 +58,54 @@ def capture() -> RngState:
     )
 
 
+#: bytes of a CUDA generator's state: its seed (uint64) and Philox offset (int64), as
+#: ``CUDAGeneratorImpl::get_state`` writes them; the live size is used once CUDA is initialized
+_CUDA_STATE_BYTES = 16
+
+
+def _cuda_state_bytes(device: int) -> int:
+    if torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state(device).numel()
+    return _CUDA_STATE_BYTES
+
+
+def problems(rng: RngState) -> list[str]:
+    """Every way ``rng`` is not a state that ``restore`` can set (empty if it is one).
+
+    Each state is tried on a scratch generator of the same kind (the global generators are
+    not touched, and CUDA is not initialized): a state that passes here cannot fail in
+    ``restore``. CUDA states are checked for the devices ``restore`` would set.
+    """
+    found = []
+    try:
+        torch.Generator().set_state(_tensor(rng.torch_cpu))
+    except (TypeError, ValueError, RuntimeError) as e:
+        found.append(f"torch_cpu: not a state of torch's CPU generator ({e})")
+    count = min(len(rng.torch_cuda), torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    for device, state in enumerate(rng.torch_cuda[:count]):
+        try:
+            size = len(bytes.fromhex(state))
+        except (TypeError, ValueError) as e:
+            found.append(f"torch_cuda[{device}]: not a generator state in hex ({e})")
+            continue
+        if size != _cuda_state_bytes(device):
+            found.append(f"torch_cuda[{device}]: {size} bytes; the state of a CUDA generator has "
+                         f"{_cuda_state_bytes(device)}")
+    try:
+        version, internal, gauss_next = rng.python
+        random.Random().setstate((version, tuple(internal), gauss_next))
+    except (TypeError, ValueError, OverflowError) as e:
+        found.append(f"python: not a state of Python's random ({e})")
+    try:
+        name, keys, pos, has_gauss, cached = rng.numpy
+        np.random.RandomState(0).set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    except (TypeError, ValueError, OverflowError) as e:
+        found.append(f"numpy: not a state of NumPy's RandomState ({e})")
+    return found
+
+
 def restore(rng: RngState) -> None:
-    """Sets the global generators to ``rng``.
+    """Sets the global generators to ``rng`` (check it first with ``problems``).
 
     CUDA states are restored for the devices both the snapshot and this process have (a
     snapshot taken on GPUs restores on a CPU-only machine, leaving CUDA alone).

@@ -3,7 +3,8 @@
 Files: ``model.safetensors`` (the unwrapped model's tensors under their own names, tied
 weights once), ``state.safetensors`` (optimizer, scheduler and ``extra`` tensors),
 ``rank_00000.safetensors``, ... (tensors that differ per rank: open-window gradients and
-transform-state tensors; written only when there are any), and ``manifest.json`` last.
+transform-state tensors; written only when there are any), then ``manifest.sha256`` and
+``manifest.json`` last.
 
 What differs per rank (RNG states, transform states, open-window gradients) travels to the
 writer as bytes in a uint8 tensor over the backend's own collectives: a JSON header (the
@@ -24,7 +25,7 @@ import torch
 from accelfn import _manifest, _tensorfiles
 from accelfn._errors import CheckpointError
 from accelfn._manifest import Manifest, RankEntry
-from accelfn._plain import Encoder, decode
+from accelfn._plain import Encoder, decode, field_problems
 from accelfn._snapshot import TRANSIENT, Snapshot
 
 if TYPE_CHECKING:
@@ -127,7 +128,20 @@ def _table(name: str) -> str:
 
 def opens_window(entry: RankEntry) -> bool:
     """True if the rank saved mid-accumulation-window (gradients not yet applied)."""
-    return bool(entry.grads) or any(key in TRANSIENT for key in entry.transforms_state)
+    return bool(entry.grads) or isinstance(entry.transforms_state, dict) and any(
+        key in TRANSIENT for key in entry.transforms_state)
+
+
+def section(manifest: Manifest, rank: int) -> int:
+    """The rank whose entry ``rank`` restores: its own, or rank 0's when the checkpoint was
+    written by fewer processes."""
+    return rank if rank < manifest.world_size else 0
+
+
+def field_names(section: int) -> dict[str, str]:
+    """Where each Snapshot field of rank ``section`` is in the manifest: ``"optimizer"``,
+    ``"ranks[1].rng"``, ..."""
+    return {name: name for name in SHARED} | {name: f"ranks[{section}].{name}" for name in PER_RANK}
 
 
 def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> Snapshot:
@@ -137,8 +151,10 @@ def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> 
     was written by fewer processes.
 
     Raises:
-        CheckpointError: a missing, truncated or corrupted file, or a world size other than
-            the writer's for a checkpoint saved mid-accumulation-window.
+        CheckpointError: a missing, truncated or corrupted file, a value of the manifest
+            that does not decode (the message names the field, such as
+            ``ranks[0].transforms_state.loss_scale.scale``), or a world size other than the
+            writer's for a checkpoint saved mid-accumulation-window.
     """
     if world_size != manifest.world_size and any(opens_window(e) for e in manifest.ranks):
         raise CheckpointError(
@@ -146,14 +162,20 @@ def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> 
             f"accumulation window, whose gradients are per process; resume it with "
             f"{manifest.world_size} processes (this world has {world_size})"
         )
-    section = rank if rank < manifest.world_size else 0
-    files = {name: e for name, e in manifest.files.items() if e.rank is None or e.rank == section}
+    own_section = section(manifest, rank)
+    files = {name: e for name, e in manifest.files.items() if e.rank is None or e.rank == own_section}
     # the model's tensors are copied straight into the parameters; the others are kept, so
     # they get memory of their own instead of pages of files that may be deleted later
-    tables = _tensorfiles.read(directory, files, copy=frozenset({"state", _rank_group(section)}))
-    own = tables.get(_rank_group(section), {})
-    entry = manifest.ranks[section]
-    return Snapshot(
-        **{name: decode(getattr(manifest, name), tables.get(_table(name), {})) for name in SHARED},
-        **{name: decode(getattr(entry, name), own) for name in PER_RANK},
-    )
+    tables = _tensorfiles.read(directory, files, copy=frozenset({"state", _rank_group(own_section)}))
+    own = tables.get(_rank_group(own_section), {})
+    entry = manifest.ranks[own_section]
+    paths = field_names(own_section)
+    try:
+        fields = {name: decode(getattr(manifest, name), tables.get(_table(name), {}), paths[name]) for name in SHARED}
+        fields |= {name: decode(getattr(entry, name), own, paths[name]) for name in PER_RANK}
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory / _manifest.MANIFEST}: {e}") from None
+    invalid = field_problems(Snapshot, fields, paths)
+    if invalid:
+        raise CheckpointError(f"{directory / _manifest.MANIFEST}: invalid values:\n  " + "\n  ".join(invalid))
+    return Snapshot(**fields)

@@ -19,7 +19,7 @@ import torch
 
 from accelfn import _rng
 from accelfn._errors import CheckpointError
-from accelfn._plain import copy_tree, view_key
+from accelfn._plain import copy_tree, describe, field_problems, mismatches, view_key
 from accelfn._rng import RngState
 from accelfn.state import TrainState
 
@@ -201,9 +201,11 @@ def _check_tensors(what: str, ours: Mapping[str, Any], theirs: Mapping[str, Any]
         problems.append(f"{what}: unexpected in the checkpoint ({len(unexpected)}): {_names(unexpected)}")
     for key, saved in theirs.items():
         here = ours.get(key)
-        if not (isinstance(saved, torch.Tensor) and isinstance(here, torch.Tensor)):
+        if not isinstance(here, torch.Tensor):
             continue
-        if saved.shape != here.shape:
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{what} {key!r}: {describe(saved)} in the checkpoint, a tensor here")
+        elif saved.shape != here.shape:
             problems.append(f"{what} {key!r}: shape {tuple(saved.shape)} in the checkpoint, {tuple(here.shape)} here")
         elif saved.dtype != here.dtype:
             problems.append(f"{what} {key!r}: dtype {saved.dtype} in the checkpoint, {here.dtype} here")
@@ -224,18 +226,52 @@ def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) 
     return [f"optimizer: {_names(differ, 4)}"] if differ else []
 
 
-def check(state: TrainState, snap: Snapshot) -> list[str]:
-    """Every way ``snap`` does not fit ``state`` (empty if it fits)."""
+def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> list[str]:
+    """The saved param groups' hyperparameters and per-parameter states against the live ones."""
+    live = state.optimizer.state_dict()
+    saved_groups, live_groups = snap.optimizer["param_groups"], live["param_groups"]
+    if len(saved_groups) != len(live_groups):
+        return [f"optimizer.param_groups: {len(saved_groups)} in {source}, {len(live_groups)} here"]
+    problems = []
+    for i, (saved, here) in enumerate(zip(saved_groups, live_groups)):
+        if list(saved["params"]) != list(here["params"]):
+            problems.append(f"optimizer.param_groups[{i}].params: {describe(saved['params'])} in {source}, "
+                            f"{describe(here['params'])} here")
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        problems += mismatches(hyper, here, f"optimizer.param_groups[{i}]", source)
+    indices = {i for group in live_groups for i in group["params"]}
+    # torch keys a parameter's state by its index, and keeps any other key as it is
+    unknown = [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]
+    if unknown:
+        problems.append(f"optimizer.state: entries for parameters {_names([repr(k) for k in unknown])} in "
+                        f"{source}; the optimizer has parameters 0..{len(indices) - 1}")
+    return problems + mismatches(snap.optimizer["state"], live["state"], "optimizer.state", source)
+
+
+def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
+          names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
+    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes
+    of tensors, and values of other kinds than the live ones they would replace (its own
+    values are checked by :func:`invalid_values`). ``source`` says where the values come from (``"manifest.json"``),
+    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default).
+    """
     model = unwrap(state.model)
     problems = _check_tensors("model", {clean_name(k): v for k, v in model.state_dict().items()}, snap.model)
-    problems += _check_optimizer(state, snap, model)
+    optimizer = _check_optimizer(state, snap, model)
+    problems += optimizer or _check_optimizer_values(state, snap, source)
     scheduler_type = None if state.scheduler is None else _type_name(state.scheduler)
     if snap.scheduler_type != scheduler_type:
         problems.append(f"scheduler: {snap.scheduler_type} in the checkpoint, {scheduler_type} here")
+    elif state.scheduler is not None:
+        problems += mismatches(snap.scheduler, state.scheduler.state_dict(), "scheduler", source)
     if set(snap.extra) != set(state.extra):
         problems.append(f"extra: {sorted(snap.extra)} in the checkpoint, {sorted(state.extra)} here")
     if set(snap.counters) != set(COUNTERS):
         problems.append(f"counters: {sorted(snap.counters)} in the checkpoint, {sorted(COUNTERS)} here")
+    for key, saved in snap.transforms_state.items():
+        if key in state.transforms_state:
+            where = f"{names.get('transforms_state', 'transforms_state')}.{key}"
+            problems += mismatches(saved, state.transforms_state[key], where, source)
     params = {clean_name(n): p for n, p in model.named_parameters()}
     unknown = [n for n in snap.grads if n not in params]
     if unknown:
@@ -247,33 +283,65 @@ def check(state: TrainState, snap: Snapshot) -> list[str]:
     return problems
 
 
-def apply(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
-    """Checks ``snap`` against ``state``, then puts it in place; ``copy=False`` lets the
-    state take ownership of the snapshot's tensors (the snapshot must not be used again).
+def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
+    """Every value of ``snap`` that no state could take (empty if none): fields of the wrong
+    types, counters that are not ints >= 0, RNG states the generators refuse, an optimizer
+    state without the structure torch's ``load_state_dict`` reads. ``names`` as for ``check``.
+    """
+    fields = {f.name: getattr(snap, f.name) for f in attrs.fields(Snapshot)}
+    found = field_problems(Snapshot, fields, {name: names.get(name, name) for name in fields})
+    if found:
+        return found
+    counters = names.get("counters", "counters")
+    found += [f"{counters}.{name}: {describe(value)}, must be an int >= 0" for name, value in snap.counters.items()
+              if isinstance(value, bool) or not isinstance(value, int) or value < 0]
+    found += [f"{names.get('rng', 'rng')}.{problem}" for problem in _rng.problems(snap.rng)]
+    groups = snap.optimizer.get("param_groups")
+    if not (isinstance(snap.optimizer.get("state"), Mapping) and isinstance(groups, (list, tuple))
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)):
+        found.append("optimizer: not a state_dict of a torch optimizer (a mapping of 'state' to a mapping, and "
+                     "'param_groups' to a list of mappings with a list of 'params')")
+    if (snap.scheduler is None) != (snap.scheduler_type is None):
+        found.append(f"scheduler: {describe(snap.scheduler)} for a scheduler of type {snap.scheduler_type}")
+    return found
+
+
+def apply(state: TrainState, snap: Snapshot, *, copy: bool, source: str = "the snapshot",
+          names: Mapping[str, str] = MappingProxyType({})) -> TrainState:
+    """Checks ``snap`` (its values, then its fit to ``state``), then puts it in place;
+    ``copy=False`` lets the state take ownership of the snapshot's tensors (the snapshot
+    must not be used again). ``source`` and ``names`` name the values in messages (``check``).
+
+    Every check runs before anything changes; what remains cannot fail but in a user's
+    ``extra`` object, whose ``load_state_dict`` therefore runs first.
 
     Raises:
-        CheckpointError: the snapshot does not fit the state; nothing was changed.
+        CheckpointError: a value no state could take, or the snapshot does not fit the
+            state; nothing was changed.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"restore() takes a TrainState first, got {type(state).__name__}")
     if not isinstance(snap, Snapshot):
         raise TypeError(f"restore() takes a Snapshot second (af.snapshot(state)), got {type(snap).__name__}")
-    problems = check(state, snap)
-    if problems:
-        raise CheckpointError("the checkpoint does not match the state it is loaded into:\n  " + "\n  ".join(problems))
+    invalid = invalid_values(snap, names=names)
+    if invalid:
+        raise CheckpointError(f"invalid values in {source}:\n  " + "\n  ".join(invalid))
+    differ = check(state, snap, source=source, names=names)
+    if differ:
+        raise CheckpointError("the checkpoint does not match the state it is loaded into:\n  " + "\n  ".join(differ))
     model = unwrap(state.model)
     device = _device(model)
 
     def own(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if copy else t
 
-    names = {clean_name(k): k for k in model.state_dict()}
-    model.load_state_dict({names[k]: copy_tree(v, own) for k, v in snap.model.items()})
+    for name, obj in state.extra.items():
+        obj.load_state_dict(copy_tree(snap.extra[name], own))
+    keys = {clean_name(k): k for k in model.state_dict()}
+    model.load_state_dict({keys[k]: copy_tree(v, own) for k, v in snap.model.items()})
     state.optimizer.load_state_dict(copy_tree(snap.optimizer, own))
     if state.scheduler is not None:
         state.scheduler.load_state_dict(copy_tree(snap.scheduler, own))
-    for name, obj in state.extra.items():
-        obj.load_state_dict(copy_tree(snap.extra[name], own))
     _restore_grads(model, snap.grads, copy)
     restored = {k: copy_tree(v, lambda t: t.to(device, copy=copy)) for k, v in snap.transforms_state.items()}
     for key, value in state.transforms_state.items():
@@ -315,7 +383,9 @@ def restore(state: TrainState, snap: Snapshot) -> TrainState:
 
     Raises:
         TypeError: arguments of the wrong types.
-        CheckpointError: the snapshot does not fit the state (the message lists every
-            missing, unexpected or mismatched key, shape and dtype); nothing was changed.
+        CheckpointError: the snapshot holds values no state could take (a negative
+            counter, an RNG state of the wrong size), or does not fit the state (the message
+            lists every missing, unexpected or mismatched key, shape, dtype and value of
+            another kind than the state's); nothing was changed.
     """
     return apply(state, snap, copy=True)

@@ -2,9 +2,10 @@
 
 A checkpoint is a directory: ``manifest.json`` (orjson via cattrs: format and library
 versions, counters, per-rank RNG and transform states, optimizer/scheduler skeletons, the
-program's transforms, sha256 of every tensor file) and ``.safetensors`` tensor files. It is
-written atomically (``accelfn._atomic``), loaded without unpickling anything, verified
-against its checksums, and checked key by key against the state it is loaded into.
+program's transforms, sha256 of every tensor file), ``manifest.sha256`` (the manifest's own)
+and ``.safetensors`` tensor files. It is written atomically (``accelfn._atomic``), loaded
+without unpickling anything, verified against its checksums, and checked value by value
+against the state it is loaded into before anything in that state changes.
 """
 
 from __future__ import annotations
@@ -137,9 +138,11 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: Backend | N
     """Restores the checkpoint at ``path`` into ``into`` (in place) and returns the state.
 
     Nothing is unpickled: tensors come from ``.safetensors`` files, everything else from
-    JSON. Every file's sha256 is verified and the checkpoint is checked against ``into``
-    (every missing, unexpected or mismatched key, shape and dtype is reported) before
-    anything in ``into`` changes. Tensors are read to the CPU, then copied to the state's
+    JSON. Every file's sha256 is verified (the manifest's against ``manifest.sha256``), the
+    manifest's values are checked (counters are ints >= 0, RNG states fit their generators),
+    and the checkpoint is checked against ``into`` (every missing, unexpected or mismatched
+    key, shape and dtype, and every value of another kind than the one it replaces, such as
+    a str learning rate, is reported) before anything in ``into`` changes. Tensors are read to the CPU, then copied to the state's
     device. Each rank restores its own RNG and transform states (rank 0's when the
     checkpoint was written by fewer processes).
 
@@ -155,8 +158,9 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: Backend | N
     Raises:
         TypeError: ``into`` is not a TrainState, or ``path`` not a path.
         CheckpointError: no complete checkpoint at ``path``; a missing, truncated or
-            corrupted file (named); a newer format; a mismatch with ``into``; or a
-            checkpoint saved mid-accumulation-window loaded by another number of processes.
+            corrupted file (named); an invalid value in the manifest (the field named); a
+            newer format; a mismatch with ``into``; or a checkpoint saved
+            mid-accumulation-window loaded by another number of processes.
     """
     state, _ = _load(_path(path, "load"), into, backend)
     return state
@@ -173,7 +177,8 @@ def _load(path: Path, into: TrainState, backend: Backend | None) -> tuple[TrainS
     manifest = _manifest.read(directory)
     snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
     try:
-        return _snapshot.apply(into, snap, copy=False), manifest
+        names = _serialize.field_names(_serialize.section(manifest, rank))
+        return _snapshot.apply(into, snap, copy=False, source=_manifest.MANIFEST, names=names), manifest
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -95,6 +96,7 @@ def _launch(args: argparse.Namespace) -> int:
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -102,19 +104,43 @@ def _launch(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         codes = [failure.exitcode for failure in e.failures.values() if failure.exitcode]
         return codes[0] if codes and codes[0] > 0 else 1
+    except SignalException as e:
+        return _interrupted(int(e.sigval), "forwarded to the workers, which have exited")
+    except KeyboardInterrupt:  # SIGINT before torchrun's handlers were in place
+        return _interrupted(signal.SIGINT, "no worker had started")
     return 0
+
+
+def _interrupted(signum: int, workers: str) -> int:
+    """The shell's status for death by signal ``signum`` (128 + its number), announced: a
+    scheduler that requeues preempted jobs tells it from a failure (exit status 1)."""
+    print(f"accelfn launch: {signal.Signals(signum).name} received, {workers}; exiting with status "
+          f"{128 + signum}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 # -- accelfn config -------------------------------------------------------------------------
 
+class _NoAnswer(Exception):
+    """Standard input ended before the answer to a question."""
+
+
 def _ask(name: str, current: Any, stdin: TextIO, stdout: TextIO) -> str | None:
-    """One answer from ``stdin``, stripped; None for an empty answer or the end of input."""
+    """One answer from ``stdin``, stripped; None for an empty answer.
+
+    Raises:
+        _NoAnswer: ``stdin`` ended before an answer (``< /dev/null``, a closed pipe).
+    """
     choices = {"backend": BACKEND_NAMES, "precision": POLICY_NAMES, "rdzv_backend": _config.RDZV_BACKENDS}.get(name)
     hint = f" ({'/'.join(choices)})" if choices else ""
     shown = "null" if current is None else current
     stdout.write(f"{name}{hint} [{shown}]: ")
     stdout.flush()
-    return stdin.readline().strip() or None
+    line = stdin.readline()
+    if not line:
+        stdout.write("\n")
+        raise _NoAnswer
+    return line.strip() or None
 
 
 def _parse_answer(field: attrs.Attribute, answer: str) -> Any:
@@ -140,13 +166,23 @@ def _interactive(config: _config.LaunchConfig, given: dict[str, Any], stdin: Tex
                  stdout: TextIO) -> _config.LaunchConfig:
     """Asks for every field not given as a flag; a bad answer is explained and asked again.
 
-    An empty answer, or the end of ``stdin``, keeps the value shown in brackets.
+    An empty answer keeps the value shown in brackets.
+
+    Raises:
+        LaunchError: ``stdin`` ended before every question was answered (nothing is written).
     """
-    for field in attrs.fields(_config.LaunchConfig):
-        if field.name in given:
-            continue
+    questions = [field for field in attrs.fields(_config.LaunchConfig) if field.name not in given]
+    for number, field in enumerate(questions):
         while True:
-            answer = _ask(field.name, getattr(config, field.name), stdin, stdout)
+            try:
+                answer = _ask(field.name, getattr(config, field.name), stdin, stdout)
+            except _NoAnswer:
+                raise LaunchError(
+                    f"--interactive: standard input ended before the answer to {field.name} "
+                    f"({number} of {len(questions)} questions answered); nothing was written. Answer "
+                    "each question on a line of its own (an empty line keeps the value in brackets), "
+                    "or give the options as flags without --interactive"
+                ) from None
             if answer is None:
                 break
             try:
@@ -311,8 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``accelfn`` console script and of ``python -m accelfn``.
 
     Returns:
-        int: the exit status: 0 on success, 2 for a bad launch configuration, else the
-        first failed worker's exit code.
+        int: the exit status: 0 on success, 2 for a bad launch configuration, 128 + N when
+        ``launch`` received signal N (143 for SIGTERM, 130 for SIGINT; torchrun forwards it
+        to the workers, which checkpoint and exit, and waits for them), else the first
+        failed worker's exit code.
     """
     args = build_parser().parse_args(argv)
     command: Callable[[argparse.Namespace], int] = args.run

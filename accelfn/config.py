@@ -9,6 +9,7 @@ a file is an error rather than a silently ignored typo.
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,37 @@ class LaunchConfig:
         return env
 
 
+def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
+    """A structure hook that checks a YAML value's type instead of coercing it (cattrs'
+    own hooks call ``int(value)``, turning 2.5 into 2, true into 1, and "two" into a
+    ValueError that names no key); ``float`` fields take ints too."""
+
+    def structure(value: Any, _: type) -> Any:
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise TypeError(_kind_name(value))
+        return kind(value)
+
+    return structure
+
+
+def _kind_name(value: Any) -> str:
+    """How YAML calls the type of ``value``."""
+    names = {bool: "a boolean", int: "an int", float: "a float", str: "a string", type(None): "null",
+             list: "a list", dict: "a mapping"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _expected(kind: Any) -> str:
+    """What a field of type ``kind`` takes, in words: ``int | None`` -> "an int or null"."""
+    words = {int: "an int", float: "a number", str: "a string", type(None): "null"}
+    options = typing.get_args(kind) or (kind,)
+    return " or ".join(words.get(option, getattr(option, "__name__", str(option))) for option in options)
+
+
 _converter = cattrs.Converter(forbid_extra_keys=True)
+_converter.register_structure_hook(int, _strict(int, (int,)))
+_converter.register_structure_hook(float, _strict(float, (int, float)))
+_converter.register_structure_hook(str, _strict(str, (str,)))
 
 
 def to_yaml(config: LaunchConfig) -> str:
@@ -159,9 +190,13 @@ def to_yaml(config: LaunchConfig) -> str:
 def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
     """Parses a YAML launch config; missing keys take their defaults.
 
+    Values are not coerced: ``nproc_per_node: 2.5``, ``true`` or ``two`` is an error, as is
+    ``rdzv_id: 7`` (quote it: ``"7"``); an int is taken where a number of seconds is asked.
+
     Raises:
-        LaunchError: not YAML, not a mapping, an unknown key or a bad value; the message
-            names ``source`` and the offending key.
+        LaunchError: not YAML, not a mapping, an unknown key, a value of the wrong type or
+            out of range; the message names ``source``, the key, the value and what it
+            must be.
     """
     try:
         data = yaml.safe_load(text)
@@ -177,11 +212,30 @@ def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
         raise LaunchError(f"{source}: unknown launch option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     try:
         return _converter.structure(data, LaunchConfig)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # a validator of LaunchConfig: it names the key
         raise LaunchError(f"{source}: {e}") from None
-    except cattrs.BaseValidationError as e:
-        details = "; ".join(str(x) for x in e.exceptions)
-        raise LaunchError(f"{source}: {details}") from None
+    except cattrs.ClassValidationError as e:  # a value of the wrong type (see _strict)
+        raise LaunchError(f"{source}: {'; '.join(_type_errors(e, data))}") from None
+
+
+def _type_errors(error: cattrs.ClassValidationError, data: dict[str, Any]) -> list[str]:
+    """``key=value: must be <type>, got <type>`` for each value of the wrong type."""
+    with_notes, without = error.group_exceptions()
+    problems = [str(e) for e in without]
+    for exc, note in with_notes:
+        name = getattr(note, "name", str(note))
+        value = data.get(name)
+        options = typing.get_args(note.type) or (note.type,)
+        hint = " (quote it to make it a string)" if str in options and isinstance(value, (int, float)) else ""
+        problems.append(f"{name}={_shown(value)}: must be {_expected(note.type)}, got {exc}{hint}")
+    return problems
+
+
+def _shown(value: Any) -> str:
+    """``value`` as YAML writes the scalars whose Python repr differs (true, false, null)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def load(path: str | os.PathLike[str]) -> LaunchConfig:

@@ -64,12 +64,16 @@ def test_load_never_unpickles_and_no_file_is_a_pickle(cpu, tmp_path, monkeypatch
     assert_same_state(loaded, state)
     assert loaded.extra["counter"].seen == 4
     names = sorted(p.name for p in path.iterdir())
-    assert names == ["manifest.json", "model.safetensors", "rank_00000.safetensors", "state.safetensors"]
+    assert names == ["manifest.json", "manifest.sha256", "model.safetensors", "rank_00000.safetensors",
+                     "state.safetensors"]
     for file in path.iterdir():
         head = file.read_bytes()[:2]
         assert head[:1] != b"\x80" and head != b"PK", f"{file.name} looks like a pickle"
         if file.suffix == ".json":
             orjson.loads(file.read_bytes())
+        elif file.suffix == ".sha256":
+            assert file.read_text() == f"{hashlib.sha256((path / 'manifest.json').read_bytes()).hexdigest()}  " \
+                                       "manifest.json\n"
         else:
             with safetensors.safe_open(file, framework="pt") as f:
                 assert list(f.keys())
@@ -77,12 +81,15 @@ def test_load_never_unpickles_and_no_file_is_a_pickle(cpu, tmp_path, monkeypatch
 
 def test_manifest_records_versions_world_and_checksums(cpu, tmp_path) -> None:
     """manifest.json holds the format and library versions, world size, counters, the
-    program's transforms when saved by run, and the true sha256 and size of every tensor file."""
+    program's transforms when saved by run, and the true sha256 and size of every tensor file;
+    manifest.sha256 holds the manifest's own."""
     checkpoints = af.Checkpoints(tmp_path, every_steps=2)
     af.run(program(), build(0), loader(), backend=cpu, epochs=1, max_steps=2, checkpoints=checkpoints, progress=False)
     path = checkpoints.latest()
     manifest = orjson.loads((path / "manifest.json").read_bytes())
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
+    digest = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+    assert (path / "manifest.sha256").read_text() == f"{digest}  manifest.json\n"
     assert manifest["accelfn_version"] == af.__version__ and manifest["torch_version"] == torch.__version__
     assert manifest["world_size"] == 1
     assert manifest["counters"] == {"step": 2, "micro_step": 4, "epoch": 0, "epoch_micro_step": 4}

@@ -140,6 +140,59 @@ def test_bad_config_files_name_the_problem(text: str, message: str) -> None:
         launch_config.from_yaml(text, source="bad.yaml")
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("nproc_per_node: 2.5\n", "nproc_per_node=2.5: must be an int, got a float"),
+    ("nproc_per_node: true\n", "nproc_per_node=true: must be an int, got a boolean"),
+    ("nproc_per_node: two\n", "nproc_per_node='two': must be an int, got a string"),
+    ("nproc_per_node: '2'\n", "nproc_per_node='2': must be an int, got a string"),
+    ("master_port: 29500.0\n", "master_port=29500.0: must be an int or null, got a float"),
+    ("timeout_s: yes\n", "timeout_s=true: must be a number, got a boolean"),
+    ("rdzv_id: 7\n", "rdzv_id=7: must be a string, got an int (quote it to make it a string)"),
+    ("nnodes: 1.0\nbackend: 3\n",
+     "nnodes=1.0: must be an int, got a float; backend=3: must be a string or null, got an int "
+     "(quote it to make it a string)"),
+])
+def test_config_values_of_the_wrong_type_are_not_coerced(text: str, message: str) -> None:
+    """A value of the wrong type in a config file (a float, boolean or string for an int, a
+    number for a string) raises LaunchError naming the file, the key, the value and the type
+    expected, instead of being truncated or converted."""
+    with pytest.raises(LaunchError) as error:
+        launch_config.from_yaml(text, source="bad.yaml")
+    assert str(error.value) == f"bad.yaml: {message}"
+
+
+def test_config_takes_an_int_where_seconds_are_asked() -> None:
+    """timeout_s: 120 (a YAML int) is 120.0 seconds; a quoted number stays a string."""
+    assert launch_config.from_yaml("timeout_s: 120\nrdzv_id: '7'\n") == LaunchConfig(timeout_s=120.0, rdzv_id="7")
+
+
+def test_launch_with_a_float_process_count_in_the_config_starts_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelfn launch --config bad.yaml` with nproc_per_node: 2.5 exits 2 naming the file and the key."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    config = tmp_path / "bad.yaml"
+    config.write_text("nproc_per_node: 2.5\n")
+    assert cli.main(["launch", "--config", str(config), str(script)]) == 2
+    assert capsys.readouterr().err == (f"accelfn launch: error: {config}: nproc_per_node=2.5: must be an int, "
+                                       "got a float\n")
+
+
+@pytest.mark.parametrize(("stdin", "answered"), [("", 0), ("4\n\n", 2)])
+def test_interactive_config_without_answers_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str], stdin: str,
+                                                           answered: int) -> None:
+    """`accelfn config --interactive` whose standard input ends before every question is
+    answered exits 2, says how many were answered, and writes no file."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    out = tmp_path / "c.yaml"
+    assert cli.main(["config", "--interactive", "-o", str(out)]) == 2
+    asked = [f.name for f in attrs.fields(LaunchConfig)]
+    assert (f"accelfn config: error: --interactive: standard input ended before the answer to {asked[answered]} "
+            f"({answered} of {len(asked)} questions answered); nothing was written") in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_env_prints_versions_devices_backends_and_the_config(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`accelfn env` names the accelfn/torch/python versions, gloo and torch_xla availability and the config."""

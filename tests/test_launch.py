@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -127,3 +128,25 @@ def test_digits_example_under_two_processes_reaches_the_accuracy_bar(tmp_path: P
     assert len(reports) == 1, result.stdout[-2000:]  # printed by the main process only
     assert float(reports[0]) >= 0.95
     assert len([p for p in (tmp_path / "tb").rglob("*") if p.is_file()]) == 1
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_it_exits_143(tmp_path: Path) -> None:
+    """SIGTERM to `accelfn launch` reaches both workers, which save one checkpoint and exit, and the
+    launcher then exits with 143 (not 1), without a traceback."""
+    launcher = _launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
+                             _launch.WORKERS / "slow_job.py", "--out", tmp_path, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists():
+        assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "the workers never reached step 2"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    result = _launch.finish(launcher)
+    assert result.returncode == 143, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and "SignalException" not in result.stderr
+    assert "accelfn launch: SIGTERM received, forwarded to the workers, which have exited; exiting with " \
+           "status 143" in result.stderr
+    saved = re.findall(r"accelfn: SIGTERM received; saved \S+/(step_\d+) ", result.stderr)
+    assert len(saved) == 1  # printed by the main process once both ranks stopped and saved
+    assert [p.name for p in (tmp_path / "ckpts").iterdir()] == saved
+    assert int(saved[0].removeprefix("step_")) >= 2
