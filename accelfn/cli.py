@@ -88,11 +88,17 @@ def _active_config(path: str | None, *, stderr: TextIO | None = None) -> tuple[_
 
 def _launch(args: argparse.Namespace) -> int:
     base, _ = _active_config(args.config, stderr=sys.stderr)
-    config = _config.merge(base, **_given(args))
+    given = _given(args)
+    config = _config.merge(base, **given)
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
-    os.environ.update(config.worker_env())  # torchrun's workers inherit this process's environment
+    # torchrun's workers inherit this process's environment; a flag overrides a variable
+    # already set there, a config file's value or a default does not
+    flags = {_config.WORKER_ENV[name] for name in given if name in _config.WORKER_ENV}
+    for name, value in config.worker_env().items():
+        if name in flags or name not in os.environ:
+            os.environ[name] = value
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
     from torch.distributed import run as torchrun

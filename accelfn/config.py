@@ -140,13 +140,18 @@ class LaunchConfig:
                 "--node-rank", str(self.node_rank)]
 
     def worker_env(self) -> dict[str, str]:
-        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker."""
-        env = {"ACCELFN_TIMEOUT_S": f"{self.timeout_s:g}"}
+        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker
+        (names in ``WORKER_ENV``)."""
+        env = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}"}
         if self.backend is not None:
-            env["ACCELFN_BACKEND"] = self.backend
+            env[WORKER_ENV["backend"]] = self.backend
         if self.precision is not None:
-            env["ACCELFN_PRECISION"] = self.precision
+            env[WORKER_ENV["precision"]] = self.precision
         return env
+
+
+#: the launch options passed to the workers as environment variables, by field
+WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION"}
 
 
 def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
