@@ -208,6 +208,11 @@ def _write_config(args: argparse.Namespace, *, stdin: TextIO | None = None, stdo
         config = _interactive(config, given, stdin, stdout)
     path = _config.save(config, args.output)
     stdout.write(f"wrote the launch config {path}:\n{_config.to_yaml(config)}")
+    try:
+        config.check()
+    except LaunchError as e:  # a file shared by the nodes may leave the rest to flags
+        print(f"accelfn config: warning: {path} cannot be launched as it is: {e}; give the missing options "
+              "as flags to `accelfn launch --config`, or add them to the file", file=sys.stderr)
     return 0
 
 
@@ -320,10 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(launch)
     launch.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
-    launch.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    # SCRIPT is optional to argparse only so that its absence gets a message of our own
+    # (argparse would also call the REMAINDER of ARGS required)
+    launch.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments passed to SCRIPT unchanged")
-    launch.set_defaults(run=_launch)
+    launch.set_defaults(run=_launch, parser=launch)
 
     config = commands.add_parser(
         "config", help="write a YAML launch config for `accelfn launch`",
@@ -335,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--interactive", action="store_true",
                         help="ask for every option not given as a flag (an empty answer keeps the default)")
     _add_launch_options(config)
-    config.set_defaults(run=_write_config)
+    config.set_defaults(run=_write_config, parser=config)
 
     env = commands.add_parser(
         "env", help="print versions, devices, backends and the launch config (for bug reports)",
@@ -345,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     env.add_argument("--config", metavar="FILE",
                      help=f"the launch config to show (default ./{_config.DEFAULT_CONFIG_FILE} if it exists)")
-    env.set_defaults(run=_report)
+    env.set_defaults(run=_report, parser=env)
     return parser
 
 
@@ -358,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         to the workers, which checkpoint and exit, and waits for them), else the first
         failed worker's exit code.
     """
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "launch" and args.script is None:
+        args.parser.error("the training SCRIPT is missing: accelfn launch [options] SCRIPT [ARGS...]")
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)
