@@ -29,15 +29,16 @@ class Progress:
         self._updates = 0
         self._samples = 0
         self._since = time.perf_counter()
-        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                         disable=not (show and backend.is_main_process))
+        self._shown = show and backend.is_main_process
+        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not self._shown)
         self.last: dict[str, float] = {}
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records one optimizer update (applied or skipped) that ended at ``step``."""
         self._updates += 1
         self._samples += metrics["num_samples"]
-        self._bar.update(1)
+        if self._shown:
+            self._bar.update(1)
         if self._updates % self._log_every:
             return
         values = self._reduce(metrics)

@@ -43,8 +43,7 @@ def first_tensor(tree: Any) -> torch.Tensor | None:
 
 def num_samples(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if it has none)."""
-    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor:  # the common case, fast
-        t: torch.Tensor | None = batch[0]
-    else:
-        t = first_tensor(batch)
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].ndim:  # the common case
+        return batch[0].shape[0]
+    t = first_tensor(batch)
     return int(t.shape[0]) if t is not None and t.ndim > 0 else 1

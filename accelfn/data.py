@@ -11,6 +11,7 @@ global RNG (which would make a resumed run diverge).
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 import signal
 import warnings
@@ -206,7 +207,7 @@ def epoch_batches(
                 stacklevel=4,
             )
         num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
-        return EpochBatches(_lazy_slice(data, start), num_batches=num, start=start, place=place,
+        return EpochBatches(_LazySlice(data, start), num_batches=num, start=start, place=place,
                             sync=sync if world_size > 1 and num is None else None)
     if isinstance(data, DataLoader):
         if data.batch_size is None:
@@ -219,24 +220,30 @@ def epoch_batches(
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
         loader = _rebuild(data, dataset=ShardedIterable(data.dataset, rank=rank, world_size=world_size),
                           generator=torch.Generator().manual_seed(shard.seed + epoch))
-        return EpochBatches(_lazy_slice(loader, start), num_batches=None, start=start,
+        return EpochBatches(_LazySlice(loader, start), num_batches=None, start=start,
                             place=place, sync=sync if world_size > 1 else None)
     if isinstance(data, Sequence):
         indices = shard_indices(len(data), rank=rank, world_size=world_size, shuffle=False, seed=shard.seed,
                                 epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches)
         return EpochBatches((data[i] for i in indices[start:]), num_batches=len(indices), start=start, place=place)
-    return EpochBatches(_lazy_slice(data, start, rank=rank, world_size=world_size), num_batches=None,
+    return EpochBatches(_LazySlice(data, start, rank=rank, world_size=world_size), num_batches=None,
                         start=start, place=place, sync=sync if world_size > 1 else None)
 
 
-def _lazy_slice(data: Iterable[Any], start: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Any]:
+class _LazySlice:
     """Items ``rank, rank + world_size, ...`` of ``data``, from the ``start``-th of those on.
 
-    A generator: ``data`` is first iterated when the epoch is, so building an epoch's batches
-    (``run`` does it once to count them) starts no DataLoader workers and draws no random
-    numbers from the global RNG (a shuffled DataLoader draws its seed in ``iter``).
+    An iterable, not an iterator: ``data`` is first iterated when the epoch is, so building
+    an epoch's batches (``run`` does it once to count them) starts no DataLoader workers and
+    draws no random numbers from the global RNG (a shuffled DataLoader draws its seed in
+    ``iter``); iterating it is ``itertools.islice`` itself, with no Python frame per batch.
     """
-    yield from itertools.islice(start_iterating(data), rank + start * world_size, None, world_size)
+
+    def __init__(self, data: Iterable[Any], start: int, *, rank: int = 0, world_size: int = 1):
+        self._data, self._first, self._stride = data, rank + start * world_size, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(start_iterating(self._data), self._first, None, self._stride)
 
 
 def start_iterating(data: Iterable[Any]) -> Iterator[Any]:
@@ -447,14 +454,18 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
     non_blocking = device.type == "cuda"
     # checking is cheaper than .to(), which would return the tensor itself (is_cpu most)
     here: Callable[[torch.Tensor], bool] = (
-        (lambda t: t.is_cpu) if device.type == "cpu" else (lambda t: t.device == device))
+        operator.attrgetter("is_cpu") if device.type == "cpu" else (lambda t: t.device == device))
 
     def move(t: torch.Tensor) -> torch.Tensor:
         return t if here(t) else t.to(device, non_blocking=non_blocking)
 
     def place(batch: Any) -> Any:
-        if type(batch) is tuple and all(type(t) is torch.Tensor and here(t) for t in batch):
-            return batch  # the common case: a tuple of tensors already there, kept as is
+        if type(batch) is tuple:  # the common case: a tuple of tensors already there, kept as is
+            for t in batch:
+                if type(t) is not torch.Tensor or not here(t):
+                    break
+            else:
+                return batch
         return map_tensors(move, batch)
 
     return place

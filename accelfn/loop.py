@@ -144,11 +144,12 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             max_steps: int | None, checkpoints: Any, bar: Progress, preemption: Any) -> TrainState:
     if max_steps is not None and state.step >= max_steps:
         return state
+    step_once = step_fn.__call__  # a bound method is called without the slower instance-call path
     while epochs is None or state.epoch < epochs:
         batches = backend.batches(data, step, state.epoch, start=state.epoch_micro_step)
         finished_epoch, consumed = True, state.micro_step
         for batch, last in batches:
-            state, metrics = step_fn(state, batch, flush=last)
+            state, metrics = step_once(state, batch, flush=last)
             if preemption is not None and preemption.requested():
                 preemption.stop(state, checkpoints)
             if not metrics:

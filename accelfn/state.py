@@ -172,19 +172,20 @@ class TrainState:
 
         ``replace`` without validation or conversion: the caller guarantees valid counters
         and a ``transforms_state`` of immutable records (a plain dict is wrapped read-only
-        once; a read-only mapping is kept, never wrapped again). It names every field: a new
-        field must be added here too (a test checks).
+        once; a read-only mapping is kept, never wrapped again). It writes the slots through
+        their own setters, as attrs' ``__init__`` does; a new field must be added here too
+        (the setters' unpacking below fails on import, and a test checks).
         """
-        new = object.__new__(TrainState)
-        _setattr(new, "model", self.model)
-        _setattr(new, "optimizer", self.optimizer)
-        _setattr(new, "scheduler", self.scheduler)
-        _setattr(new, "step", step)
-        _setattr(new, "micro_step", micro_step)
-        _setattr(new, "epoch", self.epoch)
-        _setattr(new, "epoch_micro_step", epoch_micro_step)
-        _setattr(new, "transforms_state", _frozen_mapping(transforms_state))
-        _setattr(new, "extra", self.extra)
+        new = _new(TrainState)
+        _set_model(new, self.model)
+        _set_optimizer(new, self.optimizer)
+        _set_scheduler(new, self.scheduler)
+        _set_step(new, step)
+        _set_micro_step(new, micro_step)
+        _set_epoch(new, self.epoch)
+        _set_epoch_micro_step(new, epoch_micro_step)
+        _set_transforms_state(new, _frozen_mapping(transforms_state))
+        _set_extra(new, self.extra)
         return new
 
     def with_transform_state(self, **entries: Any) -> TrainState:
@@ -198,4 +199,7 @@ class TrainState:
         return attrs.evolve(self, transforms_state=merged)
 
 
-_setattr = object.__setattr__
+_new = object.__new__
+# each slot's descriptor setter, which the frozen record's __setattr__ does not go through
+(_set_model, _set_optimizer, _set_scheduler, _set_step, _set_micro_step, _set_epoch, _set_epoch_micro_step,
+ _set_transforms_state, _set_extra) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))

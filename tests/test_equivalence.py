@@ -330,3 +330,45 @@ def test_bad_loss_counts_are_refused_and_an_empty_window_has_zero_gradient(cpu):
         state = af.run(step, state, [(torch.randn(3, 4), None)], backend=cpu, progress=False)
         assert state.step == 1
         assert torch.equal(model.proj.weight, before)
+
+
+def with_metrics(model, batch):
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean(), "one": 1.0}
+
+
+@pytest.mark.parametrize("loss", [loss_fn, with_metrics, summed_loss], ids=["mean", "metrics", "af.Loss"])
+def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
+    """A program without per-step transforms runs on ``PlainStepFn``, whose states, metrics and
+    parameters equal the general ``StepFn``'s bitwise, for each form of loss, with a scheduler."""
+    from accelfn.backends import StepFn
+    from accelfn.backends._interpreter import PlainStepFn
+
+    step = af.with_precision("fp32")(af.train_step(loss))
+    batches = [(x, y) for x, y in DataLoader(classification_data(20), batch_size=4)]
+    runs = []
+    for general in (False, True):
+        model, optimizer, scheduler = build("adamw", with_scheduler=True)
+        state, step_fn = cpu.prepare(step, af.TrainState.create(model, optimizer, scheduler=scheduler))
+        assert type(step_fn) is PlainStepFn
+        if general:
+            step_fn = StepFn(cpu, step, state, model)
+        history = []
+        for batch in batches:
+            state, metrics = step_fn(state, batch)
+            history.append((state.step, state.micro_step, state.epoch_micro_step, dict(state.transforms_state),
+                            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}))
+        runs.append((history, [p.detach().clone() for p in model.parameters()]))
+    (plain_history, plain_params), (general_history, general_params) = runs
+    assert len(plain_history) == len(batches) and plain_history[-1][0] == len(batches)
+    for ours, theirs in zip(plain_history, general_history):
+        assert ours[:4] == theirs[:4]
+        assert ours[4].keys() == theirs[4].keys()
+        for name, value in ours[4].items():
+            assert not isinstance(value, torch.Tensor) or not value.requires_grad
+            torch.testing.assert_close(value, theirs[4][name], rtol=0, atol=0, msg=name)
+    for ours, theirs in zip(plain_params, general_params):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    _, accumulating = cpu.prepare(af.accumulate(2)(af.train_step(loss)), af.TrainState.create(*build("sgd", False)[:2]))
+    assert type(accumulating) is StepFn

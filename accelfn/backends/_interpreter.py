@@ -121,6 +121,13 @@ def _check_metrics(metrics: Mapping[str, Any]) -> None:
             raise TypeError(f"loss_fn's metric {name!r} must be a number or a scalar tensor, got {value!r}")
 
 
+def _foreign_state() -> ValueError:
+    return ValueError(
+        "this step function was prepared for another TrainState's model; call "
+        "backend.prepare(step, state) for this state"
+    )
+
+
 def _add(acc: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
     return value if acc is None else acc + value
 
@@ -182,15 +189,16 @@ class StepFn:
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
         self._graph_cut = backend.graph_cut
+        # nothing to do between backward and update: PlainStepFn can run this program
+        self.plain = (self._n == 1 and not self._guard and self._clip is None and self._clip_value is None
+                      and self._autocast is None and not self._cast_inputs and self._reduce_gradients is None
+                      and self._graph_cut is None)
 
     # -- one micro-batch ---------------------------------------------------------------
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
         if state.model is not self._owner:
-            raise ValueError(
-                "this step function was prepared for another TrainState's model; call "
-                "backend.prepare(step, state) for this state"
-            )
+            raise _foreign_state()
         position = state.epoch_micro_step % self._n
         last = flush or position == self._n - 1
         if self._cast_inputs:
@@ -198,10 +206,16 @@ class StepFn:
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
         if position or not last:
             return self._window_part(state, batch, state.transforms_state.get("window") if position else None, last)
-
-        # A window of one micro-batch: R = C, so the backward is of the plain (mean) loss.
         samples = num_samples(batch)
-        loss, count, user_metrics, is_sum = self._forward(batch)
+        return self._whole_window(state, samples, self._forward(batch))
+
+    def _whole_window(self, state: TrainState, samples: int,
+                      out: tuple[torch.Tensor, Any, Mapping[str, Any], bool]) -> tuple[TrainState, Mapping[str, Any]]:
+        """A window of one micro-batch, given its unpacked forward: backward, then update.
+
+        ``R = C``, so the backward is of the plain (mean) loss.
+        """
+        loss, count, user_metrics, is_sum = out
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
         if is_sum:
             reference = self._reference(count, is_sum)
@@ -357,3 +371,40 @@ class StepFn:
                 f"{self._scaling.min_scale:g} (step {state.step}): gradients overflow even "  # type: ignore[union-attr]
                 "unscaled. Use with_precision('bf16'), or compute the loss in fp32"
             )
+
+
+class PlainStepFn(StepFn):
+    """``StepFn`` for a program whose transforms add nothing to a step (``StepFn.plain``).
+
+    One micro-batch per update, no loss scale, clip or non-finite check, no gradient
+    reduction: forward, backward, update, zero, with none of the interpreter's branches.
+    An ``af.Loss`` takes the general path (its count normalizes the gradient).
+    """
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        if state.model is not self._owner:
+            raise _foreign_state()
+        samples = num_samples(batch)
+        out = _unpack(self._loss_fn(self._model, batch))
+        loss, _, user_metrics, is_sum = out
+        if is_sum:
+            return self._whole_window(state, samples, out)
+        loss.backward()
+        optimizer = self._optimizer
+        metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if user_metrics:
+            for name, value in user_metrics.items():
+                metrics[name] = _detach(value)
+        optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return state._advance(step=state.step + 1, micro_step=state.micro_step + 1,
+                              epoch_micro_step=state.epoch_micro_step + 1,
+                              transforms_state=state.transforms_state), metrics
+
+
+def step_function(backend: Backend, step: Step, state: TrainState, model: torch.nn.Module) -> StepFn:
+    """``step`` specialized for ``backend`` and ``state``: a PlainStepFn where nothing acts per step."""
+    general = StepFn(backend, step, state, model)
+    return PlainStepFn(backend, step, state, model) if general.plain else general

@@ -23,7 +23,7 @@ from accelfn import collectives
 from accelfn._precision import Policy, parse_policy
 from accelfn._tree import map_tensors
 from accelfn.backends._env import LaunchEnv
-from accelfn.backends._interpreter import StepFn
+from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.data import EpochBatches, epoch_batches, even_out, place_on
 from accelfn.state import TrainState
 from accelfn.step import Step
@@ -137,7 +137,7 @@ class Backend(abc.ABC):
             state = transform.init(state)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
-        return state, StepFn(self, step, state, model)
+        return state, step_function(self, step, state, model)
 
     def _with_launch_precision(self, step: Step) -> Step:
         requested = self.env.precision
