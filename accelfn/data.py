@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import itertools
 import operator
-import random
-import signal
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 from torch.utils.data import SequentialSampler, get_worker_info
 
+from accelfn._workers import SeededFetch, start_iterating
 from accelfn.transforms import ShardData
 
 _NOTHING = object()
@@ -246,39 +244,6 @@ class _LazySlice:
         return itertools.islice(start_iterating(self._data), self._first, None, self._stride)
 
 
-def start_iterating(data: Iterable[Any]) -> Iterator[Any]:
-    """``iter(data)``; a DataLoader's worker processes are started ignoring SIGTERM.
-
-    A scheduler preempts a job with SIGTERM to all its processes, DataLoader workers
-    included, which die of it at once: their parent's next batch, or its SIGCHLD handler in
-    the middle of a step, then raises ``DataLoader worker ... is killed by signal:
-    Terminated`` instead of letting ``run`` finish the micro-batch and checkpoint. Workers
-    that ignore SIGTERM keep serving until their parent shuts them down as usual (SIGINT
-    already works so), or exit by themselves once it is gone (torch's worker watchdog).
-    """
-    if not (isinstance(data, DataLoader) and data.num_workers > 0):
-        return iter(data)
-    user_init = data.worker_init_fn
-    data.worker_init_fn = _IgnoreSigterm(user_init)  # read once, when iter() starts the workers
-    try:
-        return iter(data)
-    finally:
-        data.worker_init_fn = user_init
-
-
-class _IgnoreSigterm:
-    """A DataLoader ``worker_init_fn`` that makes the worker ignore SIGTERM, then calls the
-    user's (picklable, for the spawn and forkserver start methods)."""
-
-    def __init__(self, user_init: Callable[[int], None] | None):
-        self.user_init = user_init
-
-    def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.user_init is not None:
-            self.user_init(worker_id)
-
-
 def _sized(data: Any) -> bool:
     if isinstance(data, DataLoader):
         return _is_map_style(data)
@@ -313,35 +278,6 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
         rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch),
                            sampler=_IndexSampler(keys), generator=generator)
     return EpochBatches(rebuilt, num_batches=num_batches, start=start, place=place, padding_ranks=padding_ranks)
-
-
-class SeededFetch(torch.utils.data.Dataset):
-    """Fetches the samples of batch ``k`` of an epoch with the RNGs seeded from ``(seed, epoch, k)``.
-
-    In DataLoader workers, random augmentation otherwise depends on which worker fetches a
-    batch and how many it fetched before, which a resumed run changes. Seeding torch,
-    ``random`` and NumPy per batch (``numpy.random.SeedSequence``) makes every batch's random
-    draws a function of its place in the epoch, so a resumed run reads the same batches,
-    whatever the number of workers. Sampler keys are ``(batch number, dataset index)``.
-    """
-
-    def __init__(self, dataset: Any, seed: int, epoch: int):
-        self.dataset, self.seed, self.epoch = dataset, seed, epoch
-
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        state = np.random.SeedSequence([self.seed, self.epoch, keys[0][0]]).generate_state(2)
-        torch.manual_seed(int(state[0]) << 32 | int(state[1]))
-        random.seed(int(state[0]))
-        np.random.seed(int(state[1]))
-        indices = [i for _, i in keys]
-        fetch = getattr(self.dataset, "__getitems__", None)
-        return fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        return self.__getitems__([key])[0]
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
 
 def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]) -> Iterator[Any]:
