@@ -285,8 +285,9 @@ def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
 
 def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
     """Every value of ``snap`` that no state could take (empty if none): fields of the wrong
-    types, counters that are not ints >= 0 or fewer micro-batches than updates, RNG states the generators refuse, an optimizer
-    state without the structure torch's ``load_state_dict`` reads. ``names`` as for ``check``.
+    types, counters that are not ints >= 0 (or fewer micro-batches than updates), RNG states
+    the generators refuse, an optimizer state without the structure torch's
+    ``load_state_dict`` reads. ``names`` as for ``check``.
     """
     fields = {f.name: getattr(snap, f.name) for f in attrs.fields(Snapshot)}
     found = field_problems(Snapshot, fields, {name: names.get(name, name) for name in fields})

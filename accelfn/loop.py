@@ -95,7 +95,10 @@ def run(
         checkpoints: an ``af.Checkpoints`` policy saving during training (and on SIGTERM/
             SIGINT), or None.
         resume: ``"auto"`` (the latest checkpoint of ``checkpoints``, if any) or the path of
-            a checkpoint to resume from, or None to start from ``state`` as it is.
+            a checkpoint to resume from, or None to start from ``state`` as it is. A
+            checkpoint written in the middle of an epoch by another number of processes
+            resumes at ``epoch_micro_step * its_world_size // world_size``, which keeps the
+            samples the epoch consumed but not their batching (a RuntimeWarning says so).
         trackers: where metrics go (``af.TensorBoard``, ``af.JSONL``); main process only.
         progress: show a progress bar on the main process.
         log_every: reduce metrics to Python floats, show and log them every this many
@@ -107,9 +110,15 @@ def run(
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
-            without ``max_steps``; ``resume="auto"`` without ``checkpoints``.
+            without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
+            whose position in its epoch is beyond the data's micro-batches per epoch.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
-        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit.
+        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
+            or is corrupted (with ``"auto"``, the message names the previous checkpoint).
+
+    Warns:
+        RuntimeWarning: ``epochs`` ran out before ``max_steps``; a mid-epoch resume on
+            another number of processes.
         SystemExit: status 128 + signal number after SIGTERM or SIGINT when ``checkpoints``
             is given: the current micro-batch finishes and a checkpoint is written first.
 
@@ -211,9 +220,9 @@ def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: i
     if total is not None and position > total:
         raise ValueError(
             f"cannot resume at micro-batch {position} of epoch {epoch}: the data has {total} "
-            f"micro-batch{'es' if total != 1 else ''} per epoch on this process. The batch size or the dataset probably differs from the run that wrote the "
-            f"checkpoint (on {_processes(world_size)}, as this run); resume with the same data and batch size, or "
-            "start a fresh run (without resume=...)"
+            f"micro-batch{'es' if total != 1 else ''} per epoch on this process. The batch size or the dataset "
+            f"probably differs from the run that wrote the checkpoint (on {_processes(world_size)}, as this run); "
+            "resume with the same data and batch size, or start a fresh run (without resume=...)"
         )
     return position
 
