@@ -55,7 +55,9 @@ class Progress:
         """The metrics as floats, averaged over ranks: one collective and one device read."""
         names = [k for k in metrics if k != "num_samples"]
         device = self._backend.collective_device
-        stacked = torch.stack([torch.as_tensor(metrics[k]).to(device, torch.float64).reshape(()) for k in names])
+        # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
+        stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device).reshape(())
+                               for k in names])
         if self._backend.world_size > 1:
             stacked = self._backend.reduce(stacked, "mean")
         return dict(zip(names, stacked.tolist()))

@@ -88,11 +88,17 @@ def _active_config(path: str | None, *, stderr: TextIO | None = None) -> tuple[_
 
 def _launch(args: argparse.Namespace) -> int:
     base, _ = _active_config(args.config, stderr=sys.stderr)
-    config = _config.merge(base, **_given(args))
+    given = _given(args)
+    config = _config.merge(base, **given)
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
-    os.environ.update(config.worker_env())  # torchrun's workers inherit this process's environment
+    # torchrun's workers inherit this process's environment; a flag overrides a variable
+    # already set there, a config file's value or a default does not
+    flags = {_config.WORKER_ENV[name] for name in given if name in _config.WORKER_ENV}
+    for name, value in config.worker_env().items():
+        if name in flags or name not in os.environ:
+            os.environ[name] = value
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
     from torch.distributed import run as torchrun
@@ -202,6 +208,11 @@ def _write_config(args: argparse.Namespace, *, stdin: TextIO | None = None, stdo
         config = _interactive(config, given, stdin, stdout)
     path = _config.save(config, args.output)
     stdout.write(f"wrote the launch config {path}:\n{_config.to_yaml(config)}")
+    try:
+        config.check()
+    except LaunchError as e:  # a file shared by the nodes may leave the rest to flags
+        print(f"accelfn config: warning: {path} cannot be launched as it is: {e}; give the missing options "
+              "as flags to `accelfn launch --config`, or add them to the file", file=sys.stderr)
     return 0
 
 
@@ -314,10 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(launch)
     launch.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
-    launch.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
+    # SCRIPT is optional to argparse only so that its absence gets a message of our own
+    # (argparse would also call the REMAINDER of ARGS required)
+    launch.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments passed to SCRIPT unchanged")
-    launch.set_defaults(run=_launch)
+    launch.set_defaults(run=_launch, parser=launch)
 
     config = commands.add_parser(
         "config", help="write a YAML launch config for `accelfn launch`",
@@ -329,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--interactive", action="store_true",
                         help="ask for every option not given as a flag (an empty answer keeps the default)")
     _add_launch_options(config)
-    config.set_defaults(run=_write_config)
+    config.set_defaults(run=_write_config, parser=config)
 
     env = commands.add_parser(
         "env", help="print versions, devices, backends and the launch config (for bug reports)",
@@ -339,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     env.add_argument("--config", metavar="FILE",
                      help=f"the launch config to show (default ./{_config.DEFAULT_CONFIG_FILE} if it exists)")
-    env.set_defaults(run=_report)
+    env.set_defaults(run=_report, parser=env)
     return parser
 
 
@@ -352,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         to the workers, which checkpoint and exit, and waits for them), else the first
         failed worker's exit code.
     """
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "launch" and args.script is None:
+        args.parser.error("the training SCRIPT is missing: accelfn launch [options] SCRIPT [ARGS...]")
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)

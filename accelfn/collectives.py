@@ -111,10 +111,14 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenates every rank's ``tensor`` along dim 0, in rank order.
 
     Leading dimensions may differ across ranks (lengths 2 and 3 give 5); the other
-    dimensions must agree. A 0-d tensor is gathered as one element per rank.
+    dimensions and the dtype must agree. A 0-d tensor is gathered as one element per rank.
 
     Returns:
         torch.Tensor: shape ``(sum of leading sizes, *tensor.shape[1:])`` on every rank.
+
+    Raises:
+        ValueError: on every rank, when the ranks' tensors differ in a dimension other than
+            the first or in dtype (the message lists each rank's shape and dtype).
     """
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
@@ -122,10 +126,15 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return tensor.detach().clone()
     tensor = tensor.detach().contiguous()
-    local = torch.tensor([tensor.shape[0]], device=tensor.device, dtype=torch.int64)
-    sizes = [torch.zeros_like(local) for _ in range(n)]
-    dist.all_gather(sizes, local)
-    lengths = [int(s.item()) for s in sizes]
+    local = torch.tensor(_describe(tensor), device=tensor.device, dtype=torch.int64)
+    descriptions = [torch.zeros_like(local) for _ in range(n)]
+    dist.all_gather(descriptions, local)
+    described = [d.tolist() for d in descriptions]
+    if any(d[1:] != described[0][1:] for d in described):
+        shapes = ", ".join(f"rank {r}: {_shown(d)}" for r, d in enumerate(described))
+        raise ValueError(f"gather(): the ranks' tensors must agree in every dimension but the first and in "
+                         f"dtype; got {shapes}")
+    lengths = [d[0] for d in described]
     longest = max(lengths)
     padded = tensor
     if tensor.shape[0] < longest:
@@ -134,6 +143,24 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in range(n)]
     dist.all_gather(parts, padded)
     return torch.cat([p[:length] for p, length in zip(parts, lengths)])
+
+
+#: dimensions after the first that ``gather`` compares one by one (and the rest by their product)
+_DESCRIBED_DIMS = 6
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+
+
+def _describe(tensor: torch.Tensor) -> list[int]:
+    """``[first dim, ndim, dtype index, numel of the rest, dims 1..6 zero-padded]``."""
+    rest = tensor.shape[1:]
+    dims = list(rest[:_DESCRIBED_DIMS]) + [0] * max(0, _DESCRIBED_DIMS - len(rest))
+    return [tensor.shape[0], tensor.ndim, _DTYPES.index(tensor.dtype), rest.numel(), *dims]
+
+
+def _shown(description: list[int]) -> str:
+    first, ndim, dtype, _, *dims = description
+    shape = (first, *dims[: ndim - 1], *(["..."] if ndim - 1 > _DESCRIBED_DIMS else []))
+    return f"shape {tuple(shape)} {str(_DTYPES[dtype]).removeprefix('torch.')}"
 
 
 def gather_object(obj: T) -> list[T]:

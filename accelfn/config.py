@@ -140,13 +140,18 @@ class LaunchConfig:
                 "--node-rank", str(self.node_rank)]
 
     def worker_env(self) -> dict[str, str]:
-        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker."""
-        env = {"ACCELFN_TIMEOUT_S": f"{self.timeout_s:g}"}
+        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker
+        (names in ``WORKER_ENV``)."""
+        env = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}"}
         if self.backend is not None:
-            env["ACCELFN_BACKEND"] = self.backend
+            env[WORKER_ENV["backend"]] = self.backend
         if self.precision is not None:
-            env["ACCELFN_PRECISION"] = self.precision
+            env[WORKER_ENV["precision"]] = self.precision
         return env
+
+
+#: the launch options passed to the workers as environment variables, by field
+WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION"}
 
 
 def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
@@ -199,7 +204,7 @@ def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
             must be.
     """
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise LaunchError(f"{source} is not valid YAML: {e}") from None
     if data is None:
@@ -216,6 +221,21 @@ def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
         raise LaunchError(f"{source}: {e}") from None
     except cattrs.ClassValidationError as e:  # a value of the wrong type (see _strict)
         raise LaunchError(f"{source}: {'; '.join(_type_errors(e, data))}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice (YAML 1.2 forbids it; PyYAML
+    would silently keep the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _type_errors(error: cattrs.ClassValidationError, data: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import signal
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
@@ -161,7 +162,7 @@ class EpochBatches:
         return max(self.num_batches - self.start, 0)
 
     def __iter__(self) -> Iterator[tuple[Any, bool]]:
-        it: Iterator[Any] = iter(self._source)
+        it: Iterator[Any] = start_iterating(self._source)
         if self._sync is not None:
             it = self._sync(it)
         place = self._place
@@ -215,7 +216,8 @@ def epoch_batches(
                 stacklevel=4,
             )
         num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
-        return EpochBatches(_lazy_slice(data, start), num_batches=num, start=start, place=place)
+        return EpochBatches(_lazy_slice(data, start), num_batches=num, start=start, place=place,
+                            sync=sync if world_size > 1 and num is None else None)
     if isinstance(data, DataLoader):
         if data.batch_size is None:
             raise ValueError(
@@ -244,7 +246,40 @@ def _lazy_slice(data: Iterable[Any], start: int, *, rank: int = 0, world_size: i
     (``run`` does it once to count them) starts no DataLoader workers and draws no random
     numbers from the global RNG (a shuffled DataLoader draws its seed in ``iter``).
     """
-    yield from itertools.islice(data, rank + start * world_size, None, world_size)
+    yield from itertools.islice(start_iterating(data), rank + start * world_size, None, world_size)
+
+
+def start_iterating(data: Iterable[Any]) -> Iterator[Any]:
+    """``iter(data)``; a DataLoader's worker processes are started ignoring SIGTERM.
+
+    A scheduler preempts a job with SIGTERM to all its processes, DataLoader workers
+    included, which die of it at once: their parent's next batch, or its SIGCHLD handler in
+    the middle of a step, then raises ``DataLoader worker ... is killed by signal:
+    Terminated`` instead of letting ``run`` finish the micro-batch and checkpoint. Workers
+    that ignore SIGTERM keep serving until their parent shuts them down as usual (SIGINT
+    already works so), or exit by themselves once it is gone (torch's worker watchdog).
+    """
+    if not (isinstance(data, DataLoader) and data.num_workers > 0):
+        return iter(data)
+    user_init = data.worker_init_fn
+    data.worker_init_fn = _IgnoreSigterm(user_init)  # read once, when iter() starts the workers
+    try:
+        return iter(data)
+    finally:
+        data.worker_init_fn = user_init
+
+
+class _IgnoreSigterm:
+    """A DataLoader ``worker_init_fn`` that makes the worker ignore SIGTERM, then calls the
+    user's (picklable, for the spawn and forkserver start methods)."""
+
+    def __init__(self, user_init: Callable[[int], None] | None):
+        self.user_init = user_init
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.user_init is not None:
+            self.user_init(worker_id)
 
 
 def _sized(data: Any) -> bool:

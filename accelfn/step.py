@@ -28,7 +28,8 @@ class Loss:
 
     Raises:
         TypeError: ``total`` not a tensor, ``count`` not a number or tensor.
-        ValueError: ``count`` a negative number.
+        ValueError: ``total`` or a tensor ``count`` of more than one element, or ``count`` a
+            negative number.
     """
 
     total: torch.Tensor = attrs.field()
@@ -38,11 +39,17 @@ class Loss:
     def _check_total(self, attribute: attrs.Attribute, value: Any) -> None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Loss(total=...) must be a scalar tensor (shape ()), got {type(value).__name__}")
+        if value.numel() != 1:
+            raise ValueError(f"Loss(total=...) must be a scalar tensor (shape ()), got shape {tuple(value.shape)}: "
+                             "pass the sum of the per-item losses (per_item_loss.sum())")
 
     @count.validator
     def _check_count(self, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise TypeError(f"Loss(count=...) must be a number or a scalar tensor, got {type(value).__name__}")
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"Loss(count=...) must be a number or a scalar tensor, got a tensor of shape "
+                             f"{tuple(value.shape)}: pass the number of items summed (mask.sum())")
         if not isinstance(value, torch.Tensor) and not value >= 0:
             raise ValueError(f"Loss(count={value!r}): the number of items summed must be >= 0")
 

@@ -120,3 +120,9 @@ def rank_token_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def eval_outputs(model: torch.nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
     x, index = batch
     return {"prediction": model(x), "index": index}
+
+
+def rank_stream(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s own batches of 4 when the data is of unknown length: 3 on rank 0, 5 on rank 1."""
+    data = regression_data(4 * (3 + 2 * rank), seed=10 + rank)
+    return list(DataLoader(data, batch_size=4))

@@ -2,14 +2,16 @@
 
 Usage (one process, or under ``torchrun``/``accelfn launch``)::
 
-    python tests/_resume_script.py CHECKPOINTS RESULT LOGDIR [--interrupt KIND:RANK:CALL]
+    python tests/_resume_script.py CHECKPOINTS RESULT LOGDIR [--interrupt KIND:RANK:CALL] [--workers N]
 
 Trains ``tests._states``' job for 3 epochs with ``Checkpoints(CHECKPOINTS, every_steps=2
 or 4)`` and ``resume="auto"``, then saves the final state at RESULT. With ``--interrupt``,
 the loss function of rank RANK, at its CALL-th micro-batch (counting from 1) and only if
 ``LOGDIR/interrupted`` does not exist yet, creates that marker and then either exits at
-once (``exit``: ``os._exit(1)``, a crash) or sends itself SIGTERM (``sigterm``). Each
-process appends ``attempt latest calls step micro_step`` to ``LOGDIR/rank<r>.log``.
+once (``exit``: ``os._exit(1)``, a crash), sends itself SIGTERM (``sigterm``), or sends
+SIGTERM to its whole process group, DataLoader workers included (``sigterm-group``, as a
+scheduler does; start the script in a session of its own). ``--workers N`` loads the data
+with N DataLoader worker processes. Each process appends ``attempt latest calls step micro_step`` to ``LOGDIR/rank<r>.log``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import argparse
 import os
 import random
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +42,7 @@ def total_steps(world_size: int) -> int:
 
 
 def job(world_size: int, *, interrupt: tuple[str, int, int] | None = None, marker: Path | None = None,
-        rank: int = 0) -> tuple[af.Step, af.TrainState, object, list[int]]:
+        rank: int = 0, workers: int = 0) -> tuple[af.Step, af.TrainState, object, list[int]]:
     """The program, the initial state, the data, and a one-item list counting loss calls."""
     calls = [0]
 
@@ -48,12 +52,18 @@ def job(world_size: int, *, interrupt: tuple[str, int, int] | None = None, marke
             marker.touch()
             if interrupt[0] == "exit":
                 os._exit(1)
-            os.kill(os.getpid(), signal.SIGTERM)
+            if interrupt[0] == "sigterm-group":
+                # from another process, as a scheduler's (workers take their parent's SIGTERM
+                # for a shutdown); the step goes on while the workers get it too
+                subprocess.run(["kill", "-TERM", "--", f"-{os.getpgrp()}"], check=False)
+                time.sleep(0.5)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
         return loss_fn(model, batch)
 
     step = program(af.replicate())
     step = af.Step(counted_loss, step.transforms)
-    return step, build(0, total_steps=total_steps(world_size)), loader(NUM_SAMPLES, BATCH_SIZE), calls
+    return step, build(0, total_steps=total_steps(world_size)), loader(NUM_SAMPLES, BATCH_SIZE, workers), calls
 
 
 def main() -> None:
@@ -62,6 +72,7 @@ def main() -> None:
     parser.add_argument("result", type=Path)
     parser.add_argument("logdir", type=Path)
     parser.add_argument("--interrupt", default=None)
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     random.seed(0)  # every process starts its generators alike, so runs can be compared whole
     np.random.seed(0)
@@ -72,7 +83,7 @@ def main() -> None:
         interrupt = (kind, int(rank), int(call))
     args.logdir.mkdir(parents=True, exist_ok=True)
     step, state, data, calls = job(backend.world_size, interrupt=interrupt, marker=args.logdir / "interrupted",
-                                   rank=backend.rank)
+                                   rank=backend.rank, workers=args.workers)
     checkpoints = af.Checkpoints(args.checkpoints, every_steps=2 if backend.world_size > 1 else 4)
     latest = checkpoints.latest()
     state = af.run(step, state, data, backend=backend, epochs=EPOCHS, checkpoints=checkpoints, resume="auto",

@@ -55,9 +55,9 @@ def dataset(n: int = 40) -> TensorDataset:
     return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def loader(n: int = 40, batch_size: int = 4) -> DataLoader:
-    """A shuffled DataLoader: 10 micro-batches per epoch by default."""
-    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True)
+def loader(n: int = 40, batch_size: int = 4, workers: int = 0) -> DataLoader:
+    """A shuffled DataLoader (10 micro-batches per epoch by default) with ``workers`` worker processes."""
+    return DataLoader(dataset(n), batch_size=batch_size, shuffle=True, num_workers=workers)
 
 
 def program(*transforms: af.Transform) -> af.Step:

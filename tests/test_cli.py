@@ -133,9 +133,11 @@ def test_interactive_config_reads_answers_and_asks_again_after_a_bad_one(tmp_pat
     ("nproc_per_node: 0\n", "nproc_per_node=0: must be >= 1"),
     ("- 1\n", "must hold a mapping"),
     ("a: [\n", "not valid YAML"),
+    ("nproc_per_node: 2\nnproc_per_node: 3\n", "the key 'nproc_per_node' is given twice"),
 ])
 def test_bad_config_files_name_the_problem(text: str, message: str) -> None:
-    """An unknown key, a bad value or a non-mapping in a config file raises LaunchError naming it."""
+    """An unknown key, a bad value, a key given twice or a non-mapping in a config file
+    raises LaunchError naming it."""
     with pytest.raises(LaunchError, match=message):
         launch_config.from_yaml(text, source="bad.yaml")
 
@@ -236,3 +238,29 @@ def test_launch_variables_are_read_into_the_launch_env() -> None:
                               "ACCELFN_PRECISION": "bf16", "ACCELFN_TIMEOUT_S": "7.5"})
     assert env == LaunchEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="h",
                             master_port=29500, backend="cpu", precision="bf16", timeout_s=7.5)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["launch"], "accelfn launch: error: the training SCRIPT is missing"),
+    (["launch", "--bogus", "x.py"], "accelfn launch: error: unrecognized arguments: --bogus"),
+    (["env", "--bogus"], "accelfn env: error: unrecognized arguments: --bogus"),
+])
+def test_usage_errors_show_the_command_s_own_usage(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing script or an unknown option exits with status 2 and the command's usage."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith(f"usage: accelfn {argv[0]} ")
+
+
+def test_config_warns_when_the_file_cannot_be_launched_as_it_is(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelfn config --nnodes 2` without node 0's address writes the file (the nodes may add
+    the address as flags) and warns that it cannot be launched as it is."""
+    out = tmp_path / "two.yaml"
+    assert cli.main(["config", "--nnodes", "2", "-o", str(out)]) == 0
+    assert launch_config.load(out).nnodes == 2
+    assert "cannot be launched as it is: --nnodes 2 needs the address of node 0" in capsys.readouterr().err

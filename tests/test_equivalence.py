@@ -306,8 +306,9 @@ def test_unsharded_shuffled_loader_is_read_like_a_hand_written_loop(cpu, monkeyp
 
 
 def test_bad_loss_counts_are_refused_and_an_empty_window_has_zero_gradient(cpu):
-    """af.Loss refuses negative or non-numeric counts at construction; a window of 0 counted
-    items (all padding) gives a zero gradient instead of NaN parameters."""
+    """af.Loss refuses negative, non-numeric or non-scalar counts and totals at
+    construction; a window of 0 counted items (all padding) gives a zero gradient instead
+    of NaN parameters."""
     total = torch.tensor(1.0, requires_grad=True)
     with pytest.raises(ValueError, match=r"Loss\(count=-3\)"):
         af.Loss(total=total, count=-3)
@@ -315,6 +316,10 @@ def test_bad_loss_counts_are_refused_and_an_empty_window_has_zero_gradient(cpu):
         af.Loss(total=total, count="3")
     with pytest.raises(TypeError, match="total"):
         af.Loss(total=1.0, count=3)
+    with pytest.raises(ValueError, match=r"total=.*got shape \(4,\): pass the sum"):
+        af.Loss(total=torch.ones(4), count=4)
+    with pytest.raises(ValueError, match=r"count=.*got a tensor of shape \(2,\)"):
+        af.Loss(total=total, count=torch.ones(2))
 
     for count in (0, torch.tensor(0)):
         torch.manual_seed(0)

@@ -79,6 +79,18 @@ def test_config_file_round_trip_with_a_flag_override(tmp_path: Path) -> None:
         assert (r["requested_backend"], r["backend"], r["precision"], r["timeout_s"]) == ("cpu", "cpu", "fp16", 45.0)
 
 
+def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path: Path) -> None:
+    """ACCELFN_* variables already set reach the workers over the config file's values and
+    the defaults; a flag overrides them."""
+    config = tmp_path / "launch.yaml"
+    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16",
+                "--timeout-s", "45", "-o", config, cwd=tmp_path)
+    env = _launch.environment(ACCELFN_TIMEOUT_S="33", ACCELFN_PRECISION="fp16")
+    _launch.launch("--config", config, "--precision", "fp32", script="hello.py", script_args=("--out", tmp_path),
+                   cwd=tmp_path, env=env)
+    assert [(r["precision"], r["timeout_s"]) for r in _launch.read_ranks(tmp_path, 2)] == [("fp32", 33.0)] * 2
+
+
 def test_default_config_file_in_the_working_directory_is_used(tmp_path: Path) -> None:
     """Without --config, launch reads ./accelfn.yaml and says so."""
     _launch.run("config", "--nproc-per-node", "2", "--precision", "bf16", "--backend", "cpu", cwd=tmp_path)

@@ -127,6 +127,15 @@ def test_gather_of_lengths_two_and_three_returns_five_in_rank_order(mp: dict[str
         assert r["gather_object"] == [{"rank": 0}, {"rank": 1}]
 
 
+def test_gather_of_other_trailing_dims_or_dtypes_fails_on_every_rank(mp: dict[str, Any]) -> None:
+    """Tensors that differ past the first dimension, or in dtype, raise ValueError on both
+    ranks, naming each rank's shape and dtype (rather than a gloo abort on one rank and a
+    wrong tensor on the other)."""
+    for r in mp["json"]:
+        assert r["gather_dims_error"].endswith("got rank 0: shape (2, 3) float32, rank 1: shape (2, 4) float32")
+        assert r["gather_dtype_error"].endswith("got rank 0: shape (2, 3) float32, rank 1: shape (2, 3) int64")
+
+
 def test_evaluate_returns_every_sample_once_in_dataset_order(mp: dict[str, Any]) -> None:
     """evaluate on 9 samples, 2 ranks, batch 5 returns the 9 outputs of a single-process run, in dataset order
     (and on 1 sample, where rank 1 has none, that one output)."""
@@ -200,3 +209,18 @@ def test_replicate_over_unequal_per_rank_data_fails_before_training(mp: dict[str
         assert "between 3 and 5 batches per epoch" in r["unequal_error"]
         assert "af.shard_data()" in r["unequal_error"]
         assert r["unequal_untouched"]
+
+
+def test_replicate_over_streams_of_unknown_unequal_length_keeps_ranks_in_step(mp: dict[str, Any]) -> None:
+    """Generators of 3 and 5 batches under replicate() without shard_data: 5 updates on both
+    ranks, rank 0 replaying its first batch for the last 2, equal to one process training
+    on each pair of batches concatenated (1e-6)."""
+    streams = [P.rank_stream(0), P.rank_stream(1)]
+    streams[0] += [streams[0][0]] * 2
+    pairs = [tuple(torch.cat(parts) for parts in zip(a, b)) for a, b in zip(*streams)]
+    reference = af.run(af.train_step(P.mse), P.make_state(), pairs, backend=_one_process(), progress=False)
+    for tensors in mp["tensors"]:
+        assert int(tensors["stream_step"]) == 5
+        got = _with_prefix(tensors, "stream.")
+        for name, value in P.parameters(reference).items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6)

@@ -75,6 +75,25 @@ def test_sigterm_mid_epoch_checkpoints_and_the_same_command_finishes_bitwise(cpu
     assert torch.equal(torch.get_rng_state(), rng_after)
 
 
+def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints(cpu, tmp_path) -> None:
+    """A scheduler's SIGTERM reaches the DataLoader workers too: they must survive it so that
+    the process finishes the micro-batch, checkpoints and exits with 143 (instead of failing
+    with "DataLoader worker is killed by signal"); the resumed run ends bitwise like an
+    uninterrupted one."""
+    command = (sys.executable, str(SCRIPT), str(tmp_path / "ckpts"), str(tmp_path / "result"),
+               str(tmp_path / "logs"), "--interrupt", "sigterm-group:0:13", "--workers", "2")
+    first = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert first.returncode == 143, first.stderr
+    assert "SIGTERM received; saved" in first.stderr
+    assert _manifest(af.Checkpoints(tmp_path / "ckpts").latest())["counters"]["micro_step"] == 13
+
+    second = _run(*command)
+    assert second.returncode == 0, second.stderr
+    step, state, data, _ = job(1, workers=2)
+    uninterrupted = af.run(step, state, data, backend=cpu, epochs=3, progress=False)
+    assert_same_state(_load_fresh(tmp_path / "result", 1), uninterrupted)
+
+
 def test_sigint_in_process_saves_restores_handlers_and_resumes_bitwise(cpu, tmp_path) -> None:
     """SIGINT during run() checkpoints after the current micro-batch and raises SystemExit(130)
     with the previous handlers back in place; resuming from that checkpoint gives the

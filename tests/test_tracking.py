@@ -38,7 +38,7 @@ def test_jsonl_and_tensorboard_log_per_update(tmp_path, cpu, num_micro_batches):
     assert state.step == 8
     lines = [orjson.loads(line) for line in (tmp_path / "m.jsonl").read_bytes().splitlines()]
     assert [line["step"] for line in lines] == [2, 4, 6, 8]
-    assert [line["lr"] for line in lines] == pytest.approx([0.1 * 0.5**s for s in (1, 3, 5, 7)])
+    assert [line["lr"] for line in lines] == [0.1 * 0.5**s for s in (1, 3, 5, 7)]  # exactly the optimizer's floats
     assert set(lines[0]) == {"step", "loss", "acc", "grad_norm", "lr", "samples_per_s"}
     (event_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
     scalars = read_scalars(event_file)

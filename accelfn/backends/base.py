@@ -174,13 +174,16 @@ class Backend(abc.ABC):
             ValueError: data that ``shard_data`` cannot shard (the message says why), or,
                 under ``replicate()`` without ``shard_data()``, ranks whose data have
                 different numbers of batches (their gradient all-reduces could never pair up).
+                Data of unknown length (an IterableDataset, a generator) is kept in step
+                instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
+        replicated = self.world_size > 1 and step.find(Replicate) is not None
         self._active = epoch_batches(
-            data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch,
-            start=start, place=self.place, sync=self._sync_ranks,
+            data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
+            place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
         )
-        if shard is None and self.world_size > 1 and step.find(Replicate) is not None:
+        if shard is None and replicated:
             self._check_same_length(self._active.num_batches)
         return self._active
 
@@ -230,6 +233,10 @@ class Backend(abc.ABC):
     def gather_for_metrics(self, tree: Any) -> Any:
         """``gather`` for evaluation: drops the samples ``shard_data`` added to even out the
         epoch's last batch, so metrics count every sample exactly once.
+
+        The result is in rank order (rank 0's batch, then rank 1's, ...), as Accelerate's is:
+        with ``shard_data`` each rank reads every world-size-th sample, so that is not the
+        dataset's order. ``af.evaluate`` returns outputs in dataset order.
 
         Args:
             tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,

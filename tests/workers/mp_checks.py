@@ -103,6 +103,12 @@ def collectives_and_evaluate(backend: af.backends.Backend, results: dict[str, An
     results["reduce_mean"] = backend.reduce(torch.tensor([1.0 + r]), "mean").item()
     results["broadcast"] = backend.broadcast(torch.tensor([5.0 + r]), src=1).item()
     results["gather_object"] = backend.gather_object({"rank": r})
+    for name, tensor in (("dims", torch.zeros(2, 3 + r)), ("dtype", torch.zeros(2, 3, dtype=(torch.float32, torch.int64)[r]))):
+        try:
+            backend.gather(tensor)
+            results[f"gather_{name}_error"] = None
+        except ValueError as e:
+            results[f"gather_{name}_error"] = str(e)
 
     state = P.make_state(seed=7)
     loader = DataLoader(P.IndexDataset(9), batch_size=5)
@@ -158,6 +164,15 @@ def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> No
     results["unequal_untouched"] = all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
 
 
+def unknown_lengths(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
+    """replicate() without shard_data over generators of 3 and 5 batches (lengths unknown):
+    the ranks stay in step (rank 0 replays its first batch) instead of hanging."""
+    step = af.replicate()(af.train_step(P.mse))
+    state = af.run(step, P.make_state(), (b for b in P.rank_stream(backend.rank)), backend=backend, progress=False)
+    tensors.update(P.parameters(state, "stream."))
+    tensors["stream_step"] = torch.tensor(state.step)
+
+
 def tensorboard(backend: af.backends.Backend, out: Path) -> None:
     """Acceptance 7: a run with a TensorBoard tracker on every rank."""
     P.train_case("e2_acc2_clip", backend, P.PER_RANK_BATCH, trackers=(af.TensorBoard(out / "tb"),))
@@ -177,6 +192,7 @@ def main() -> None:
     count_allreduces(results)
     loss_counts(backend, tensors)
     unequal_lengths(backend, results)
+    unknown_lengths(backend, tensors)
     tensorboard(backend, args.out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
