@@ -217,8 +217,7 @@ def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot rebuild a {plain[RECORD]} from the fields {sorted(fields)}: "
-                              f"{e}") from None
+        raise CheckpointError(f"{path}: not a valid {cls.__qualname__}: {e}") from None
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -303,7 +302,10 @@ def mismatches(saved: Any, live: Any, path: str, source: str) -> list[str]:
     loaded over: values of other kinds (a str where a number is, a bool where a str is),
     tensors of other shapes, records of other classes. None fits anything either way, a
     number and a one-element tensor fit each other, mappings are compared at their common
-    keys and sequences at their common positions; objects of other types are not compared.
+    keys, sequences of the same length item by item (one of another length does not fit:
+    the lists in torch's optimizer and scheduler states keep their lengths as they train,
+    but for LBFGS's history, and LBFGS needs a closure no accelfn step passes);
+    objects of other types are not compared.
     """
     a, b = _kind(saved), _kind(live)
     if a is None or b is None:
@@ -317,6 +319,9 @@ def mismatches(saved: Any, live: Any, path: str, source: str) -> list[str]:
     if a == "mapping":
         return [p for k in saved if k in live for p in mismatches(saved[k], live[k], _child(path, k), source)]
     if a == "sequence":
+        if len(saved) != len(live):
+            return [f"{path}: {describe(saved)} in {source}, {describe(live)} here ({len(saved)} items, not "
+                    f"{len(live)})"]
         return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(x, y, f"{path}[{i}]", source)]
     if a == "record":
         if type(saved) is not type(live):

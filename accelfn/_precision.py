@@ -15,6 +15,7 @@ import torch
 
 PolicyName = Literal["fp32", "bf16", "fp16", "bf16-true"]
 POLICY_NAMES: tuple[str, ...] = ("fp32", "bf16", "fp16", "bf16-true")
+_TINY = math.ulp(0.0)  # the smallest positive float
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -29,6 +30,13 @@ def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> N
         raise TypeError(f"{attribute.name} must be an int (a count of optimizer updates), got {value!r}")
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
+
+
+def _count(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{attribute.name} must be an int (a count of optimizer updates), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -129,35 +137,64 @@ class LossScale:
         if grads_finite:
             growth_tracker += 1
             if growth_tracker == growth_interval:
-                scale *= growth_factor
+                if isfinite(scale * growth_factor):  # GradScaler never grows the scale to inf
+                    scale *= growth_factor
                 growth_tracker = 0
         else:
-            scale *= backoff_factor
+            scale = max(scale * backoff_factor, smallest positive float)
             growth_tracker = 0
+
+    Attributes:
+        scale: the loss scale, a finite number > 0.
+        growth_tracker: finite updates in a row since the scale last changed, an int >= 0.
+
+    Raises:
+        TypeError, ValueError: a field of the wrong type or out of range (a checkpoint
+            edited by hand is refused this way, naming the field).
 
     References:
         Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2.
     """
 
-    scale: float
-    growth_tracker: int = 0
+    scale: float = attrs.field(validator=_positive)
+    growth_tracker: int = attrs.field(default=0, validator=_count)
 
     def adjust(self, grads_finite: bool, scaling: DynamicScaling) -> LossScale:
-        """Returns the scale for the next update given whether this one's gradients were finite."""
+        """Returns the scale for the next update given whether this one's gradients were finite.
+
+        A scale that backs off below ``scaling.min_scale`` is returned as it is (the step
+        function then stops training); one that would underflow to 0 stays at the smallest
+        positive float, and one that would grow to inf does not grow.
+        """
         if not grads_finite:
-            return LossScale(self.scale * scaling.backoff_factor, 0)
+            return LossScale(max(self.scale * scaling.backoff_factor, _TINY), 0)
         tracker = self.growth_tracker + 1
         if tracker == scaling.growth_interval:
-            return LossScale(self.scale * scaling.growth_factor, 0)
+            grown = self.scale * scaling.growth_factor
+            return LossScale(grown if grown != math.inf else self.scale, 0)
         return LossScale(self.scale, tracker)
 
 
 @attrs.frozen
 class SkipCount:
-    """Bookkeeping of updates skipped for non-finite gradients (fp16 or ``skip_nonfinite``)."""
+    """Bookkeeping of updates skipped for non-finite gradients (fp16 or ``skip_nonfinite``).
 
-    num_skipped: int = 0
-    consecutive: int = 0
+    Attributes:
+        num_skipped: updates skipped since the start of training, an int >= 0.
+        consecutive: the last updates in a row that were skipped, at most ``num_skipped``.
+
+    Raises:
+        TypeError, ValueError: a count of the wrong type, negative, or ``consecutive``
+            above ``num_skipped``.
+    """
+
+    num_skipped: int = attrs.field(default=0, validator=_count)
+    consecutive: int = attrs.field(default=0, validator=_count)
+
+    def __attrs_post_init__(self) -> None:
+        if self.consecutive > self.num_skipped:
+            raise ValueError(f"consecutive ({self.consecutive}) must be <= num_skipped ({self.num_skipped}): "
+                             "the updates skipped in a row are among those skipped in all")
 
     def record(self, grads_finite: bool) -> SkipCount:
         """Returns the count after one more update, finite or skipped."""

@@ -285,8 +285,9 @@ def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
 
 def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
     """Every value of ``snap`` that no state could take (empty if none): fields of the wrong
-    types, counters that are not ints >= 0, RNG states the generators refuse, an optimizer
-    state without the structure torch's ``load_state_dict`` reads. ``names`` as for ``check``.
+    types, counters that are not ints >= 0 (or fewer micro-batches than updates), RNG states
+    the generators refuse, an optimizer state without the structure torch's
+    ``load_state_dict`` reads. ``names`` as for ``check``.
     """
     fields = {f.name: getattr(snap, f.name) for f in attrs.fields(Snapshot)}
     found = field_problems(Snapshot, fields, {name: names.get(name, name) for name in fields})
@@ -295,6 +296,9 @@ def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyTyp
     counters = names.get("counters", "counters")
     found += [f"{counters}.{name}: {describe(value)}, must be an int >= 0" for name, value in snap.counters.items()
               if isinstance(value, bool) or not isinstance(value, int) or value < 0]
+    if not found and snap.counters.get("micro_step", 0) < snap.counters.get("step", 0):
+        found.append(f"{counters}.micro_step: {snap.counters['micro_step']}, below {counters}.step "
+                     f"({snap.counters['step']}); every optimizer update consumes at least one micro-batch")
     found += [f"{names.get('rng', 'rng')}.{problem}" for problem in _rng.problems(snap.rng)]
     groups = snap.optimizer.get("param_groups")
     if not (isinstance(snap.optimizer.get("state"), Mapping) and isinstance(groups, (list, tuple))
@@ -308,16 +312,23 @@ def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyTyp
 
 def apply(state: TrainState, snap: Snapshot, *, copy: bool, source: str = "the snapshot",
           names: Mapping[str, str] = MappingProxyType({})) -> TrainState:
-    """Checks ``snap`` (its values, then its fit to ``state``), then puts it in place;
-    ``copy=False`` lets the state take ownership of the snapshot's tensors (the snapshot
-    must not be used again). ``source`` and ``names`` name the values in messages (``check``).
-
-    Every check runs before anything changes; what remains cannot fail but in a user's
-    ``extra`` object, whose ``load_state_dict`` therefore runs first.
+    """Checks ``snap`` (:func:`verify`), then puts it in place (:func:`put`).
 
     Raises:
-        CheckpointError: a value no state could take, or the snapshot does not fit the
-            state; nothing was changed.
+        CheckpointError: as ``verify``; nothing was changed.
+    """
+    verify(state, snap, source=source, names=names)
+    return put(state, snap, copy=copy)
+
+
+def verify(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
+           names: Mapping[str, str] = MappingProxyType({})) -> None:
+    """Checks ``snap``'s values, then its fit to ``state``; ``source`` and ``names`` name
+    the values in messages (``check``). Changes nothing.
+
+    Raises:
+        TypeError: arguments of the wrong types.
+        CheckpointError: a value no state could take, or the snapshot does not fit the state.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"restore() takes a TrainState first, got {type(state).__name__}")
@@ -329,6 +340,12 @@ def apply(state: TrainState, snap: Snapshot, *, copy: bool, source: str = "the s
     differ = check(state, snap, source=source, names=names)
     if differ:
         raise CheckpointError("the checkpoint does not match the state it is loaded into:\n  " + "\n  ".join(differ))
+
+
+def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
+    """Puts a verified ``snap`` in place; ``copy=False`` lets the state take ownership of
+    the snapshot's tensors (the snapshot must not be used again). Cannot fail but in a
+    user's ``extra`` object, whose ``load_state_dict`` therefore runs first."""
     model = unwrap(state.model)
     device = _device(model)
 

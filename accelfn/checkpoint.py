@@ -17,9 +17,11 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import orjson
 import torch
 
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["NO_PREEMPTION", "Checkpoints", "Preemption", "check_run_arguments", "load", "resume_state", "save"]
 
+#: ``run``'s say in where a resumed epoch continues: called with the checkpoint's epoch,
+#: its ``epoch_micro_step`` and the world size that wrote it, once the checkpoint is
+#: verified and before it is loaded; returns the micro-batch to continue at, or raises
+ResumePosition = Callable[[int, int, int], int]
 #: what ``run`` enters instead of a Preemption when it has no checkpoints to write
 NO_PREEMPTION = contextlib.nullcontext()
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -166,7 +172,8 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: Backend | N
     return state
 
 
-def _load(path: Path, into: TrainState, backend: Backend | None) -> tuple[TrainState, _manifest.Manifest]:
+def _load(path: Path, into: TrainState, backend: Backend | None,
+          position: ResumePosition | None = None) -> tuple[TrainState, _manifest.Manifest]:
     if not isinstance(into, TrainState):
         raise TypeError(f"load(into=...) takes a TrainState, got {type(into).__name__}")
     backend = _context(backend)
@@ -178,9 +185,14 @@ def _load(path: Path, into: TrainState, backend: Backend | None) -> tuple[TrainS
     snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
     try:
         names = _serialize.field_names(_serialize.section(manifest, rank))
-        return _snapshot.apply(into, snap, copy=False, source=_manifest.MANIFEST, names=names), manifest
+        _snapshot.verify(into, snap, source=_manifest.MANIFEST, names=names)
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
+    if position is not None:
+        counters = snap.counters
+        start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
+        snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
+    return _snapshot.put(into, snap, copy=False), manifest
 
 
 def _positive(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
@@ -333,15 +345,18 @@ def check_run_arguments(checkpoints: Any, resume: Any) -> None:
 
 
 def resume_state(state: TrainState, checkpoints: Checkpoints | None, resume: Any, backend: Backend,
-                 *, program: Step | None = None) -> TrainState:
+                 *, program: Step | None = None, position: ResumePosition | None = None) -> TrainState:
     """The state ``run`` starts from: ``state``, or the checkpoint ``resume`` asks for.
 
     ``resume="auto"`` takes the latest checkpoint of ``checkpoints`` (rank 0's view, shared
     with every rank) and starts fresh when there is none. Warns when the checkpoint was
-    written by a program with other transforms.
+    written by a program with other transforms. ``position`` (see ``ResumePosition``) sets
+    the micro-batch the resumed epoch continues at, or refuses it, before ``state`` changes.
 
     Raises:
-        CheckpointError: as ``load``.
+        CheckpointError: as ``load``; for ``resume="auto"``, the message also names the
+            previous complete checkpoint to resume from instead.
+        ValueError: as ``position``.
     """
     if checkpoints is not None:
         checkpoints._begin(program)
@@ -350,7 +365,12 @@ def resume_state(state: TrainState, checkpoints: Checkpoints | None, resume: Any
     path = checkpoints._latest_agreed(backend) if resume == "auto" else Path(resume)  # type: ignore[union-attr]
     if path is None:
         return state
-    state, manifest = _load(path, state, backend)
+    try:
+        state, manifest = _load(path, state, backend, position)
+    except CheckpointError as e:
+        if resume != "auto":
+            raise
+        raise CheckpointError(f"{e}\n{_fallback(checkpoints, path)}") from None  # type: ignore[arg-type]
     if checkpoints is not None:
         checkpoints._last_step = state.step
     now = _transforms(program)
@@ -361,3 +381,13 @@ def resume_state(state: TrainState, checkpoints: Checkpoints | None, resume: Any
     backend.print(f"accelfn: resumed from {path} at step {state.step} (epoch {state.epoch}, "
                   f"micro-batch {state.epoch_micro_step} of it)", file=sys.stderr)
     return state
+
+
+def _fallback(checkpoints: Checkpoints, failed: Path) -> str:
+    """What to do when the latest checkpoint of ``checkpoints`` (``failed``) does not load."""
+    earlier = [step for step in checkpoints.steps() if checkpoints.path_for(step) != failed]
+    previous = (f"resume from the previous one with run(resume={str(checkpoints.path_for(earlier[-1]))!r}, ...) "
+                f"or move {failed} aside so that resume='auto' takes it" if earlier
+                else "start a fresh run (there is no earlier checkpoint)")
+    return (f"run(resume='auto'): the latest checkpoint, {failed}, failed to load; it is not skipped, since "
+            f"that could hide a bug. If it is damaged, {previous}")

@@ -130,6 +130,9 @@ class EpochBatches:
     flushed). ``num_batches`` is the epoch's total on this rank when it is known in advance
     (map-style data), else None, in which case the iterator looks one batch ahead.
 
+    Raises:
+        ValueError: ``start`` beyond ``num_batches``.
+
     Attributes:
         num_batches: micro-batches in the whole epoch on this rank, or None.
         padding_ranks: the ranks whose final batch ends with one sample added by wrapping
@@ -140,6 +143,13 @@ class EpochBatches:
     def __init__(self, source: Iterable[Any], *, num_batches: int | None, start: int,
                  place: Callable[[Any], Any], padding_ranks: frozenset[int] = frozenset(),
                  sync: Callable[[Iterator[Any]], Iterator[Any]] | None = None):
+        if num_batches is not None and start > num_batches:
+            raise ValueError(
+                f"cannot resume at micro-batch {start} of an epoch of {num_batches} micro-batches (on this "
+                "process): the batch size, the dataset or the number of processes probably differs from the "
+                "run that wrote the checkpoint; resume with the same data and world size, or start a fresh "
+                "run (without resume=...)"
+            )
         self._source, self.num_batches, self.start = source, num_batches, start
         self._place, self._sync = place, sync
         self.padding_ranks = padding_ranks
@@ -265,8 +275,6 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
     assert batch_size is not None
     full, partial = divmod(len(indices), batch_size)
     num_batches = full + (1 if partial and not loader.drop_last else 0)
-    if start > num_batches:
-        raise ValueError(f"cannot resume at micro-batch {start} of an epoch of {num_batches}")
     padded = shard.even_batches and not shard.drop_last and num_samples % world_size
     padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
     generator = torch.Generator().manual_seed(shard.seed + epoch)

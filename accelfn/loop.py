@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -35,7 +36,10 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
         raise TypeError(f"run(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
     if not isinstance(data, Iterable):
         raise TypeError(f"run() needs iterable data (a DataLoader), got {type(data).__name__}")
-    _check_count("epochs", epochs, allow_none=max_steps is not None)
+    if epochs is None and max_steps is None:
+        raise ValueError("run(epochs=None) trains until max_steps, so it needs max_steps=<total optimizer "
+                         "updates>; pass both, or an int for epochs")
+    _check_count("epochs", epochs, allow_none=True)
     _check_count("max_steps", max_steps, allow_none=True)
     _check_count("log_every", log_every)
     if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
@@ -91,7 +95,10 @@ def run(
         checkpoints: an ``af.Checkpoints`` policy saving during training (and on SIGTERM/
             SIGINT), or None.
         resume: ``"auto"`` (the latest checkpoint of ``checkpoints``, if any) or the path of
-            a checkpoint to resume from, or None to start from ``state`` as it is.
+            a checkpoint to resume from, or None to start from ``state`` as it is. A
+            checkpoint written in the middle of an epoch by another number of processes
+            resumes at ``epoch_micro_step * its_world_size // world_size``, which keeps the
+            samples the epoch consumed but not their batching (a RuntimeWarning says so).
         trackers: where metrics go (``af.TensorBoard``, ``af.JSONL``); main process only.
         progress: show a progress bar on the main process.
         log_every: reduce metrics to Python floats, show and log them every this many
@@ -103,9 +110,15 @@ def run(
     Raises:
         TypeError: an argument of the wrong type.
         ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
-            without ``max_steps``; ``resume="auto"`` without ``checkpoints``.
+            without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
+            whose position in its epoch is beyond the data's micro-batches per epoch.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
-        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit.
+        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
+            or is corrupted (with ``"auto"``, the message names the previous checkpoint).
+
+    Warns:
+        RuntimeWarning: ``epochs`` ran out before ``max_steps``; a mid-epoch resume on
+            another number of processes.
         SystemExit: status 128 + signal number after SIGTERM or SIGINT when ``checkpoints``
             is given: the current micro-batch finishes and a checkpoint is written first.
 
@@ -126,7 +139,8 @@ def run(
     _checkpoint.check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
     state.model.train()  # a training loop trains, also after an evaluation put the model in eval()
-    state = _checkpoint.resume_state(state, checkpoints, resume, backend, program=step)
+    state = _checkpoint.resume_state(state, checkpoints, resume, backend, program=step,
+                                     position=functools.partial(_resume_position, backend, data, step))
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
     preemption = _checkpoint.Preemption(backend) if checkpoints is not None else None
@@ -140,16 +154,17 @@ def run(
     return state
 
 
-def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int,
+def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int | None,
             max_steps: int | None, checkpoints: Any, bar: Progress, preemption: Any) -> TrainState:
     if max_steps is not None and state.step >= max_steps:
         return state
     step_once = step_fn.__call__  # a bound method is called without the slower instance-call path
     while epochs is None or state.epoch < epochs:
-        batches = backend.batches(data, step, state.epoch, start=state.epoch_micro_step)
-        finished_epoch, consumed = True, state.micro_step
-        for batch, last in batches:
+        epoch, consumed = state.epoch, state.micro_step
+        for batch, last in backend.batches(data, step, epoch, start=state.epoch_micro_step):
             state, metrics = step_once(state, batch, flush=last)
+            if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
+                state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
             if preemption is not None and preemption.requested():
                 preemption.stop(state, checkpoints)
             if not metrics:
@@ -158,19 +173,63 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             if checkpoints is not None:
                 checkpoints.maybe_save(state, backend)
             if max_steps is not None and state.step >= max_steps:
-                finished_epoch = last
                 break
-        else:
-            finished_epoch = True
+        if max_steps is not None and state.step >= max_steps:
+            return state
+        if state.epoch == epoch:  # nothing (left) to read in this epoch
             if state.micro_step == consumed:
                 _warn_empty_epoch(state, epochs)
                 if epochs is None:
-                    break
-        if finished_epoch:
-            state = state.replace(epoch=state.epoch + 1, epoch_micro_step=0)
-        if max_steps is not None and state.step >= max_steps:
-            break
+                    return state
+            state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+    if max_steps is not None:
+        warnings.warn(
+            f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
+            "pass epochs=None to train until max_steps (or more epochs)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return state
+
+
+def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: int, position: int,
+                     world_size: int) -> int:
+    """The micro-batch of ``epoch`` a run resumed at ``position`` (of a checkpoint written by
+    ``world_size`` processes) continues at. In another world size, each process's position
+    is scaled to keep the epoch's consumed samples (approximate: the rest of the epoch is
+    batched differently), with a warning.
+
+    Raises:
+        ValueError: ``position`` beyond this process's epoch (other data or batch size).
+    """
+    if not position:
+        return 0  # an epoch boundary: the same in any world size
+    total = backend.batches(data, step, epoch).num_batches  # None: the data's length is not known
+    if world_size != backend.world_size:
+        start = position * world_size // backend.world_size
+        start = start if total is None else min(start, total)
+        warnings.warn(
+            f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
+            f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
+            f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
+            "if the per-process batch size is the same; the rest of the epoch is batched in another order, so "
+            "the run differs from an uninterrupted one",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return start
+    if total is not None and position > total:
+        raise ValueError(
+            f"cannot resume at micro-batch {position} of epoch {epoch}: the data has {total} "
+            f"micro-batch{'es' if total != 1 else ''} per epoch on this process. The batch size or the dataset "
+            f"probably differs from the run that wrote the checkpoint (on {_processes(world_size)}, as this run); "
+            "resume with the same data and batch size, or start a fresh run (without resume=...)"
+        )
+    return position
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n > 1 else ''}"
 
 
 def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:

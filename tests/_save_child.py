@@ -26,7 +26,7 @@ def state_at(model: torch.nn.Module, value: float, step: int) -> af.TrainState:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(value)
-    return af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)).replace(step=step)
+    return af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)).replace(step=step, micro_step=step)
 
 
 def main(path: str) -> None:

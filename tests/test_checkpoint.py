@@ -227,13 +227,13 @@ def test_save_refuses_to_replace_a_directory_it_did_not_write(tmp_path) -> None:
 def test_interrupted_replace_is_found_and_completed(tmp_path) -> None:
     """After a crash between the two renames of a replace (target gone, new and old set aside),
     load finds the new checkpoint, and the next save completes and tidies the directory."""
-    old, new = build(0).replace(step=1), build(5).replace(step=2)
+    old, new = build(0).replace(step=1, micro_step=1), build(5).replace(step=2, micro_step=2)
     af.save(old, tmp_path / "a")
     af.save(new, tmp_path / "b")
     (tmp_path / "a").rename(tmp_path / ".ckpt.old-0123456789abcdef")
     (tmp_path / "b").rename(tmp_path / ".ckpt.tmp-fedcba9876543210")
     assert af.load(tmp_path / "ckpt", into=build(9)).step == 2
-    af.save(build(7).replace(step=3), tmp_path / "ckpt")
+    af.save(build(7).replace(step=3, micro_step=3), tmp_path / "ckpt")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert af.load(tmp_path / "ckpt", into=build(9)).step == 3
 
@@ -250,7 +250,7 @@ def test_unfinished_writes_are_ignored_and_cleaned_up(cpu, tmp_path) -> None:
     assert checkpoints.steps() == [1]
     with pytest.raises(CheckpointError, match="no manifest.json"):
         af.load(tmp_path / "step_00000007", into=build(0))
-    checkpoints.save(build(0).replace(step=2))
+    checkpoints.save(build(0).replace(step=2, micro_step=2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001", "step_00000002", "step_00000007"]
 
 

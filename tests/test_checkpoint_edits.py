@@ -114,13 +114,35 @@ def _refused(path: Path, target: af.TrainState, message: str) -> None:
     (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value="big"),
      "ckpt/manifest.json: ranks[0].transforms_state.loss_scale.scale: 'big' (a str), must be float"),
     (_set("model", "fc1.weight", value=3), "model 'fc1.weight': 3 (an int) in the checkpoint, a tensor here"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value=0.0),
+     "ckpt/manifest.json: ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite "
+     "number > 0, got 0.0"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value=-65536.0),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got -65536.0"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value={"__float__": "inf"}),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got inf"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value={"__float__": "nan"}),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got nan"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "growth_tracker", value=-1),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: growth_tracker must be an int >= 0, got -1"),
+    (_set("ranks", 0, "transforms_state", "skips", "fields", "num_skipped", value=-3),
+     "ranks[0].transforms_state.skips: not a valid SkipCount: num_skipped must be an int >= 0, got -3"),
+    (_set("counters", "micro_step", value=1),
+     "ckpt: invalid values in manifest.json:\n  counters.micro_step: 1, below counters.step (2); every optimizer "
+     "update consumes at least one micro-batch"),
+    (_set("optimizer", "param_groups", 0, "betas", value={"__tuple__": [0.9, 0.999, 0.5]}),
+     "ckpt: the checkpoint does not match the state it is loaded into:\n  optimizer.param_groups[0].betas: "
+     "(0.9, 0.999, 0.5) (a tuple) in manifest.json, (0.9, 0.999) (a tuple) here (3 items, not 2)"),
+    (_set("scheduler", "base_lrs", value=[]),
+     "scheduler.base_lrs: [] (a list) in manifest.json, [0.01] (a list) here (0 items, not 1)"),
 ])
 def test_an_edited_value_is_refused_before_anything_changes(saved, change: Edit, message: str) -> None:
     """A manifest edited with its checksum updated to match (a counter that is not an int >= 0,
-    an RNG state of the wrong size, a hyperparameter or scheduler value of another type than
-    the live one, a malformed or mistyped value) fails to load with a CheckpointError naming
-    the file and the field, and the model, optimizer, scheduler, extra objects, counters and
-    global generators are exactly as before."""
+    fewer micro-batches than updates, an RNG state of the wrong size, a hyperparameter or
+    scheduler value of another type or length than the live one, a loss scale that is not a
+    finite number > 0, a negative growth tracker or skip count, a malformed or mistyped value)
+    fails to load with a CheckpointError naming the file and the field, and the model,
+    optimizer, scheduler, extra objects, counters and global generators are exactly as before."""
     path, _ = saved
     _edit(path, change)
     _refused(path, build(99, extra=True), message)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import sys
 
 import orjson
 import pytest
@@ -12,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import accelfn as af
 from accelfn import _math
+from accelfn._precision import LossScale, SkipCount
 from tests.conftest import classification_data, make_mlp
 
 
@@ -203,6 +206,36 @@ def test_loss_scale_rule_matches_grad_scaler():
         torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2)
         ours = ours.adjust(finite, scaling)
         assert (ours.scale, ours.growth_tracker) == (scale.item(), tracker.item())
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: LossScale(0.0), ValueError, "scale must be a finite number > 0, got 0.0"),
+    (lambda: LossScale(-2.0), ValueError, "scale must be a finite number > 0, got -2.0"),
+    (lambda: LossScale(math.inf), ValueError, "scale must be a finite number > 0, got inf"),
+    (lambda: LossScale(math.nan), ValueError, "scale must be a finite number > 0, got nan"),
+    (lambda: LossScale("big"), TypeError, "scale must be a number, got 'big'"),
+    (lambda: LossScale(8.0, -1), ValueError, "growth_tracker must be an int >= 0, got -1"),
+    (lambda: LossScale(8.0, 1.0), TypeError, "growth_tracker must be an int (a count of optimizer updates), got 1.0"),
+    (lambda: SkipCount(-1), ValueError, "num_skipped must be an int >= 0, got -1"),
+    (lambda: SkipCount(3, -1), ValueError, "consecutive must be an int >= 0, got -1"),
+    (lambda: SkipCount(1, 2), ValueError, "consecutive (2) must be <= num_skipped (1)"),
+])
+def test_loss_scale_and_skip_count_refuse_impossible_values(make, error, message):
+    """A loss scale that is not a finite number > 0, a negative growth tracker or skip count,
+    or more consecutive skips than skips in all, cannot be built."""
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+
+
+def test_loss_scale_stays_finite_and_positive_at_the_limits():
+    """Growing a scale that would overflow keeps it (as GradScaler does), backing off one that
+    would underflow to 0 leaves the smallest positive float; ordinary values move as usual."""
+    scaling = af._precision.DynamicScaling(growth_interval=1, backoff_factor=1e-300, min_scale=1e-300)
+    top = LossScale(sys.float_info.max / 1.5, 0)
+    assert top.adjust(True, scaling) == LossScale(sys.float_info.max / 1.5, 0)
+    assert LossScale(1e-300).adjust(False, scaling) == LossScale(math.ulp(0.0), 0)
+    assert LossScale(4.0, 0).adjust(True, scaling) == LossScale(8.0, 0)
+    assert LossScale(4.0, 3).adjust(False, scaling) == LossScale(4.0 * 1e-300, 0)
 
 
 def test_skip_nonfinite_skips_nan_update_in_fp32(cpu):

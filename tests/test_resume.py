@@ -121,3 +121,83 @@ def test_auto_resume_without_checkpoints_starts_fresh(cpu, tmp_path) -> None:
                    checkpoints=af.Checkpoints(tmp_path / "none"), resume="auto")
     plain = af.run(step, build(0), data, backend=cpu, epochs=1, progress=False)
     assert_same_state(fresh, plain)
+
+
+def _untouched(state: af.TrainState, seed: int) -> bool:
+    """True if ``state`` is still a freshly built ``build(seed)``: parameters, counters, no optimizer state."""
+    fresh = build(seed)
+    return (all(torch.equal(a, b) for a, b in zip(state.model.state_dict().values(), fresh.model.state_dict().values()))
+            and (state.step, state.micro_step, state.epoch, state.epoch_micro_step) == (0, 0, 0, 0)
+            and not state.optimizer.state)
+
+
+def test_resuming_beyond_the_epoch_is_refused_before_the_state_changes(cpu, tmp_path, capsys) -> None:
+    """A checkpoint at micro-batch 8 of an epoch resumed on data with 3 micro-batches per epoch
+    (a DataLoader with shard_data, or a plain list) raises a ValueError that says what probably
+    changed and what to do, before the state changes or run announces the resume."""
+    checkpoints = af.Checkpoints(tmp_path / "loader", every_steps=4)
+    af.run(program(), build(0), loader(), backend=cpu, max_steps=4, checkpoints=checkpoints, progress=False)
+    target = build(99)
+    with pytest.raises(ValueError) as error:
+        af.run(program(), target, loader(12), backend=cpu, resume=checkpoints.latest(), progress=False)
+    assert str(error.value) == (
+        "cannot resume at micro-batch 8 of epoch 0: the data has 3 micro-batches per epoch on this process. The "
+        "batch size or the dataset probably differs from the run that wrote the checkpoint (on 1 process, as this "
+        "run); resume with the same data and batch size, or start a fresh run (without resume=...)")
+    assert _untouched(target, 99) and "resumed" not in capsys.readouterr().err
+
+    step = af.train_step(lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1]))
+    batches = list(loader())
+    checkpoints = af.Checkpoints(tmp_path / "list", every_steps=8)
+    af.run(step, build(0), batches, backend=cpu, max_steps=8, checkpoints=checkpoints, progress=False)
+    target = build(99)
+    with pytest.raises(ValueError, match=r"^cannot resume at micro-batch 8 of epoch 0: the data has 3 micro-batches"):
+        af.run(step, target, batches[:3], backend=cpu, resume=checkpoints.latest(), progress=False)
+    assert _untouched(target, 99) and "resumed" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^cannot resume at micro-batch 8 of an epoch of 3 micro-batches \(on this "
+                                         r"process\): the batch size, the dataset or the number of processes"):
+        cpu.batches(batches[:3], step, 0, start=8)
+
+
+def test_a_checkpoint_at_the_end_of_an_epoch_starts_the_next(cpu, tmp_path) -> None:
+    """The checkpoint saved after an epoch's last update records the next epoch at micro-batch
+    0, and a run resumed from it ends bitwise where the uninterrupted one does."""
+    step, data = program(), loader()
+    checkpoints = af.Checkpoints(tmp_path, every_steps=5)
+    uninterrupted = af.run(step, build(0), data, backend=cpu, epochs=2, checkpoints=checkpoints, progress=False)
+    counters = af.load(checkpoints.path_for(5), into=build(0))
+    assert (counters.step, counters.micro_step, counters.epoch, counters.epoch_micro_step) == (5, 10, 1, 0)
+    resumed = af.run(step, build(99), data, backend=cpu, epochs=2, resume=checkpoints.path_for(5), progress=False)
+    assert_same_state(resumed, uninterrupted)
+
+
+def test_auto_resume_from_a_corrupted_checkpoint_names_it_and_the_previous_one(cpu, tmp_path) -> None:
+    """resume="auto" whose latest checkpoint has a flipped byte fails (it is not skipped),
+    naming that checkpoint and the previous one to resume from; with no previous one, it says
+    to start a fresh run."""
+    step, data = program(), loader()
+    checkpoints = af.Checkpoints(tmp_path, every_steps=2)
+    af.run(step, build(0), data, backend=cpu, max_steps=4, checkpoints=checkpoints, progress=False)
+    tensors = checkpoints.path_for(4) / "model.safetensors"
+    corrupted = bytearray(tensors.read_bytes())
+    corrupted[-1] ^= 1
+    tensors.write_bytes(bytes(corrupted))
+    with pytest.raises(af.CheckpointError) as error:
+        af.run(step, build(99), data, backend=cpu, epochs=1, checkpoints=checkpoints, resume="auto", progress=False)
+    message = str(error.value)
+    assert message.startswith(f"{tensors}: sha256 ")
+    assert message.endswith(
+        f"\nrun(resume='auto'): the latest checkpoint, {checkpoints.path_for(4)}, failed to load; it is not skipped, "
+        f"since that could hide a bug. If it is damaged, resume from the previous one with "
+        f"run(resume='{checkpoints.path_for(2)}', ...) or move {checkpoints.path_for(4)} aside so that "
+        "resume='auto' takes it")
+    resumed = af.run(step, build(99), data, backend=cpu, max_steps=3, resume=checkpoints.path_for(2), progress=False)
+    assert resumed.step == 3
+
+    checkpoints = af.Checkpoints(tmp_path / "one", every_steps=2)
+    af.run(step, build(0), data, backend=cpu, max_steps=2, checkpoints=checkpoints, progress=False)
+    (checkpoints.path_for(2) / "manifest.json").write_bytes(b"{}")
+    with pytest.raises(af.CheckpointError, match=r"failed to load; it is not skipped, since that could hide a bug\. "
+                                                 r"If it is damaged, start a fresh run \(there is no earlier "
+                                                 r"checkpoint\)$"):
+        af.run(step, build(99), data, backend=cpu, epochs=1, checkpoints=checkpoints, resume="auto", progress=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import orjson
 import pytest
 import torch
@@ -69,8 +71,29 @@ def test_max_steps_alone_with_epochs_none(cpu):
     state = af.run(af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])), state, data, backend=cpu,
                    epochs=None, max_steps=7, progress=False)
     assert (state.step, state.epoch, state.epoch_micro_step) == (7, 2, 1)
-    with pytest.raises(TypeError, match=r"epochs=\.\.\.\) must be an int, got None"):
+    with pytest.raises(ValueError) as error:
         af.run(af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1])), state, data, backend=cpu, epochs=None)
+    assert str(error.value) == ("run(epochs=None) trains until max_steps, so it needs max_steps=<total optimizer "
+                                "updates>; pass both, or an int for epochs")
+
+
+def test_epochs_running_out_before_max_steps_warns_once(cpu):
+    """run(max_steps=7) on 5 batches with the default epochs=1 stops at step 5 and warns once,
+    naming both limits and epochs=None; reaching max_steps first, or epochs=None, does not warn."""
+    model = make_mlp()
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.train_step(lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,)))] * 5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = af.run(step, state, data, backend=cpu, max_steps=7, progress=False)
+        assert state.step == 5
+        af.run(step, state, data, backend=cpu, epochs=2, max_steps=7, progress=False)
+        af.run(step, state, data, backend=cpu, epochs=None, max_steps=9, progress=False)
+    assert [str(w.message) for w in caught] == [
+        "run stopped after epochs=1 at step 5, before max_steps=7; pass epochs=None to train until max_steps "
+        "(or more epochs)"]
+    assert caught[0].category is RuntimeWarning and caught[0].filename == __file__
 
 
 def test_empty_and_exhausted_data_warn(cpu):
