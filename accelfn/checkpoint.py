@@ -148,9 +148,9 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: Backend | N
     manifest's values are checked (counters are ints >= 0, RNG states fit their generators),
     and the checkpoint is checked against ``into`` (every missing, unexpected or mismatched
     key, shape and dtype, and every value of another kind than the one it replaces, such as
-    a str learning rate, is reported) before anything in ``into`` changes. Tensors are read to the CPU, then copied to the state's
-    device. Each rank restores its own RNG and transform states (rank 0's when the
-    checkpoint was written by fewer processes).
+    a str learning rate, is reported) before anything in ``into`` changes. Tensors are read
+    to the CPU, then copied to the state's device. Each rank restores its own RNG and
+    transform states (rank 0's when the checkpoint was written by fewer processes).
 
     Args:
         path: a checkpoint directory written by ``af.save`` or ``af.Checkpoints``.

@@ -78,7 +78,8 @@ class JSONL:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if self.path.is_dir():
-            raise ValueError(f"JSONL(path={str(path)!r}) is a directory; give a file path, e.g. {str(path)!r} + '/metrics.jsonl'")
+            raise ValueError(f"JSONL(path={str(path)!r}) is a directory; give a file path, "
+                             f"e.g. {str(path)!r} + '/metrics.jsonl'")
         self._file: IO[bytes] | None = None
 
     def __repr__(self) -> str:
