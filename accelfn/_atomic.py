@@ -11,6 +11,7 @@ next writer. A directory is a complete checkpoint iff it holds ``manifest.json``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -83,9 +84,8 @@ def fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

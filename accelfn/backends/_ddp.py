@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import sys
 
@@ -66,10 +67,8 @@ def _destroy() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if getattr(sys, "last_value", None) is None:  # set when an exception ended the program
-        try:
+        with contextlib.suppress(RuntimeError, dist.DistError):  # a peer already gone: no one to wait for
             dist.barrier()
-        except (RuntimeError, dist.DistError):  # a peer already gone: nothing to wait for
-            pass
     dist.destroy_process_group()
 
 
