@@ -37,14 +37,15 @@ def window_reference(num_micro_batches: int, first_count: float | torch.Tensor) 
 def window_correction(
     reference: float | torch.Tensor, world_size: int, global_count: float | torch.Tensor
 ) -> float | torch.Tensor:
-    """``R * W / max(sum(C), 1)``: turns the accumulated ``sum(S_i / R)`` into the window mean.
+    """``R * W / sum(C)``: turns the accumulated ``sum(S_i / R)`` into the window mean.
 
-    A window without items (``sum(C) = 0``, an all-padding batch, say) has a zero gradient;
-    the floor keeps it zero instead of 0/0.
+    A window without items (``sum(C) = 0``, an all-padding batch, say) has a zero gradient:
+    its divisor is taken as 1, which keeps it zero instead of 0/0. Any positive count, also
+    one below 1 (fractional weights), divides exactly.
     """
     if isinstance(global_count, torch.Tensor):
-        return reference * world_size / global_count.clamp_min(1)
-    return reference * world_size / max(global_count, 1)
+        return reference * world_size / torch.where(global_count > 0, global_count, 1)
+    return reference * world_size / (global_count if global_count > 0 else 1)
 
 
 def unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float | torch.Tensor) -> torch.Tensor:

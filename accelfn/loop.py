@@ -212,8 +212,8 @@ def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: i
             f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
             f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
             f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
-            "if the per-process batch size is the same; the rest of the epoch is batched in another order, so "
-            "the run differs from an uninterrupted one",
+            "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
+            "epoch is batched in another order, so the run differs from an uninterrupted one",
             RuntimeWarning,
             stacklevel=5,
         )

@@ -372,3 +372,21 @@ def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     _, accumulating = cpu.prepare(af.accumulate(2)(af.train_step(loss)), af.TrainState.create(*build("sgd", False)[:2]))
     assert type(accumulating) is StepFn
+
+
+@pytest.mark.parametrize("count", [0.5, 0.25, torch.tensor(0.5)])
+def test_loss_counts_below_one_divide_exactly(cpu, count):
+    """A fractional af.Loss count (sample weights summing to less than 1) divides the
+    gradient by itself, not by a floor of 1: the update equals (total / count).backward()."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    models = [torch.nn.Linear(3, 1) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    expected = torch.optim.SGD(models[1].parameters(), lr=0.1)
+    (((models[1](x) - y) ** 2).sum() / float(count)).backward()
+    expected.step()
+    step = af.train_step(lambda m, b: af.Loss(total=((m(b[0]) - b[1]) ** 2).sum(), count=count))
+    state = af.TrainState.create(models[0], torch.optim.SGD(models[0].parameters(), lr=0.1))
+    state = af.run(step, state, [(x, y)], backend=cpu, progress=False)
+    for got, want in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -49,8 +49,8 @@ def test_another_world_size_resumes_at_the_epochs_unread_samples(tmp_path) -> No
         assert record["mid"]["warnings"] == [
             "the checkpoint was written by 1 process at micro-batch 4 of epoch 0 (of each), and this run has 2 "
             "processes: an exact resume needs the same world size. Continuing at micro-batch 2, which keeps the "
-            "number of samples the epoch has consumed if the per-process batch size is the same; the rest of the "
-            "epoch is batched in another order, so the run differs from an uninterrupted one"]
+            "number of samples the epoch has consumed (rounded down to whole micro-batches) if the per-process "
+            "batch size is the same; the rest of the epoch is batched in another order, so the run differs from an uninterrupted one"]
         assert record["mid"]["counters"] == [4 + 4, 1, 0]
         assert record["boundary"] == {"read": order[24 + rank::2], "warnings": [], "counters": [12 + 6, 2, 0]}
         assert record["fresh"]["read"] == order[rank:12:2] and record["fresh"]["warnings"] == []
@@ -62,6 +62,7 @@ def test_another_world_size_resumes_at_the_epochs_unread_samples(tmp_path) -> No
     assert caught == [
         "the checkpoint was written by 2 processes at micro-batch 3 of epoch 0 (of each), and this run has 1 "
         "process: an exact resume needs the same world size. Continuing at micro-batch 6, which keeps the number "
-        "of samples the epoch has consumed if the per-process batch size is the same; the rest of the epoch is "
-        "batched in another order, so the run differs from an uninterrupted one"]
+        "of samples the epoch has consumed (rounded down to whole micro-batches) if the per-process batch size "
+        "is the same; the rest of the epoch is batched in another order, so the run differs from an "
+        "uninterrupted one"]
     assert (state.step, state.epoch, state.epoch_micro_step) == (3 + 6, 1, 0)
