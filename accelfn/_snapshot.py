@@ -10,6 +10,7 @@ A checkpoint (``af.save``) is a snapshot serialized.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -239,6 +240,7 @@ def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> l
                             f"{describe(here['params'])} here")
         hyper = {k: v for k, v in saved.items() if k != "params"}
         problems += mismatches(hyper, here, f"optimizer.param_groups[{i}]", source)
+        problems += _refused_hyperparameters(state.optimizer, hyper, f"optimizer.param_groups[{i}]", source)
     indices = {i for group in live_groups for i in group["params"]}
     # torch keys a parameter's state by its index, and keeps any other key as it is
     unknown = [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]
@@ -246,6 +248,29 @@ def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> l
         problems.append(f"optimizer.state: entries for parameters {_names([repr(k) for k in unknown])} in "
                         f"{source}; the optimizer has parameters 0..{len(indices) - 1}")
     return problems + mismatches(snap.optimizer["state"], live["state"], "optimizer.state", source)
+
+
+def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[str, Any], path: str,
+                             source: str) -> list[str]:
+    """The ValueError of a new optimizer of ``optimizer``'s class given the saved ``hyper``
+    (torch's own checks: ``lr`` < 0, ``betas`` outside [0, 1), ...), as a problem; empty when
+    it accepts them or its constructor cannot be called with them alone."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    options = {k: v for k, v in hyper.items() if k in accepted and k not in ("self", "params")}
+    free = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [name for name, p in accepted.items()
+                if name not in ("self", "params") and p.default is inspect.Parameter.empty and p.kind not in free]
+    if any(name not in options for name in required):
+        return []
+    device = next((p.device for group in optimizer.param_groups for p in group["params"]), torch.device("cpu"))
+    try:
+        cls([torch.zeros(1, device=device, requires_grad=True)], **options)
+    except ValueError as e:
+        return [f"{path}: {cls.__name__} refuses the hyperparameters in {source}: {e}"]
+    except (TypeError, RuntimeError):  # values of other kinds are reported by mismatches
+        return []
+    return []
 
 
 def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",

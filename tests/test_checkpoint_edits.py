@@ -135,6 +135,11 @@ def _refused(path: Path, target: af.TrainState, message: str) -> None:
      "(0.9, 0.999, 0.5) (a tuple) in manifest.json, (0.9, 0.999) (a tuple) here (3 items, not 2)"),
     (_set("scheduler", "base_lrs", value=[]),
      "scheduler.base_lrs: [] (a list) in manifest.json, [0.01] (a list) here (0 items, not 1)"),
+    (_set("optimizer", "param_groups", 0, "lr", value=-1.0),
+     "optimizer.param_groups[0]: AdamW refuses the hyperparameters in manifest.json: Invalid learning rate: -1.0"),
+    (_set("optimizer", "param_groups", 0, "betas", value={"__tuple__": [1.5, 0.999]}),
+     "optimizer.param_groups[0]: AdamW refuses the hyperparameters in manifest.json: Invalid beta parameter at "
+     "index 0: 1.5"),
 ])
 def test_an_edited_value_is_refused_before_anything_changes(saved, change: Edit, message: str) -> None:
     """A manifest edited with its checksum updated to match (a counter that is not an int >= 0,
