@@ -2,7 +2,8 @@
 
 from accelfn import backends
 from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
-from accelfn._snapshot import Snapshot, restore, snapshot
+from accelfn._restore import restore
+from accelfn._snapshot import Snapshot, snapshot
 from accelfn.checkpoint import Checkpoints, load, save
 from accelfn.evaluate import evaluate
 from accelfn.loop import run

@@ -25,7 +25,7 @@ import attrs
 import orjson
 import torch
 
-from accelfn import _atomic, _manifest, _serialize, _snapshot
+from accelfn import _atomic, _manifest, _restore, _serialize, _snapshot
 from accelfn import collectives
 from accelfn._agreement import Agreement
 from accelfn._errors import CheckpointError
@@ -185,14 +185,14 @@ def _load(path: Path, into: TrainState, backend: Backend | None,
     snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
     try:
         names = _serialize.field_names(_serialize.section(manifest, rank))
-        _snapshot.verify(into, snap, source=_manifest.MANIFEST, names=names)
+        _restore.verify(into, snap, source=_manifest.MANIFEST, names=names)
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
     if position is not None:
         counters = snap.counters
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
-    return _snapshot.put(into, snap, copy=False), manifest
+    return _restore.put(into, snap, copy=False), manifest
 
 
 def _positive(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
