@@ -224,3 +224,15 @@ def test_replicate_over_streams_of_unknown_unequal_length_keeps_ranks_in_step(mp
         got = _with_prefix(tensors, "stream.")
         for name, value in P.parameters(reference).items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6)
+
+
+def test_fp16_loss_counts_back_off_the_loss_scale_like_a_mean_loss(mp: dict[str, Any]) -> None:
+    """Under fp16 + replicate, af.Loss(sum, count) back-propagates at the magnitude of a mean
+    loss: from a scale of 2**24 it skips the same updates and reaches the same scale as the
+    mean loss (back-propagating the sum, 64 = 4 x 16 times larger, took 6 more halvings and
+    left 1 update of 7), and the parameters agree (1e-5)."""
+    for r, tensors in zip(mp["json"], mp["tensors"]):
+        assert r["fp16_summed"] == r["fp16_mean"]
+        assert r["fp16_mean"][1] > 0  # the scale did back off
+        for name, value in _with_prefix(tensors, "fp16_mean.").items():
+            torch.testing.assert_close(tensors[f"fp16_summed.{name}"], value, rtol=1e-5, atol=1e-6)

@@ -218,7 +218,7 @@ class StepFn:
         loss, count, user_metrics, is_sum = out
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
         if is_sum:
-            reference = self._reference(count, is_sum)
+            reference = self._reference(count, is_sum, loss)
             (loss * (scale / reference)).backward()
             correction = self._correction(reference, count, is_sum, loss)
             mean = loss.detach() / count
@@ -241,7 +241,7 @@ class StepFn:
             loss, count, user_metrics, is_sum = self._forward(batch)
             if count is None:
                 count = samples
-            reference = window.reference if window is not None else self._reference(count, is_sum)
+            reference = window.reference if window is not None else self._reference(count, is_sum, loss)
             scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
             # backward of S_i / R * scale, where S_i = l_i * b_i for a mean loss
             coefficient = (scale / reference) if is_sum else (count / reference * scale)
@@ -278,11 +278,19 @@ class StepFn:
         mean_loss = loss_sum * (unit / total_count)
         return self._update(state, correction, total_samples, mean_loss, user_means)
 
-    def _reference(self, count: Any, is_sum: bool) -> float | torch.Tensor:
-        # Under replicate, an af.Loss's counts differ across ranks, so R must be the same
-        # number everywhere: 1. Mean losses have equal sample counts on every rank.
+    def _reference(self, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
+        # Under replicate, an af.Loss's counts differ across ranks, but R must be the same
+        # number everywhere (DDP averages S_i / R over ranks). Any such R is exact; 1 costs
+        # nothing, but under fp16 it would back-propagate the *summed* loss, C times the
+        # gradients of a mean and C times likelier to overflow the loss scale. There R is
+        # n times the ranks' mean count (one scalar all-reduce per window), as one big
+        # batch would have it. Mean losses have equal sample counts on every rank.
         if is_sum and self._replicated:
-            return 1.0
+            if self._scaling is None:
+                return 1.0
+            local = torch.as_tensor(count, dtype=torch.float32, device=loss.device)
+            mean_count = self._backend.all_reduce_sum(local) / self._world_size
+            return _math.window_reference(self._n, mean_count)
         return _math.window_reference(self._n, count)
 
     def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:

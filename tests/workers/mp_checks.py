@@ -173,6 +173,19 @@ def unknown_lengths(backend: af.backends.Backend, tensors: dict[str, torch.Tenso
     tensors["stream_step"] = torch.tensor(state.step)
 
 
+def fp16_loss_counts(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """fp16 from a loss scale of 2**24 under shard_data + replicate + accumulate(4), micro-batches
+    of 16 per rank, with a mean loss and with the same loss as af.Loss(sum, count)."""
+    for name, loss_fn in (("mean", P.mse), ("summed", P.summed_mse)):
+        step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.replicate(), af.accumulate(4),
+                          af.with_precision("fp16", init_scale=2.0**24))(af.train_step(loss_fn))
+        data = DataLoader(P.regression_data(2 * 4 * 16 * 4), batch_size=16, shuffle=True)
+        state = af.run(step, P.make_state(), data, backend=backend, epochs=4, progress=False)
+        results[f"fp16_{name}"] = [state.step, state.transforms_state["skips"].num_skipped,
+                                   state.transforms_state["loss_scale"].scale]
+        tensors.update(P.parameters(state, f"fp16_{name}."))
+
+
 def tensorboard(backend: af.backends.Backend, out: Path) -> None:
     """Acceptance 7: a run with a TensorBoard tracker on every rank."""
     P.train_case("e2_acc2_clip", backend, P.PER_RANK_BATCH, trackers=(af.TensorBoard(out / "tb"),))
@@ -193,6 +206,7 @@ def main() -> None:
     loss_counts(backend, tensors)
     unequal_lengths(backend, results)
     unknown_lengths(backend, tensors)
+    fp16_loss_counts(backend, results, tensors)
     tensorboard(backend, args.out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
