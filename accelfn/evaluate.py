@@ -27,6 +27,9 @@ def evaluate(
     Each rank runs ``fn`` on its own part of ``data`` in inference mode with the model in
     eval mode (its training mode is restored afterwards); the outputs are then gathered and
     put back in the order of ``data``. Nothing is padded, so no sample is counted twice.
+    The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
+    its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
+    master weights) ``fn`` runs in fp32 unless it enters ``torch.autocast`` itself.
 
     Args:
         fn: ``fn(model, batch)`` returning a tensor of shape ``(batch, ...)``, or a
@@ -62,13 +65,14 @@ def evaluate(
     if not isinstance(backend, Backend):
         raise TypeError(f"evaluate(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
     model = state.model
+    cast = _input_cast(model)
     keys, outputs = [], []
     was_training = model.training
     model.eval()
     try:
         with backend.inference_mode():
             for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
-                out = fn(model, backend.place(batch))
+                out = fn(model, cast(backend.place(batch)))
                 _check_leading(out, len(batch_keys))
                 keys.append(batch_keys)
                 outputs.append(map_tensors(lambda t: t.detach(), out))
@@ -77,6 +81,15 @@ def evaluate(
     finally:
         model.train(was_training)
     return _gather_in_order(backend, keys, outputs)
+
+
+def _input_cast(model: torch.nn.Module) -> Callable[[Any], Any]:
+    """For a model whose parameters are in bf16 or fp16 (``with_precision("bf16-true")``),
+    the cast of a batch's floating tensors to that dtype, as training does; else identity."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return lambda batch: batch
+    return lambda batch: map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 def _check_leading(out: Any, batch: int, where: str = "output") -> None:

@@ -214,7 +214,8 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
 
     before = held_out_loss(state, held_out, backend)
     backend.print(f"{len(train)} training sequences of {config.context} bytes; held-out loss "
-                  f"{before:.3f} nats/byte before training (uniform guess: {math.log(256):.3f})")
+                  f"{before:.3f} nats/byte before training, at initialization (uniform guess: "
+                  f"{math.log(256):.3f}; a resumed run then continues from its checkpoint)")
     state = af.run(step, state, loader, backend=backend, epochs=1000, max_steps=config.max_steps,
                    checkpoints=af.Checkpoints(f"{run_dir}/ckpt", every_steps=every_steps, keep=2),
                    resume="auto", trackers=[af.TensorBoard(f"{run_dir}/tb")], progress=progress,

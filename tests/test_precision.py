@@ -179,6 +179,15 @@ def test_bf16_true_trains_in_bf16(cpu):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert losses[-1] < 0.7 * losses[0]
 
+    # evaluation casts float inputs to the parameters' bf16 too (integer labels stay as they are)
+    x, y = dataset.tensors
+    seen = []
+    outputs = af.evaluate(lambda m, b: seen.append((b[0].dtype, b[1].dtype)) or m(b[0]), state,
+                          torch.utils.data.DataLoader(dataset, batch_size=8), backend=cpu)
+    assert set(seen) == {(torch.bfloat16, y.dtype)}
+    with torch.inference_mode():
+        torch.testing.assert_close(outputs, model(x.to(torch.bfloat16)))
+
 
 def test_loss_scale_grows_after_growth_interval(cpu):
     """After ``growth_interval`` finite updates in a row the scale doubles, and the growth

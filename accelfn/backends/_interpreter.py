@@ -376,8 +376,10 @@ class StepFn:
         if loss_scale is not None and loss_scale.scale < self._scaling.min_scale:  # type: ignore[union-attr]
             raise NonFiniteError(
                 f"the fp16 loss scale fell to {loss_scale.scale:g}, below its floor "
-                f"{self._scaling.min_scale:g} (step {state.step}): gradients overflow even "  # type: ignore[union-attr]
-                "unscaled. Use with_precision('bf16'), or compute the loss in fp32"
+                f"{self._scaling.min_scale:g} (step {state.step}): the gradients are inf or NaN even "  # type: ignore[union-attr]
+                "at a scale this small, so the loss itself is probably not finite (check the data and the "
+                "learning rate), or the model overflows fp16: use with_precision('bf16'), or compute the "
+                "loss in fp32"
             )
 
 
