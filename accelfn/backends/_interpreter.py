@@ -31,14 +31,14 @@ from accelfn import _math
 from accelfn._errors import NonFiniteError
 from accelfn._precision import LossScale, Policy, SkipCount, parse_policy
 from accelfn._tree import map_tensors, num_samples
+from accelfn.backends._loss_output import NO_METRICS, detach, unpack
 from accelfn.state import TrainState
-from accelfn.step import Loss, Step
+from accelfn.step import Step
 from accelfn.transforms import Accumulate, Clip, ClipValue, Replicate, SkipNonfinite, WithPrecision
 
 if TYPE_CHECKING:
     from accelfn.backends.base import Backend
 
-_NO_METRICS: Mapping[str, Any] = {}
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
 
@@ -67,60 +67,6 @@ class Window:
     metric_sums: Mapping[str, torch.Tensor | float] = attrs.field(factory=dict)
 
 
-def _unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
-    """``loss_fn``'s result as ``(loss, count or None, metrics, is_sum)``."""
-    metrics: Mapping[str, Any] = _NO_METRICS
-    if type(out) is torch.Tensor and out.requires_grad and out.numel() == 1:  # the common case, fast
-        return out, None, metrics, False
-    if isinstance(out, tuple):
-        if len(out) != 2 or not isinstance(out[1], Mapping):
-            what = f"of {len(out)} items" if len(out) != 2 else f"whose second item is a {type(out[1]).__name__}"
-            raise TypeError(
-                "loss_fn returned a tuple; it must be (loss, metrics) with metrics a mapping "
-                f"of name to scalar (a dict), got a tuple {what}"
-            )
-        out, metrics = out
-        _check_metrics(metrics)
-    if isinstance(out, Loss):
-        total, count = out.total, out.count
-        is_sum = True
-    else:
-        total, count, is_sum = out, None, False
-    if not isinstance(total, torch.Tensor) or total.numel() != 1:
-        what = f"a tensor of shape {tuple(total.shape)}" if isinstance(total, torch.Tensor) else type(total).__name__
-        raise ValueError(
-            f"loss_fn must return a scalar loss tensor (shape ()), got {what}; reduce it, "
-            "e.g. loss.mean(), or return af.Loss(total=loss.sum(), count=n)"
-        )
-    if not total.requires_grad:
-        raise ValueError(
-            "loss_fn returned a loss that does not require grad: it is not computed from the "
-            "model's trainable parameters (was it detached, or computed under torch.no_grad()?)"
-        )
-    return total, count, metrics, is_sum
-
-
-#: metric names the step and ``run`` report themselves
-RESERVED_METRICS = frozenset({"loss", "lr", "num_samples", "grad_norm", "loss_scale", "skipped", "samples_per_s"})
-
-
-def _check_metrics(metrics: Mapping[str, Any]) -> None:
-    for name, value in metrics.items():
-        if name in RESERVED_METRICS:
-            raise ValueError(
-                f"loss_fn returned a metric named {name!r}, which accelfn reports itself; "
-                f"rename it (reserved: {', '.join(sorted(RESERVED_METRICS))})"
-            )
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(
-                    f"loss_fn's metric {name!r} is a tensor of shape {tuple(value.shape)}; metrics "
-                    "must be scalars: reduce it, e.g. .mean()"
-                )
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"loss_fn's metric {name!r} must be a number or a scalar tensor, got {value!r}")
-
-
 def _foreign_state() -> ValueError:
     return ValueError(
         "this step function was prepared for another TrainState's model; call "
@@ -130,10 +76,6 @@ def _foreign_state() -> ValueError:
 
 def _add(acc: torch.Tensor | float | None, value: torch.Tensor | float) -> torch.Tensor | float:
     return value if acc is None else acc + value
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class StepFn:
@@ -230,8 +172,8 @@ class StepFn:
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
         if self._autocast is not None:
             with self._autocast(self._policy):
-                return _unpack(self._loss_fn(self._model, batch))
-        return _unpack(self._loss_fn(self._model, batch))
+                return unpack(self._loss_fn(self._model, batch))
+        return unpack(self._loss_fn(self._model, batch))
 
     def _window_part(self, state: TrainState, batch: Any, window: Window | None,
                      last: bool) -> tuple[TrainState, Mapping[str, Any]]:
@@ -272,7 +214,7 @@ class StepFn:
                 micro_step=state.micro_step + 1,
                 epoch_micro_step=state.epoch_micro_step + 1,
                 transforms_state={**state.transforms_state, "window": new_window},
-            ), _NO_METRICS
+            ), NO_METRICS
         correction = self._correction(reference, total_count, is_sum, loss)
         user_means = {k: v / total_count for k, v in metric_sums.items()}
         mean_loss = loss_sum * (unit / total_count)
@@ -303,9 +245,9 @@ class StepFn:
 
     def _add_metrics(self, window: Window | None, metrics: Mapping[str, Any], count: Any) -> Mapping[str, Any]:
         if not metrics:
-            return window.metric_sums if window else _NO_METRICS
-        previous = window.metric_sums if window else _NO_METRICS
-        return {k: _add(previous.get(k), _detach(v) * count) for k, v in metrics.items()}
+            return window.metric_sums if window else NO_METRICS
+        previous = window.metric_sums if window else NO_METRICS
+        return {k: _add(previous.get(k), detach(v) * count) for k, v in metrics.items()}
 
     # -- the last micro-batch of a window: sync, unscale, clip, check, update ----------
 
@@ -328,7 +270,7 @@ class StepFn:
         metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
                                    "num_samples": samples}
         for name, value in metric_means.items():
-            metrics[name] = _detach(value)
+            metrics[name] = detach(value)
         if self._clip is not None:
             metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
         elif self._clip_value is not None:
@@ -395,7 +337,7 @@ class PlainStepFn(StepFn):
         if state.model is not self._owner:
             raise _foreign_state()
         samples = num_samples(batch)
-        out = _unpack(self._loss_fn(self._model, batch))
+        out = unpack(self._loss_fn(self._model, batch))
         loss, _, user_metrics, is_sum = out
         if is_sum:
             return self._whole_window(state, samples, out)
@@ -404,7 +346,7 @@ class PlainStepFn(StepFn):
         metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
         if user_metrics:
             for name, value in user_metrics.items():
-                metrics[name] = _detach(value)
+                metrics[name] = detach(value)
         optimizer.step()
         if self._scheduler is not None:
             self._scheduler.step()
