@@ -1,10 +1,9 @@
 """accelfn: train PyTorch models anywhere with composable, functional transforms."""
 
 from accelfn import backends
-from accelfn._errors import CheckpointError, LaunchError, NonFiniteError, TransformError
-from accelfn._restore import restore
-from accelfn._snapshot import Snapshot, snapshot
-from accelfn.checkpoint import Checkpoints, load, save
+from accelfn._version import __version__
+from accelfn.checkpoint import Checkpoints, Snapshot, load, restore, save, snapshot
+from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
 from accelfn.loop import run
 from accelfn.state import TrainState
@@ -28,8 +27,6 @@ from accelfn.transforms import (
     skip_nonfinite,
     with_precision,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "JSONL",

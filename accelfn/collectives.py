@@ -30,6 +30,14 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def default_device() -> torch.device:
+    """The device the default group's backend exchanges tensors on: this process's current
+    GPU for NCCL, the CPU otherwise (gloo, or a world of one)."""
+    if world_size() > 1 and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def barrier() -> None:
     """Waits until every rank reaches this call."""
     if world_size() > 1:

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from accelfn._tree import map_tensors
 from accelfn.backends.base import Backend
-from accelfn.data import keyed_batches
+from accelfn.data._tree import map_tensors
+from accelfn.data.batches import keyed_batches
 from accelfn.state import TrainState
 
 Outputs = Any  # a tensor, or a tuple/list/dict of tensors, each of shape (batch, ...)
@@ -118,7 +118,7 @@ def _concat(parts: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(parts)
     if isinstance(first, Mapping):
-        return type(first)({k: _concat([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]
+        return type(first)({k: _concat([p[k] for p in parts]) for k in first})  # type: ignore[call-arg]  # a Mapping subclass built from a dict, as dict and OrderedDict are
     items = [_concat([p[i] for p in parts]) for i in range(len(first))]
     return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
 

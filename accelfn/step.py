@@ -1,14 +1,72 @@
-"""Step: the training program, a frozen record of the loss function and its transforms."""
+"""Step: the training program, a frozen record of the loss function and its transforms,
+and the composition machinery every transform shares (its phase, ``Step -> Step``
+application, the composition checks)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from typing import Any, Protocol, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, Union
 
 import attrs
 import torch
 
-from accelfn.transforms import Transform, check_composition
+from accelfn.errors import TransformError
+
+if TYPE_CHECKING:
+    from accelfn.state import TrainState
+
+T = TypeVar("T")
+
+
+class Phase(enum.IntEnum):
+    """Where in the step a transform acts; ``Step.transforms`` is sorted by it."""
+
+    DATA = 0
+    MODEL = 1
+    FORWARD = 2
+    BACKWARD = 3
+    GRADIENT = 4
+    UPDATE = 5
+
+
+class TransformBase:
+    """Shared behaviour: a transform applied to a Step returns a new Step that holds it."""
+
+    phase: ClassVar[Phase]
+    # Transforms of the same kind cannot be applied twice (clip and clip_value share one).
+    kind: ClassVar[str]
+    # The lowercase constructor users call, for error messages.
+    verb: ClassVar[str]
+
+    def __call__(self, step: Step) -> Step:
+        if not isinstance(step, Step):
+            raise TypeError(
+                f"{self!r} transforms a Step, got {type(step).__name__}; "
+                "build one with af.train_step(loss_fn)"
+            )
+        return step.with_transform(self)
+
+    def init(self, state: TrainState) -> TrainState:
+        """Adds this transform's entry to ``state.transforms_state``, keeping one already there."""
+        return state
+
+    def conflicts_with(self, other: TransformBase) -> str | None:
+        """Why ``self`` and ``other`` cannot be composed, or None."""
+        return None
+
+
+def check_composition(existing: tuple[TransformBase, ...], new: TransformBase) -> None:
+    """Raises TransformError if ``new`` repeats a kind in ``existing`` or conflicts with one."""
+    for t in existing:
+        if t.kind == new.kind:
+            raise TransformError(
+                f"{new!r} cannot be applied to a step that already has {t!r}: "
+                f"one {new.kind} transform per step; remove one of them"
+            )
+        reason = t.conflicts_with(new) or new.conflicts_with(t)
+        if reason:
+            raise TransformError(f"{new!r} conflicts with {t!r}: {reason}")
 
 
 @attrs.frozen(eq=False)
@@ -77,9 +135,9 @@ class Step:
     """
 
     loss_fn: LossFn
-    transforms: tuple[Transform, ...] = ()
+    transforms: tuple[TransformBase, ...] = ()
 
-    def with_transform(self, transform: Transform) -> Step:
+    def with_transform(self, transform: TransformBase) -> Step:
         """Returns a new Step that also holds ``transform``.
 
         Raises:
@@ -89,7 +147,7 @@ class Step:
         ordered = sorted((*self.transforms, transform), key=lambda t: t.phase)
         return attrs.evolve(self, transforms=tuple(ordered))
 
-    def find(self, kind: type[Any]) -> Any:
+    def find(self, kind: type[T]) -> T | None:
         """The transform of type ``kind`` in this program, or None."""
         for t in self.transforms:
             if isinstance(t, kind):

@@ -56,4 +56,4 @@ fi
 exec 9>&-
 cd "$repo"
 PJRT_DEVICE=CPU PYTHONPATH="$repo" \
-    exec "$venv/bin/python" -m pytest -m xla tests/test_xla_*.py "$@"
+    exec "$venv/bin/python" -m pytest -m xla tests/backends/test_xla_*.py "$@"

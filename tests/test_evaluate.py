@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import _programs as P
 import accelfn as af
+from tests.helpers import programs as P
 
 CPU = af.backends.CPU(af.backends.LaunchEnv())
 

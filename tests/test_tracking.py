@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import accelfn as af
-from tests._events import read_scalars
-from tests.conftest import classification_data, make_mlp
+from tests.helpers.events import read_scalars
+from tests.helpers.models import classification_data, make_mlp
 
 
 def loss_fn(model, batch):

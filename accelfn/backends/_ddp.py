@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from accelfn._errors import LaunchError
 from accelfn.backends._env import LaunchEnv
+from accelfn.errors import LaunchError
 from accelfn.transforms import Replicate
 
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import attrs
 
-from accelfn._errors import LaunchError
-from accelfn._precision import POLICY_NAMES
+from accelfn.errors import LaunchError
+from accelfn.transforms.precision import POLICY_NAMES
 
 DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")

@@ -27,44 +27,28 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from accelfn import _math
-from accelfn._errors import NonFiniteError
-from accelfn._precision import LossScale, Policy, SkipCount, parse_policy
-from accelfn._tree import map_tensors, num_samples
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack
+from accelfn.data._tree import map_tensors, num_samples
+from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, Clip, ClipValue, Replicate, SkipNonfinite, WithPrecision
+from accelfn.transforms import (
+    Accumulate,
+    Clip,
+    ClipValue,
+    Replicate,
+    SkipNonfinite,
+    Window,
+    WithPrecision,
+    _math,
+)
+from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_policy
 
 if TYPE_CHECKING:
     from accelfn.backends.base import Backend
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
-
-
-@attrs.frozen(eq=False)
-class Window:
-    """An accumulation window in progress: ``transforms_state["window"]`` between micro-batches.
-
-    Attributes:
-        reference: ``R``, the backward divisor fixed at the window's first micro-batch.
-        count: items (samples, or an ``af.Loss``'s counts) seen so far on this rank.
-        num_samples: samples seen so far on this rank.
-        loss_sum: the detached sum of the summed losses ``S_i`` in units of ``unit``, for
-            the logged loss (``loss_sum * unit / count`` is the window's mean).
-        unit: the weight one unit of ``loss_sum`` stands for: the first micro-batch's
-            sample count for a mean loss (so equal micro-batches add without multiplying),
-            1 for an ``af.Loss``.
-        metric_sums: the detached, count-weighted sums of the user's metrics.
-    """
-
-    reference: float | torch.Tensor
-    count: float | torch.Tensor
-    num_samples: int
-    loss_sum: torch.Tensor
-    unit: float = 1.0
-    metric_sums: Mapping[str, torch.Tensor | float] = attrs.field(factory=dict)
 
 
 def _foreign_state() -> ValueError:
@@ -283,7 +267,7 @@ class StepFn:
             metrics["skipped"] = 0 if finite else 1
             if loss_scale is not None:
                 metrics["loss_scale"] = loss_scale.scale
-                changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]
+                changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]  # set whenever loss_scale is
             transforms_state = {**transforms_state, **changes}
         if finite:
             self._optimizer.step()
@@ -315,10 +299,10 @@ class StepFn:
                 "Check the data and the learning rate, compute the loss in fp32, or raise "
                 "max_consecutive_skips"
             )
-        if loss_scale is not None and loss_scale.scale < self._scaling.min_scale:  # type: ignore[union-attr]
+        if loss_scale is not None and loss_scale.scale < self._scaling.min_scale:  # type: ignore[union-attr]  # set with loss_scale
             raise NonFiniteError(
                 f"the fp16 loss scale fell to {loss_scale.scale:g}, below its floor "
-                f"{self._scaling.min_scale:g} (step {state.step}): the gradients are inf or NaN even "  # type: ignore[union-attr]
+                f"{self._scaling.min_scale:g} (step {state.step}): the gradients are inf or NaN even "  # type: ignore[union-attr]  # as above
                 "at a scale this small, so the loss itself is probably not finite (check the data and the "
                 "learning rate), or the model overflows fp16: use with_precision('bf16'), or compute the "
                 "loss in fp32"

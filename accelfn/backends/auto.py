@@ -6,6 +6,8 @@ import torch
 
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
+from accelfn.backends.cpu import CPU
+from accelfn.backends.cuda import CUDA
 
 
 def auto(env: LaunchEnv | None = None) -> Backend:
@@ -33,13 +35,9 @@ def auto(env: LaunchEnv | None = None) -> Backend:
     env = LaunchEnv.from_env() if env is None else env
     name = env.backend or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda":
-        from accelfn.backends.cuda import CUDA
-
         return CUDA(env)
     if name == "xla":
-        from accelfn.backends.xla import XLA
+        from accelfn.backends.xla import XLA  # imports torch_xla: only when asked for
 
         return XLA(env)
-    from accelfn.backends.cpu import CPU
-
     return CPU(env)

@@ -20,14 +20,15 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from accelfn import collectives
-from accelfn._precision import Policy, parse_policy
-from accelfn._tree import map_tensors
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends._interpreter import StepFn, step_function
-from accelfn.data import EpochBatches, epoch_batches, even_out, place_on
+from accelfn.backends._placement import place_on
+from accelfn.data._tree import map_tensors
+from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import Replicate, ShardData, WithPrecision, with_precision
+from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -302,7 +303,7 @@ class Backend(abc.ABC):
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             return fn(*args, **kwargs) if condition else None
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
 
 
 def _move_module(model: torch.nn.Module, device: torch.device,
@@ -320,8 +321,9 @@ def _move_module(model: torch.nn.Module, device: torch.device,
     moved: dict[int, torch.nn.Parameter] = {}
     for module, name, old in owners:
         new = module._parameters[name]
+        assert new is not None, "model.to() keeps every parameter"
         if new is not old:
-            module._parameters[name] = moved.setdefault(id(old), new)  # type: ignore[assignment]
+            module._parameters[name] = moved.setdefault(id(old), new)
     return moved
 
 

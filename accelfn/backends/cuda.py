@@ -9,7 +9,7 @@ import torch
 from accelfn.backends import _ddp
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
-from accelfn.transforms import Replicate
+from accelfn.transforms import Policy, Replicate
 
 
 class CUDA(Backend):
@@ -45,7 +45,7 @@ class CUDA(Backend):
         super().__init__(env, device)
         _ddp.init_process_group(env, "nccl", device)
 
-    def check_precision(self, policy) -> None:  # type: ignore[no-untyped-def]
+    def check_precision(self, policy: Policy) -> None:
         super().check_precision(policy)
         if policy.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise NotImplementedError(

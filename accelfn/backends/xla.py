@@ -21,14 +21,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from accelfn._errors import LaunchError
-from accelfn._precision import Policy
-from accelfn._tree import map_tensors
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
-from accelfn.data import EpochBatches, epoch_batches
+from accelfn.data._tree import map_tensors
+from accelfn.data.batches import EpochBatches, epoch_batches
+from accelfn.errors import LaunchError
 from accelfn.step import Step
 from accelfn.transforms import Replicate, ShardData
+from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
 _BF16_ONLY_HARDWARE = ("TPU", "NEURON")

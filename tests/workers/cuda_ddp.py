@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
-import _programs as P
 import accelfn as af
+from tests.helpers import programs as P
 
 
 def main() -> None:

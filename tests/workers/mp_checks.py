@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader
 
-import _programs as P
 import accelfn as af
+from tests.helpers import programs as P
 
 
 class CountingCPU(af.backends.CPU):

@@ -1,0 +1,3 @@
+"""The version of accelfn (written into checkpoints and shown by ``accelfn --version``)."""
+
+__version__ = "0.1.0"

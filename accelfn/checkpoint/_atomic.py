@@ -1,0 +1,144 @@
+"""Atomic checkpoint directories: a crash at any instant leaves the old or the new one.
+
+A checkpoint ``parent/name`` is written into a hidden sibling ``parent/.name.tmp-<token>``;
+its files are fsynced, ``manifest.json`` is written last (write, fsync, rename), and the
+directory is fsynced. Then it is renamed to ``name``. An existing checkpoint at ``name`` is
+first renamed to ``.name.old-<token>`` and deleted only once the new one is in place; a
+crash between the two renames leaves both complete siblings, and ``resolve`` finds them.
+Leftovers (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned up by the
+next writer. A directory is a complete checkpoint iff it holds ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from accelfn.checkpoint._manifest import MANIFEST
+from accelfn.errors import CheckpointError
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{16}$")
+
+
+def is_complete(path: Path) -> bool:
+    """True if ``path`` is a finished checkpoint directory."""
+    return (path / MANIFEST).is_file()
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{secrets.token_hex(8)}"
+
+
+def leftovers(parent: Path) -> Iterator[tuple[str, str, Path]]:
+    """``(name, kind, path)`` of every leftover of an interrupted write or delete in ``parent``."""
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        match = _LEFTOVER.match(entry.name)
+        if match:
+            yield match["name"], match["kind"], Path(entry.path)
+
+
+def resolve(target: Path) -> Path | None:
+    """The complete checkpoint that ``target`` stands for, or None (reads, never changes).
+
+    That is ``target`` itself, or else, after a crash in the middle of a replace, the new
+    checkpoint's finished temporary directory, or else the old one set aside.
+    """
+    if is_complete(target):
+        return target
+    found = {kind: path for name, kind, path in sorted(leftovers(target.parent), key=lambda x: _mtime(x[2]))
+             if name == target.name and kind in ("tmp", "old") and is_complete(path)}
+    return found.get("tmp") or found.get("old")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def recover(target: Path) -> None:
+    """Finishes an interrupted replace of ``target`` and deletes its other leftovers (writer only)."""
+    found = resolve(target)
+    if found is not None and found != target and not target.exists():
+        os.rename(found, target)
+        fsync_dir(target.parent)
+    for name, _, path in list(leftovers(target.parent)):
+        if name == target.name:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def fsync_dir(path: Path) -> None:
+    """Makes the entries of directory ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_replaceable(target: Path) -> None:
+    if not target.exists() and not target.is_symlink():
+        return
+    if target.is_dir() and not target.is_symlink() and (is_complete(target) or not any(target.iterdir())):
+        return
+    raise CheckpointError(
+        f"{target} exists and is not an accelfn checkpoint; refusing to replace it. Save to "
+        "another path, or move it away first"
+    )
+
+
+def write_directory(target: Path, fill: Callable[[Path], None]) -> None:
+    """Writes a checkpoint at ``target`` atomically; ``fill(directory)`` writes its files
+    (fsynced) and, last, ``manifest.json``.
+
+    Raises:
+        CheckpointError: ``target`` exists and is neither a checkpoint nor an empty directory.
+        Whatever ``fill`` raises; the temporary directory is then removed, ``target`` untouched.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _check_replaceable(target)
+    recover(target)
+    tmp = _sibling(target, "tmp")
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        fsync_dir(tmp)
+        if not is_complete(tmp):
+            raise AssertionError(f"{tmp} has no {MANIFEST} after writing")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        old = _sibling(target, "old")
+        os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    fsync_dir(target.parent)
+
+
+def remove(path: Path) -> None:
+    """Deletes checkpoint ``path`` so that no crash leaves a partial one under its name."""
+    doomed = _sibling(path, "del")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)

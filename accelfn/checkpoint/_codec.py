@@ -1,0 +1,346 @@
+"""State trees (``state_dict``s, transform records) to plain JSON data plus a tensor table.
+
+A state tree is what ``state_dict()`` returns: nested dicts, lists and tuples of tensors,
+numbers, strings and None, plus accelfn's own frozen ``attrs`` records (the loss scale, the
+accumulation window). ``Encoder.encode`` turns a tree into JSON-compatible data in which
+every tensor is replaced by a reference ``{"__tensor__": key}`` into a table of tensors
+(written to ``.safetensors`` files); ``decode`` is the inverse. JSON cannot tell a tuple
+from a list, an int key from a str key, or write inf/NaN, so those are tagged. Nothing is
+ever unpickled: a record is written under its stable tag from the closed registry in
+``_tags`` and rebuilt only if the tag is there and each field has the type its annotation
+names.
+
+Loading checks a decoded tree before it replaces anything: ``field_problems`` against a
+record's annotations, ``mismatches`` against the live value it is loaded over (an edited
+``"lr": "fast"`` where the optimizer has a float).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from accelfn.checkpoint._tags import RECORDS, TAGS, record_class
+from accelfn.errors import CheckpointError
+
+TENSOR, TUPLE, DICT, FLOAT, INT, BYTES, RECORD, NDARRAY, NUMPY = (
+    "__tensor__", "__tuple__", "__dict__", "__float__", "__int__", "__bytes__", "__record__",
+    "__ndarray__", "__numpy__",
+)
+_TAGS = frozenset({TENSOR, TUPLE, DICT, FLOAT, INT, BYTES, RECORD, NDARRAY, NUMPY})
+_ATOMS = (str, bool, int, float, bytes, type(None))
+_INT64 = 2**63
+
+
+def copy_tree(tree: Any, tensor_fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` with every tensor replaced by ``tensor_fn(tensor)`` and every container copied.
+
+    Records are rebuilt field by field (``attrs.evolve``); other objects are deep-copied.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tensor_fn(tree)
+    if isinstance(tree, _ATOMS):
+        return tree
+    if isinstance(tree, Mapping):
+        return {k: copy_tree(v, tensor_fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [copy_tree(v, tensor_fn) for v in tree]
+    if isinstance(tree, tuple):
+        items = [copy_tree(v, tensor_fn) for v in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    if attrs.has(type(tree)):
+        return attrs.evolve(tree, **{f.name: copy_tree(getattr(tree, f.name), tensor_fn)
+                                     for f in attrs.fields(type(tree)) if f.init})
+    return copy.deepcopy(tree)
+
+
+def view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes ``t`` the same tensor as another: storage, offset, shape, strides, dtype
+    (None for an empty tensor, or one without addressable storage, such as XLA's)."""
+    if not t.numel():
+        return None
+    try:
+        pointer = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (t.device, pointer, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class Encoder:
+    """Encodes trees into plain data, collecting their tensors in ``tensors``.
+
+    The same tensor (same storage, offset, shape, strides and dtype) met twice, as tied
+    weights are, is stored once and referenced twice. Tensors that share memory in any
+    other way are stored as separate copies, since a ``.safetensors`` file cannot hold
+    overlapping tensors.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._keys: dict[tuple[Any, ...], str] = {}
+        self._storages: set[tuple[Any, ...]] = set()
+
+    def tensor(self, t: torch.Tensor, key: str) -> str:
+        """Adds ``t`` under ``key`` (or under the key of the same view added earlier)."""
+        if t.layout != torch.strided or t.is_meta or t.is_quantized:
+            raise ValueError(f"cannot save tensor {key!r}: {t.layout} {t.dtype} tensors on "
+                             f"{t.device} are not supported; make it a dense tensor")
+        t = t.detach()
+        view = view_key(t)
+        if view is not None and view in self._keys:
+            return self._keys[view]
+        storage = view[:2] if view is not None else None
+        shares = storage is not None and storage in self._storages
+        stored = t.clone(memory_format=torch.contiguous_format) if shares else t.contiguous()
+        if view is not None:
+            self._storages.add(view[:2])
+            self._keys[view] = key if key not in self.tensors else f"{key}~{len(self.tensors)}"
+            key = self._keys[view]
+        elif key in self.tensors:
+            key = f"{key}~{len(self.tensors)}"
+        self.tensors[key] = stored
+        return key
+
+    def encode(self, tree: Any, prefix: str) -> Any:
+        """Plain JSON data for ``tree``; its tensors are added under keys from ``prefix``
+        (``prefix.key.0`` for ``tree["key"][0]``; with an empty prefix, ``key.0``).
+
+        Raises:
+            TypeError: a value that is none of the supported kinds (the message names it).
+        """
+        if isinstance(tree, torch.Tensor):
+            return {TENSOR: self.tensor(tree, prefix)}
+        if isinstance(tree, bool) or tree is None or isinstance(tree, str):
+            return tree
+        if isinstance(tree, int):
+            return tree if -_INT64 <= tree < _INT64 else {INT: str(tree)}
+        if isinstance(tree, float):
+            return tree if math.isfinite(tree) else {FLOAT: repr(tree)}
+        if isinstance(tree, bytes):
+            return {BYTES: tree.hex()}
+        if isinstance(tree, Mapping):
+            if all(isinstance(k, str) for k in tree) and not _TAGS.intersection(tree):
+                return {k: self.encode(v, _join(prefix, k)) for k, v in tree.items()}
+            return {DICT: [[self.encode(k, _join(prefix, "key")), self.encode(v, _join(prefix, k))]
+                           for k, v in tree.items()]}
+        if isinstance(tree, list):
+            return [self.encode(v, _join(prefix, i)) for i, v in enumerate(tree)]
+        if isinstance(tree, tuple):
+            return {TUPLE: [self.encode(v, _join(prefix, i)) for i, v in enumerate(tree)]}
+        if isinstance(tree, np.ndarray):
+            return {NDARRAY: self.tensor(torch.from_numpy(np.ascontiguousarray(tree)), prefix)}
+        if isinstance(tree, np.generic):
+            return {NUMPY: [tree.dtype.str, self.encode(tree.item(), prefix)]}
+        if type(tree) in TAGS:
+            cls = type(tree)
+            fields = {f.name: self.encode(getattr(tree, f.name), _join(prefix, f.name))
+                      for f in attrs.fields(cls) if f.init}
+            return {RECORD: TAGS[cls], "fields": fields}
+        raise TypeError(
+            f"cannot save {prefix!r}: a {type(tree).__module__}.{type(tree).__qualname__}; "
+            "checkpoints hold tensors, numpy arrays, numbers, strings, bytes, None, and lists, "
+            "tuples and dicts of them (make state_dict() return those)"
+        )
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _child(path: str, key: Any) -> str:
+    """The path of ``tree[key]`` in messages: ``a.b`` for a str key, ``a[0]`` for another."""
+    return _join(path, key) if isinstance(key, str) else f"{path}[{key!r}]"
+
+
+def decode(plain: Any, tensors: Mapping[str, torch.Tensor], path: str = "") -> Any:
+    """The tree ``plain`` encodes, its tensor references looked up in ``tensors``.
+
+    Records are rebuilt only once each field has the type its annotation names
+    (:func:`field_problems`).
+
+    Args:
+        plain: JSON data written by :meth:`Encoder.encode`.
+        tensors: the tensor table its references point into.
+        path: where ``plain`` sits (``"optimizer"``, ``"ranks[0].rng"``), for messages.
+
+    Raises:
+        CheckpointError: naming the path of the value: a reference to a tensor no file
+            holds, a malformed tagged value, a record class that is not accelfn's, or a
+            record field of the wrong type.
+    """
+    if isinstance(plain, list):
+        return [decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain)]
+    if not isinstance(plain, dict):
+        return plain
+    tag = next(iter(plain), None) if len(plain) in (1, 2) else None
+    if tag not in _TAGS:
+        return {k: decode(v, tensors, _join(path, k)) for k, v in plain.items()}
+    try:
+        return _decode_tagged(tag, plain, tensors, path)
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as e:
+        raise CheckpointError(f"{path or 'the root'}: a malformed {tag} value {_short(plain)} ({e})") from None
+
+
+def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.Tensor], path: str) -> Any:
+    if tag == TENSOR:
+        return _lookup(tensors, plain[TENSOR], path)
+    if tag == TUPLE:
+        return tuple(decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain[TUPLE]))
+    if tag == DICT:
+        items = [(decode(k, tensors, path), v) for k, v in plain[DICT]]
+        return {k: decode(v, tensors, _child(path, k)) for k, v in items}
+    if tag == FLOAT:
+        return float(plain[FLOAT])
+    if tag == INT:
+        return int(plain[INT])
+    if tag == BYTES:
+        return bytes.fromhex(plain[BYTES])
+    if tag == NDARRAY:
+        return _lookup(tensors, plain[NDARRAY], path).numpy()
+    if tag == NUMPY:
+        dtype, value = plain[NUMPY]
+        return np.dtype(dtype).type(decode(value, tensors, path))
+    cls = _record_class(plain[RECORD], path)
+    if not isinstance(plain["fields"], dict):
+        raise TypeError("its fields are not a mapping")
+    fields = {k: decode(v, tensors, _join(path, k)) for k, v in plain["fields"].items()}
+    problems = field_problems(cls, fields, {name: _join(path, name) for name in fields})
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a valid {cls.__qualname__}: {e}") from None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def describe(value: Any) -> str:
+    """``value`` in a message: short, with its type (``'fast' (a str)``, ``a tensor of shape (3,)``)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape}"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    name = type(value).__name__
+    return f"{_short(value)} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
+
+
+def _type_name(kind: Any) -> str:
+    if isinstance(kind, type):
+        return kind.__name__
+    return str(kind).replace("typing.", "").replace("collections.abc.", "").replace("NoneType", "None")
+
+
+def conforms(value: Any, kind: Any) -> bool:
+    """True if ``value`` has the type annotation ``kind``: classes, ``X | Y``, ``tuple[X, ...]``,
+    ``tuple[X, Y]`` (a list is taken for a tuple: JSON has no tuples), ``Mapping[K, V]``;
+    ``float`` takes an int, ``int`` never takes a bool; other annotations are taken as met."""
+    if kind is Any:
+        return True
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, option) for option in args)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
+    if origin in (Mapping, dict) or kind in (Mapping, dict):
+        key, item = args or (Any, Any)
+        return isinstance(value, Mapping) and all(conforms(k, key) and conforms(v, item) for k, v in value.items())
+    return isinstance(value, kind) if isinstance(kind, type) else True
+
+
+def field_problems(cls: type, fields: Mapping[str, Any], paths: Mapping[str, str]) -> list[str]:
+    """``path: value, must be <annotation>`` for each of ``fields`` (values for the attrs
+    class ``cls``) that does not have its field's type; ``paths`` names each field."""
+    try:
+        kinds = {f.name: f.type for f in attrs.fields(attrs.resolve_types(cls))}
+    except NameError:  # an annotation this module cannot see: the class checks its own fields
+        return []
+    return [f"{paths.get(name, name)}: {describe(value)}, must be {_type_name(kinds[name])}"
+            for name, value in fields.items() if name in kinds and not conforms(value, kinds[name])]
+
+
+def _kind(value: Any) -> str | None:
+    """The kind of value ``mismatches`` compares; None for None and for other objects."""
+    if value is None:
+        return None
+    for kind, classes in (("bool", bool), ("number", (int, float, np.number)), ("str", str), ("bytes", bytes),
+                          ("tensor", (torch.Tensor, np.ndarray)), ("mapping", Mapping), ("sequence", (list, tuple))):
+        if isinstance(value, classes):
+            return kind
+    return "record" if attrs.has(type(value)) else None
+
+
+def _scalar(value: Any) -> bool:
+    """True for a number or a one-element tensor or array."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return not isinstance(value, np.ndarray) or value.size == 1
+
+
+def mismatches(saved: Any, live: Any, path: str, source: str) -> list[str]:
+    """Where the tree ``saved`` (from ``source``) cannot replace ``live``, the value it is
+    loaded over: values of other kinds (a str where a number is, a bool where a str is),
+    tensors of other shapes, records of other classes. None fits anything either way, a
+    number and a one-element tensor fit each other, mappings are compared at their common
+    keys, sequences of the same length item by item (one of another length does not fit:
+    the lists in torch's optimizer and scheduler states keep their lengths as they train,
+    but for LBFGS's history, and LBFGS needs a closure no accelfn step passes);
+    objects of other types are not compared.
+    """
+    a, b = _kind(saved), _kind(live)
+    if a is None or b is None:
+        return []
+    if a != b:
+        if {a, b} == {"number", "tensor"} and _scalar(saved) and _scalar(live):
+            return []
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+    if a == "tensor" and tuple(saved.shape) != tuple(live.shape):
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+    if a == "mapping":
+        return [p for k in saved if k in live for p in mismatches(saved[k], live[k], _child(path, k), source)]
+    if a == "sequence":
+        if len(saved) != len(live):
+            return [f"{path}: {describe(saved)} in {source}, {describe(live)} here ({len(saved)} items, not "
+                    f"{len(live)})"]
+        return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(x, y, f"{path}[{i}]", source)]
+    if a == "record":
+        if type(saved) is not type(live):
+            return [f"{path}: a {type(saved).__name__} in {source}, a {type(live).__name__} here"]
+        return [p for f in attrs.fields(type(saved)) if f.init
+                for p in mismatches(getattr(saved, f.name), getattr(live, f.name), _join(path, f.name), source)]
+    return []
+
+
+def _lookup(tensors: Mapping[str, torch.Tensor], key: str, path: str) -> torch.Tensor:
+    if not isinstance(key, str) or key not in tensors:
+        raise CheckpointError(f"{path}: refers to tensor {key!r}, which no tensor file holds")
+    return tensors[key]
+
+
+def _record_class(name: str, path: str) -> type:
+    cls = record_class(name) if isinstance(name, str) else None
+    if cls is None:
+        raise CheckpointError(f"{path}: a record tagged {name!r}, which this accelfn does not have (it reads "
+                              f"{', '.join(map(repr, RECORDS))})")
+    return cls

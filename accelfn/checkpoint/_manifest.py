@@ -1,0 +1,200 @@
+"""``manifest.json``: the records of a checkpoint directory, through one cattrs converter.
+
+The manifest is written last (a checkpoint without one is incomplete) and holds everything
+but the tensors: versions, the world size, counters, each rank's RNG states and transform
+states as plain data, the optimizer/scheduler/``extra`` skeletons whose tensors are
+references into the ``.safetensors`` files, the program's transforms, and the sha256 of
+every tensor file. Tensors live in the files; nothing in a checkpoint is a pickle.
+
+The manifest's own sha256 is in ``manifest.sha256`` (one line as ``sha256sum`` writes it,
+so ``sha256sum -c manifest.sha256`` checks it too), written just before the manifest and
+verified before the manifest is parsed. Format version 1 had no such file; its checkpoints
+load without that check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import orjson
+import torch
+from cattrs.preconf.orjson import make_converter
+
+from accelfn.errors import CheckpointError
+
+#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths
+#: (versions 1 and 2 still load)
+FORMAT_VERSION = 3
+MANIFEST = "manifest.json"
+CHECKSUM = "manifest.sha256"
+_SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
+
+
+@attrs.frozen
+class FileEntry:
+    """One tensor file.
+
+    Attributes:
+        group: the tensor table it belongs to: ``"model"``, ``"state"`` (optimizer,
+            scheduler, ``extra``) or ``"rank_00001"`` (one rank's own tensors).
+        sha256: hex digest of the whole file.
+        num_bytes: its size in bytes.
+        rank: the rank whose own tensors (gradients of an open window) it holds, or None
+            for a file every rank reads.
+    """
+
+    group: str
+    sha256: str
+    num_bytes: int
+    rank: int | None = None
+
+
+@attrs.frozen
+class RankEntry:
+    """What differs between ranks (the Snapshot fields of the same names), as encoded trees."""
+
+    rng: Any
+    transforms_state: Any
+    grads: Any
+
+
+@attrs.frozen
+class Manifest:
+    """Everything in a checkpoint but the tensors.
+
+    After the format fields come the Snapshot's shared fields as trees encoded by
+    ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
+    the tensor files with their checksums.
+    """
+
+    format_version: int
+    accelfn_version: str
+    torch_version: str
+    world_size: int
+    transforms: Any
+    counters: Any
+    model: Any
+    optimizer_type: Any
+    optimizer_params: Any
+    optimizer: Any
+    scheduler_type: Any
+    scheduler: Any
+    extra: Any
+    ranks: tuple[RankEntry, ...]
+    files: dict[str, FileEntry]
+
+
+_converter = make_converter()
+_converter.register_unstructure_hook(torch.dtype, str)
+
+
+def unstructure(value: Any) -> Any:
+    """Plain data for a record (``torch.dtype`` as its name), e.g. a transform."""
+    return _converter.unstructure(value)
+
+
+def dumps(value: Any) -> bytes:
+    """JSON bytes of a record (orjson)."""
+    return _converter.dumps(value)
+
+
+def loads(data: bytes, cls: type) -> Any:
+    """The record of type ``cls`` in JSON ``data``.
+
+    Raises:
+        CheckpointError: the data is not JSON, or does not have the record's structure.
+    """
+    try:
+        return _converter.loads(data, cls)
+    except (orjson.JSONDecodeError, cattrs.BaseValidationError, KeyError, TypeError, ValueError) as e:
+        detail = "; ".join(cattrs.transform_error(e)) if isinstance(e, cattrs.BaseValidationError) else str(e)
+        raise CheckpointError(f"not a valid accelfn {cls.__name__}: {detail}") from None
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def write(directory: Path, manifest: Manifest) -> None:
+    """Writes ``manifest.sha256``, then ``manifest.json``, into ``directory``, each durably
+    and atomically (write, fsync, rename)."""
+    data = dumps(manifest)
+    _write_durably(directory / CHECKSUM, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
+    _write_durably(directory / MANIFEST, data)
+
+
+def _expected_sha256(directory: Path) -> str | None:
+    """The manifest's sha256 as ``manifest.sha256`` gives it, or None without that file."""
+    path = directory / CHECKSUM
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the manifest's checksum ({e})") from None
+    match = _SHA256.match(text)
+    if match is None:
+        raise CheckpointError(f"{path}: not a sha256 line for {MANIFEST} (\"<64 hex digits>  {MANIFEST}\"); "
+                              "the file is corrupted")
+    return match[1]
+
+
+def _check(path: Path, manifest: Manifest) -> None:
+    if manifest.world_size < 1 or manifest.world_size != len(manifest.ranks):
+        raise CheckpointError(f"{path}: world_size {manifest.world_size} with {len(manifest.ranks)} rank "
+                              "entries; the manifest is inconsistent")
+    for name, entry in manifest.files.items():
+        if entry.rank is not None and not 0 <= entry.rank < manifest.world_size:
+            raise CheckpointError(f"{path}: files.{name}.rank is {entry.rank}, outside the world of "
+                                  f"{manifest.world_size}")
+
+
+def read(directory: Path) -> Manifest:
+    """The manifest of the checkpoint in ``directory``, verified against ``manifest.sha256``.
+
+    Raises:
+        CheckpointError: no manifest, an unreadable one, one whose sha256 differs from
+            ``manifest.sha256`` or without that file (from format version 2 on), an
+            inconsistent one, or a newer format version.
+    """
+    path = directory / MANIFEST
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the manifest ({e.strerror})") from None
+    expected = _expected_sha256(directory)
+    digest = hashlib.sha256(data).hexdigest()
+    if expected is not None and digest != expected:
+        raise CheckpointError(
+            f"{path}: sha256 {digest} does not match {expected} in {CHECKSUM}; the manifest is "
+            "corrupted or was changed after the checkpoint was written"
+        )
+    try:
+        version = orjson.loads(data).get("format_version")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
+    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {version!r}; this accelfn reads versions up to "
+            f"{FORMAT_VERSION} (upgrade accelfn to load it)"
+        )
+    if expected is None and version >= 2:
+        raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "
+                              f"has the sha256 of its {MANIFEST} in it; the checkpoint is incomplete")
+    try:
+        manifest = loads(data, Manifest)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    _check(path, manifest)
+    return manifest

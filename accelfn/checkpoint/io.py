@@ -1,0 +1,184 @@
+"""``save`` and ``load``: a Snapshot on disk, written and read collectively.
+
+A checkpoint is a directory: ``manifest.json`` (orjson via cattrs: format and library
+versions, counters, per-rank RNG and transform states, optimizer/scheduler skeletons, the
+program's transforms, sha256 of every tensor file), ``manifest.sha256`` (the manifest's own)
+and ``.safetensors`` tensor files. It is written atomically (``accelfn.checkpoint._atomic``), loaded
+without unpickling anything, verified against its checksums, and checked value by value
+against the state it is loaded into before anything in that state changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import orjson
+import torch
+
+from accelfn.checkpoint import _atomic, _manifest, _serialize
+from accelfn.checkpoint import restore as _restore
+from accelfn.checkpoint import snapshot as _snapshot
+from accelfn.checkpoint._context import ProcessContext, default_context
+from accelfn.errors import CheckpointError
+from accelfn.state import TrainState
+
+if TYPE_CHECKING:
+    from accelfn.step import Step
+
+__all__ = [
+    "ResumePosition", "is_checkpoint", "load", "load_with_manifest", "not_found", "save", "save_checkpoint",
+    "to_path", "transforms_record",
+]
+
+#: ``run``'s say in where a resumed epoch continues: called with the checkpoint's epoch,
+#: its ``epoch_micro_step`` and the world size that wrote it, once the checkpoint is
+#: verified and before it is loaded; returns the micro-batch to continue at, or raises
+ResumePosition = Callable[[int, int, int], int]
+
+
+def to_path(value: Any, fn: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{fn}() takes a path (str or os.PathLike), got {type(value).__name__}")
+    return Path(value)
+
+
+def transforms_record(program: Step | None) -> Any:
+    if program is None:
+        return None
+    records = [{"type": type(t).__name__, **_manifest.unstructure(t)} for t in program.transforms]
+    return orjson.loads(_manifest.dumps(records))  # as it reads back from a manifest
+
+
+def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessContext | None = None) -> Path:
+    """Writes ``state`` as a checkpoint directory at ``path``, atomically.
+
+    A collective in a multi-process world: call it on every rank. Every rank's RNG and
+    transform states (and, mid-accumulation-window, its gradients) are gathered to rank 0,
+    which writes; the others wait for it. An existing checkpoint at ``path`` is replaced
+    only once the new one is complete, so a crash at any instant leaves the old or the new.
+
+    Args:
+        state: the state to save (nothing in it changes).
+        path: the checkpoint directory to write.
+        backend: the process context (a backend); by default the default process group
+            of ``torch.distributed``, or a world of one process.
+
+    Returns:
+        Path: ``path``.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, or ``path`` not a path.
+        CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
+            (nothing is ever deleted that accelfn did not write), or rank 0 failed to write.
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+        OSError: the file system refused (full disk, permissions); ``path`` is untouched.
+
+    Example:
+        >>> import tempfile, torch, accelfn as af
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> path = af.save(state, tempfile.mkdtemp() + "/ckpt")
+        >>> af.load(path, into=state).step
+        0
+    """
+    return save_checkpoint(state, to_path(path, "save"), backend, transforms=None)
+
+
+def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | None, transforms: Any) -> Path:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save() takes a TrainState first, got {type(state).__name__}")
+    backend = default_context(backend)
+    snap = _snapshot.capture(state, copy=False)
+    part = _serialize.rank_part(snap)
+    world_size = backend.world_size
+    parts = [part] if world_size == 1 else _serialize.gather_parts(backend, part)
+    failure: BaseException | None = None
+    if backend.is_main_process:
+        try:
+            _atomic.write_directory(path, lambda d: _serialize.write(d, snap, parts, transforms))
+        except BaseException as e:  # re-raised below, after telling the other ranks
+            failure = e
+    if world_size > 1:
+        written = backend.broadcast(torch.tensor([int(failure is None)], dtype=torch.int64))
+        # A gloo worker thread may drop its reference to ``written`` just after the call
+        # returned; were the script to exit at that instant, freeing the tensor would need
+        # the GIL during interpreter shutdown and abort the process (std::terminate). A
+        # barrier (no Python tensor in it) while ``written`` is held lets that happen first.
+        backend.barrier()
+        if failure is None and not int(written.item()):
+            raise CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why")
+    if failure is not None:
+        raise failure
+    return path
+
+
+def is_checkpoint(path: Path) -> bool:
+    """True if ``path`` holds a complete checkpoint (or one whose replacement was interrupted
+    after it was complete)."""
+    return _atomic.resolve(path) is not None
+
+
+def not_found(path: Path) -> str:
+    if path.is_dir():
+        return (f"{path} is not a complete accelfn checkpoint (it has no manifest.json): "
+                "a save that was interrupted, or not a checkpoint")
+    return f"no checkpoint at {path}"
+
+
+def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessContext | None = None) -> TrainState:
+    """Restores the checkpoint at ``path`` into ``into`` (in place) and returns the state.
+
+    Nothing is unpickled: tensors come from ``.safetensors`` files, everything else from
+    JSON. Every file's sha256 is verified (the manifest's against ``manifest.sha256``), the
+    manifest's values are checked (counters are ints >= 0, RNG states fit their generators),
+    and the checkpoint is checked against ``into`` (every missing, unexpected or mismatched
+    key, shape and dtype, and every value of another kind than the one it replaces, such as
+    a str learning rate, is reported) before anything in ``into`` changes. Tensors are read
+    to the CPU, then copied to the state's device. Each rank restores its own RNG and
+    transform states (rank 0's when the checkpoint was written by fewer processes).
+
+    Args:
+        path: a checkpoint directory written by ``af.save`` or ``af.Checkpoints``.
+        into: a state built like the saved one (same model architecture, optimizer type
+            and parameter groups, scheduler type, ``extra`` names).
+        backend: the process context (as for ``save``).
+
+    Returns:
+        TrainState: ``into`` with the checkpoint's tensors, counters and transform states.
+
+    Raises:
+        TypeError: ``into`` is not a TrainState, or ``path`` not a path.
+        CheckpointError: no complete checkpoint at ``path``; a missing, truncated or
+            corrupted file (named); an invalid value in the manifest (the field named); a
+            newer format; a mismatch with ``into``; or a checkpoint saved
+            mid-accumulation-window loaded by another number of processes.
+    """
+    state, _ = load_with_manifest(to_path(path, "load"), into, backend)
+    return state
+
+
+def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | None,
+          position: ResumePosition | None = None) -> tuple[TrainState, _manifest.Manifest]:
+    if not isinstance(into, TrainState):
+        raise TypeError(f"load(into=...) takes a TrainState, got {type(into).__name__}")
+    backend = default_context(backend)
+    rank, world_size = backend.rank, backend.world_size
+    directory = _atomic.resolve(path)
+    if directory is None:
+        raise CheckpointError(not_found(path))
+    manifest = _manifest.read(directory)
+    snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
+    try:
+        names = _serialize.field_names(_serialize.section(manifest, rank))
+        _restore.verify(into, snap, source=_manifest.MANIFEST, names=names)
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
+    if position is not None:
+        counters = snap.counters
+        start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
+        snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
+    return _restore.put(into, snap, copy=False), manifest

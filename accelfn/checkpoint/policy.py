@@ -1,0 +1,110 @@
+"""``Checkpoints``: where and how often ``run`` saves, and how many it keeps (a frozen record).
+
+The record is configuration only: the clock of a schedule and the last step saved belong to
+the run that uses it (``accelfn.loop``), so one ``Checkpoints`` serves any number of runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from accelfn.checkpoint import _atomic
+from accelfn.checkpoint._context import ProcessContext, default_context
+from accelfn.checkpoint.io import save_checkpoint, to_path
+from accelfn.errors import count_at_least_one, finite_positive
+from accelfn.state import TrainState
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def _directory(value: Any) -> Path:
+    return to_path(value, "Checkpoints")
+
+
+@attrs.frozen(repr=False)
+class Checkpoints:
+    """Where and how often ``run`` saves: ``directory/step_00000100``, keeping the last ``keep``.
+
+    After an optimizer update, ``run`` saves when ``state.step`` is a multiple of
+    ``every_steps`` or a new period of ``every_seconds`` began (in a multi-process world the
+    ranks agree on the clock, one update late, without blocking); and on SIGTERM/SIGINT,
+    mid-window if need be. A checkpoint is named by ``state.step``; once a new one is
+    complete, the oldest beyond ``keep`` are deleted. ``run(resume="auto")`` resumes from
+    ``latest()``. The record is frozen: ``run`` keeps its schedule's clock itself.
+
+    Args:
+        directory: the directory holding the checkpoints (created when needed).
+        every_steps: save every this many optimizer updates, or None.
+        every_seconds: save at most once per this many seconds of training, or None.
+        keep: how many checkpoints to keep (the newest by step), or None for all.
+
+    Raises:
+        TypeError: a directory that is not a path, or counts of the wrong type.
+        ValueError: ``every_steps`` or ``keep`` below 1, ``every_seconds`` not > 0.
+
+    Example:
+        >>> import tempfile, accelfn as af
+        >>> checkpoints = af.Checkpoints(tempfile.mkdtemp(), every_steps=500, keep=3)
+        >>> checkpoints.path_for(1500).name
+        'step_00001500'
+    """
+
+    directory: Path = attrs.field(converter=_directory)
+    every_steps: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(count_at_least_one))
+    every_seconds: float | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(finite_positive))
+    keep: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs.validators.optional(count_at_least_one))
+
+    def __repr__(self) -> str:
+        return (f"Checkpoints({str(self.directory)!r}, every_steps={self.every_steps}, "
+                f"every_seconds={self.every_seconds}, keep={self.keep})")
+
+    def path_for(self, step: int) -> Path:
+        """The directory of the checkpoint at optimizer step ``step``."""
+        return self.directory / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, ascending (unfinished writes are ignored)."""
+        try:
+            names = {e.name for e in os.scandir(self.directory) if _STEP_DIR.match(e.name)}
+        except FileNotFoundError:
+            return []
+        names |= {name for name, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(name)}
+        return sorted(int(n.removeprefix("step_")) for n in names
+                      if _atomic.resolve(self.directory / n) is not None)
+
+    def latest(self) -> Path | None:
+        """The checkpoint with the highest step, or None if there is none yet."""
+        steps = self.steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def save(self, state: TrainState, backend: ProcessContext | None = None, *, transforms: Any = None) -> Path:
+        """Saves ``state`` as ``path_for(state.step)`` (a collective), then applies ``keep``.
+
+        Args:
+            state: the state to save.
+            backend: the process context, as for ``af.save``.
+            transforms: the program's transforms as plain data, recorded in the manifest
+                so that a resume with other transforms warns (``run`` passes them).
+
+        Raises:
+            CheckpointError, OSError: as ``af.save``.
+        """
+        path = self.path_for(state.step)
+        backend = default_context(backend)
+        if backend.is_main_process:
+            for name in {n for n, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(n)}:
+                _atomic.recover(self.directory / name)
+        save_checkpoint(state, path, backend, transforms)
+        if backend.is_main_process and self.keep is not None:
+            for step in self.steps()[:-self.keep]:
+                if step != state.step:
+                    _atomic.remove(self.path_for(step))
+        return path

@@ -1,0 +1,332 @@
+"""Snapshots: the immutable value of a TrainState, and whether one fits a state.
+
+``snapshot(state)`` copies everything a run is at a moment to the CPU: model and optimizer
+tensors, scheduler and ``extra`` states, the counters (the data position among them), each
+transform's state, the gradients accumulated so far in an open accumulation window, and
+the global RNG states. ``invalid_values`` and ``check`` say what in a snapshot no state
+could take, or this state cannot; ``accelfn.checkpoint.restore`` puts a snapshot back in place. A
+checkpoint (``af.save``) is a snapshot serialized.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+import torch
+
+from accelfn.checkpoint import _rng
+from accelfn.checkpoint._codec import (
+    copy_tree,
+    describe,
+    field_problems,
+    mismatches,
+    view_key,
+)
+from accelfn.checkpoint._rng import RngState
+from accelfn.state import TrainState
+
+#: TrainState fields a snapshot holds in parts of their own; every other field is a counter
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra"})
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
+#: transform state that belongs to the micro-batches consumed (the open accumulation
+#: window): restored from the snapshot or dropped, never kept from the target state
+TRANSIENT = frozenset({"window"})
+_COMPILED = "_orig_mod"
+
+
+def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return value if isinstance(value, MappingProxyType) else MappingProxyType(dict(value))
+
+
+@attrs.frozen(eq=False)
+class Snapshot:
+    """The value of a TrainState at one moment: detached CPU copies, restorable anywhere.
+
+    Attributes:
+        model: the unwrapped model's ``state_dict`` (keys without ``module.`` or
+            ``_orig_mod.``); tied weights are one tensor under each of their names.
+        optimizer: the optimizer's ``state_dict``.
+        optimizer_type: the optimizer's class name (``"AdamW"``).
+        optimizer_params: per parameter group, the model name of each parameter.
+        scheduler: the lr scheduler's ``state_dict``, or None without a scheduler.
+        scheduler_type: its class name, or None.
+        extra: each ``extra`` object's ``state_dict``, by name.
+        counters: ``step``, ``micro_step``, ``epoch``, ``epoch_micro_step`` (every
+            TrainState field that is not one of the parts above).
+        transforms_state: the transforms' records (loss scale, skip count, open window).
+        grads: the accumulated ``.grad`` of each parameter that has one (an open
+            accumulation window), by name; empty after an optimizer update.
+        rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
+    """
+
+    model: Mapping[str, Any] = attrs.field(converter=_frozen)
+    optimizer: Mapping[str, Any]
+    optimizer_type: str
+    optimizer_params: tuple[tuple[str, ...], ...]
+    scheduler: Mapping[str, Any] | None
+    scheduler_type: str | None
+    extra: Mapping[str, Any] = attrs.field(converter=_frozen)
+    counters: Mapping[str, Any] = attrs.field(converter=_frozen)
+    transforms_state: Mapping[str, Any] = attrs.field(converter=_frozen)
+    grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
+    rng: RngState
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP/DataParallel and ``torch.compile`` wrappers."""
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, _COMPILED, None), torch.nn.Module):
+            model = getattr(model, _COMPILED)
+        else:
+            return model
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components compiled submodules add."""
+    if _COMPILED not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED)
+
+
+def _type_name(obj: Any) -> str:
+    return type(obj).__qualname__
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[str, ...], ...]:
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"optimizer param_groups[{i}] holds tensors of shapes {missing} that are not "
+                "parameters of the model; build the optimizer from model.parameters()"
+            )
+        groups.append(tuple(names[id(p)] for p in group["params"]))
+    return tuple(groups)
+
+
+class _Copier:
+    """Detaches tensors (``copy=False``) or copies them to the CPU once per view (``copy=True``)."""
+
+    def __init__(self, copy: bool):
+        self._copy = copy
+        self._done: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if not self._copy:
+            return t
+        key = view_key(t)
+        if key is None:
+            return t.to("cpu", copy=True)
+        if key not in self._done:
+            self._done[key] = t.to("cpu", copy=True)
+        return self._done[key]
+
+
+def capture(state: TrainState, *, copy: bool) -> Snapshot:
+    """The snapshot of ``state``; with ``copy=False`` its tensors alias the live ones (for
+    writing them out at once), with ``copy=True`` they are independent CPU copies.
+
+    Raises:
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+        TypeError: ``state`` is not a TrainState.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"snapshot() takes a TrainState, got {type(state).__name__}")
+    to_cpu = _Copier(copy)
+    model = unwrap(state.model)
+    return Snapshot(
+        model={clean_name(k): copy_tree(v, to_cpu) for k, v in model.state_dict().items()},
+        optimizer=copy_tree(state.optimizer.state_dict(), to_cpu),
+        optimizer_type=_type_name(state.optimizer),
+        optimizer_params=_param_names(model, state.optimizer),
+        scheduler=None if state.scheduler is None else copy_tree(state.scheduler.state_dict(), to_cpu),
+        scheduler_type=None if state.scheduler is None else _type_name(state.scheduler),
+        extra={name: copy_tree(obj.state_dict(), to_cpu) for name, obj in state.extra.items()},
+        counters={name: getattr(state, name) for name in COUNTERS},
+        transforms_state={k: copy_tree(v, to_cpu) for k, v in state.transforms_state.items()},
+        grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+        rng=_rng.capture(),
+    )
+
+
+def snapshot(state: TrainState) -> Snapshot:
+    """A detached CPU copy of everything ``state`` is: the immutable value of a TrainState.
+
+    Args:
+        state: the state; nothing in it changes and no generator is drawn from.
+
+    Returns:
+        Snapshot: CPU copies of the model, optimizer, scheduler and ``extra`` states, the
+        counters, the transforms' states, open-window gradients and the global RNG states.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState.
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> snap = af.snapshot(state)
+        >>> sorted(snap.model)
+        ['bias', 'weight']
+    """
+    return capture(state, copy=True)
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _check_tensors(what: str, ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """Problems of ``theirs`` (the snapshot's) against ``ours`` (the state's): keys, shapes, dtypes."""
+    problems = []
+    missing = [k for k in ours if k not in theirs]
+    unexpected = [k for k in theirs if k not in ours]
+    if missing:
+        problems.append(f"{what}: missing from the checkpoint ({len(missing)}): {_names(missing)}")
+    if unexpected:
+        problems.append(f"{what}: unexpected in the checkpoint ({len(unexpected)}): {_names(unexpected)}")
+    for key, saved in theirs.items():
+        here = ours.get(key)
+        if not isinstance(here, torch.Tensor):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{what} {key!r}: {describe(saved)} in the checkpoint, a tensor here")
+        elif saved.shape != here.shape:
+            problems.append(f"{what} {key!r}: shape {tuple(saved.shape)} in the checkpoint, {tuple(here.shape)} here")
+        elif saved.dtype != here.dtype:
+            problems.append(f"{what} {key!r}: dtype {saved.dtype} in the checkpoint, {here.dtype} here")
+    return problems
+
+
+def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) -> list[str]:
+    if snap.optimizer_type != _type_name(state.optimizer):
+        return [f"optimizer: {snap.optimizer_type} in the checkpoint, {_type_name(state.optimizer)} here"]
+    ours = _param_names(model, state.optimizer)
+    theirs = snap.optimizer_params
+    if [len(g) for g in ours] != [len(g) for g in theirs]:
+        return [f"optimizer: parameter groups of sizes {[len(g) for g in theirs]} in the checkpoint, "
+                f"{[len(g) for g in ours]} here"]
+    differ = [f"param_groups[{g}][{i}] is {a!r} in the checkpoint, {b!r} here"
+              for g, (group_a, group_b) in enumerate(zip(theirs, ours))
+              for i, (a, b) in enumerate(zip(group_a, group_b)) if a != b]
+    return [f"optimizer: {_names(differ, 4)}"] if differ else []
+
+
+def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> list[str]:
+    """The saved param groups' hyperparameters and per-parameter states against the live ones."""
+    live = state.optimizer.state_dict()
+    saved_groups, live_groups = snap.optimizer["param_groups"], live["param_groups"]
+    if len(saved_groups) != len(live_groups):
+        return [f"optimizer.param_groups: {len(saved_groups)} in {source}, {len(live_groups)} here"]
+    problems = []
+    for i, (saved, here) in enumerate(zip(saved_groups, live_groups)):
+        if list(saved["params"]) != list(here["params"]):
+            problems.append(f"optimizer.param_groups[{i}].params: {describe(saved['params'])} in {source}, "
+                            f"{describe(here['params'])} here")
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        problems += mismatches(hyper, here, f"optimizer.param_groups[{i}]", source)
+        problems += _refused_hyperparameters(state.optimizer, hyper, f"optimizer.param_groups[{i}]", source)
+    indices = {i for group in live_groups for i in group["params"]}
+    # torch keys a parameter's state by its index, and keeps any other key as it is
+    unknown = [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]
+    if unknown:
+        problems.append(f"optimizer.state: entries for parameters {_names([repr(k) for k in unknown])} in "
+                        f"{source}; the optimizer has parameters 0..{len(indices) - 1}")
+    return problems + mismatches(snap.optimizer["state"], live["state"], "optimizer.state", source)
+
+
+def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[str, Any], path: str,
+                             source: str) -> list[str]:
+    """The ValueError of a new optimizer of ``optimizer``'s class given the saved ``hyper``
+    (torch's own checks: ``lr`` < 0, ``betas`` outside [0, 1), ...), as a problem; empty when
+    it accepts them or its constructor cannot be called with them alone."""
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    options = {k: v for k, v in hyper.items() if k in accepted and k not in ("self", "params")}
+    free = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [name for name, p in accepted.items()
+                if name not in ("self", "params") and p.default is inspect.Parameter.empty and p.kind not in free]
+    if any(name not in options for name in required):
+        return []
+    device = next((p.device for group in optimizer.param_groups for p in group["params"]), torch.device("cpu"))
+    try:
+        cls([torch.zeros(1, device=device, requires_grad=True)], **options)
+    except ValueError as e:
+        return [f"{path}: {cls.__name__} refuses the hyperparameters in {source}: {e}"]
+    except (TypeError, RuntimeError):  # values of other kinds are reported by mismatches
+        return []
+    return []
+
+
+def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
+          names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
+    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes
+    of tensors, and values of other kinds than the live ones they would replace (its own
+    values are checked by :func:`invalid_values`). ``source`` says where the values come from (``"manifest.json"``),
+    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default).
+    """
+    model = unwrap(state.model)
+    problems = _check_tensors("model", {clean_name(k): v for k, v in model.state_dict().items()}, snap.model)
+    optimizer = _check_optimizer(state, snap, model)
+    problems += optimizer or _check_optimizer_values(state, snap, source)
+    scheduler_type = None if state.scheduler is None else _type_name(state.scheduler)
+    if snap.scheduler_type != scheduler_type:
+        problems.append(f"scheduler: {snap.scheduler_type} in the checkpoint, {scheduler_type} here")
+    elif state.scheduler is not None:
+        problems += mismatches(snap.scheduler, state.scheduler.state_dict(), "scheduler", source)
+    if set(snap.extra) != set(state.extra):
+        problems.append(f"extra: {sorted(snap.extra)} in the checkpoint, {sorted(state.extra)} here")
+    if set(snap.counters) != set(COUNTERS):
+        problems.append(f"counters: {sorted(snap.counters)} in the checkpoint, {sorted(COUNTERS)} here")
+    for key, saved in snap.transforms_state.items():
+        if key in state.transforms_state:
+            where = f"{names.get('transforms_state', 'transforms_state')}.{key}"
+            problems += mismatches(saved, state.transforms_state[key], where, source)
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    unknown = [n for n in snap.grads if n not in params]
+    if unknown:
+        problems.append(f"gradients of unknown parameters: {_names(unknown)}")
+    for name, grad in snap.grads.items():
+        if name in params and grad.shape != params[name].shape:
+            problems.append(f"gradient {name!r}: shape {tuple(grad.shape)} in the checkpoint, "
+                            f"{tuple(params[name].shape)} here")
+    return problems
+
+
+def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
+    """Every value of ``snap`` that no state could take (empty if none): fields of the wrong
+    types, counters that are not ints >= 0 (or fewer micro-batches than updates), RNG states
+    the generators refuse, an optimizer state without the structure torch's
+    ``load_state_dict`` reads. ``names`` as for ``check``.
+    """
+    fields = {f.name: getattr(snap, f.name) for f in attrs.fields(Snapshot)}
+    found = field_problems(Snapshot, fields, {name: names.get(name, name) for name in fields})
+    if found:
+        return found
+    counters = names.get("counters", "counters")
+    found += [f"{counters}.{name}: {describe(value)}, must be an int >= 0" for name, value in snap.counters.items()
+              if isinstance(value, bool) or not isinstance(value, int) or value < 0]
+    if not found and snap.counters.get("micro_step", 0) < snap.counters.get("step", 0):
+        found.append(f"{counters}.micro_step: {snap.counters['micro_step']}, below {counters}.step "
+                     f"({snap.counters['step']}); every optimizer update consumes at least one micro-batch")
+    found += [f"{names.get('rng', 'rng')}.{problem}" for problem in _rng.problems(snap.rng)]
+    groups = snap.optimizer.get("param_groups")
+    if not (isinstance(snap.optimizer.get("state"), Mapping) and isinstance(groups, (list, tuple))
+            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)):
+        found.append("optimizer: not a state_dict of a torch optimizer (a mapping of 'state' to a mapping, and "
+                     "'param_groups' to a list of mappings with a list of 'params')")
+    if (snap.scheduler is None) != (snap.scheduler_type is None):
+        found.append(f"scheduler: {describe(snap.scheduler)} for a scheduler of type {snap.scheduler_type}")
+    return found

@@ -1,0 +1,292 @@
+"""The launch configuration of ``accelfn launch``: a frozen record, stored as YAML.
+
+``accelfn config`` writes it, ``accelfn launch --config FILE`` reads it (flags override
+the file), ``accelfn env`` shows it. The record is (de)structured by one private cattrs
+converter, so a new field cannot be forgotten in the file format, and an unknown key in
+a file is an error rather than a silently ignored typo.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+import yaml
+
+from accelfn.backends._env import BACKEND_NAMES, DEFAULT_TIMEOUT_S
+from accelfn.errors import LaunchError
+from accelfn.transforms.precision import POLICY_NAMES
+
+#: the file ``accelfn config`` writes and ``accelfn launch`` reads when no ``--config`` is given
+DEFAULT_CONFIG_FILE = Path("accelfn.yaml")
+RDZV_BACKENDS = ("c10d", "etcd", "etcd-v2", "static")
+
+
+def _at_least(minimum: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{attribute.name} must be an int, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{attribute.name}={value!r}: must be >= {minimum}")
+
+    return check
+
+
+def _one_of(names: tuple[str, ...]) -> Any:
+    def check(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+        if value is not None and value not in names:
+            raise ValueError(f"{attribute.name}={value!r}: accepted values are {', '.join(names)}")
+
+    return check
+
+
+def _port(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise ValueError(f"master_port={value!r}: must be a TCP port, an int in 1..65535")
+
+
+def _positive_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"timeout_s={value!r}: must be a number of seconds > 0")
+
+
+@attrs.frozen(kw_only=True)
+class LaunchConfig:
+    """How ``accelfn launch`` starts a job (the options of ``torch.distributed.run``).
+
+    Attributes:
+        nproc_per_node: worker processes on this node (one per GPU for CUDA).
+        nnodes: nodes in the job.
+        node_rank: this node's rank, 0..nnodes-1 (static rendezvous: with ``master_addr``).
+        master_addr: the address of node 0 (static rendezvous), None on one node.
+        master_port: a free TCP port on node 0; None on one node picks a free port.
+        rdzv_endpoint: ``host:port`` of a c10d rendezvous (instead of master address/port).
+        rdzv_backend: the rendezvous backend used with ``rdzv_endpoint``.
+        rdzv_id: the job id every node of a ``rdzv_endpoint`` rendezvous shares.
+        max_restarts: restarts of the whole worker group after a failure.
+        backend: ``"cpu"``, ``"cuda"`` or ``"xla"`` for ``af.backends.auto()``; None: choose.
+        precision: a policy name (``"bf16"``, ...) added when the script sets none; None: the script's.
+        timeout_s: seconds a collective (and process group creation) may wait for a rank.
+    """
+
+    nproc_per_node: int = attrs.field(default=1, validator=_at_least(1))
+    nnodes: int = attrs.field(default=1, validator=_at_least(1))
+    node_rank: int = attrs.field(default=0, validator=_at_least(0))
+    master_addr: str | None = None
+    master_port: int | None = attrs.field(default=None, validator=_port)
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str = attrs.field(default="c10d", validator=_one_of(RDZV_BACKENDS))
+    rdzv_id: str = "accelfn"
+    max_restarts: int = attrs.field(default=0, validator=_at_least(0))
+    backend: str | None = attrs.field(default=None, validator=_one_of(BACKEND_NAMES))
+    precision: str | None = attrs.field(default=None, validator=_one_of(POLICY_NAMES))
+    timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S, validator=_positive_seconds)
+
+    def check(self) -> None:
+        """Checks that the fields make a launchable job together.
+
+        Raises:
+            LaunchError: ``node_rank`` outside ``nnodes``; several nodes without
+                ``master_addr``/``master_port`` or ``rdzv_endpoint``; both given; a master
+                address without a port.
+        """
+        if self.node_rank >= self.nnodes:
+            raise LaunchError(
+                f"--node-rank {self.node_rank} is outside --nnodes {self.nnodes} "
+                f"(node ranks are 0..{self.nnodes - 1})"
+            )
+        static = self.master_addr is not None or self.master_port is not None
+        if static and self.rdzv_endpoint is not None:
+            raise LaunchError(
+                "give either --master-addr/--master-port (static rendezvous) or "
+                f"--rdzv-endpoint, not both (got {self.master_addr}:{self.master_port} and "
+                f"{self.rdzv_endpoint})"
+            )
+        if self.nnodes == 1 and self.master_addr is not None and self.master_port is None:
+            raise LaunchError(
+                f"--master-addr {self.master_addr} needs --master-port too; on one node, leave both "
+                "out to let the OS pick a free port"
+            )
+        if self.nnodes > 1 and self.rdzv_endpoint is None and (self.master_addr is None or self.master_port is None):
+            raise LaunchError(
+                f"--nnodes {self.nnodes} needs the address of node 0 on every node: "
+                "--master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT"
+            )
+
+    def torchrun_args(self) -> list[str]:
+        """The ``torch.distributed.run`` options for this job (the script comes after them).
+
+        One node without a port or endpoint uses ``--standalone``: a c10d rendezvous on
+        ``localhost:0``, so the OS picks a free port and two jobs on one machine never collide.
+
+        Raises:
+            LaunchError: see :meth:`check`.
+        """
+        self.check()
+        args = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node),
+                "--max-restarts", str(self.max_restarts)]
+        if self.rdzv_endpoint is not None:
+            return [*args, "--rdzv-backend", self.rdzv_backend, "--rdzv-endpoint", self.rdzv_endpoint,
+                    "--rdzv-id", self.rdzv_id]
+        if self.master_port is None:
+            return [*args, "--standalone"]
+        return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),
+                "--node-rank", str(self.node_rank)]
+
+    def worker_env(self) -> dict[str, str]:
+        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker
+        (names in ``WORKER_ENV``)."""
+        env = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}"}
+        if self.backend is not None:
+            env[WORKER_ENV["backend"]] = self.backend
+        if self.precision is not None:
+            env[WORKER_ENV["precision"]] = self.precision
+        return env
+
+
+#: the launch options passed to the workers as environment variables, by field
+WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION"}
+
+
+def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
+    """A structure hook that checks a YAML value's type instead of coercing it (cattrs'
+    own hooks call ``int(value)``, turning 2.5 into 2, true into 1, and "two" into a
+    ValueError that names no key); ``float`` fields take ints too."""
+
+    def structure(value: Any, _: type) -> Any:
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise TypeError(_kind_name(value))
+        return kind(value)
+
+    return structure
+
+
+def _kind_name(value: Any) -> str:
+    """How YAML calls the type of ``value``."""
+    names = {bool: "a boolean", int: "an int", float: "a float", str: "a string", type(None): "null",
+             list: "a list", dict: "a mapping"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _expected(kind: Any) -> str:
+    """What a field of type ``kind`` takes, in words: ``int | None`` -> "an int or null"."""
+    words = {int: "an int", float: "a number", str: "a string", type(None): "null"}
+    options = typing.get_args(kind) or (kind,)
+    return " or ".join(words.get(option, getattr(option, "__name__", str(option))) for option in options)
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+_converter.register_structure_hook(int, _strict(int, (int,)))
+_converter.register_structure_hook(float, _strict(float, (int, float)))
+_converter.register_structure_hook(str, _strict(str, (str,)))
+
+
+def to_yaml(config: LaunchConfig) -> str:
+    """``config`` as a YAML document, every field named (None fields as ``null``)."""
+    return yaml.safe_dump(_converter.unstructure(config), sort_keys=False)
+
+
+def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
+    """Parses a YAML launch config; missing keys take their defaults.
+
+    Values are not coerced: ``nproc_per_node: 2.5``, ``true`` or ``two`` is an error, as is
+    ``rdzv_id: 7`` (quote it: ``"7"``); an int is taken where a number of seconds is asked.
+
+    Raises:
+        LaunchError: not YAML, not a mapping, an unknown key, a value of the wrong type or
+            out of range; the message names ``source``, the key, the value and what it
+            must be.
+    """
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as e:
+        raise LaunchError(f"{source} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LaunchError(f"{source} must hold a mapping of launch options, got {type(data).__name__}")
+    known = {f.name for f in attrs.fields(LaunchConfig)}
+    unknown = sorted(set(map(str, data)) - known)
+    if unknown:
+        raise LaunchError(f"{source}: unknown launch option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    try:
+        return _converter.structure(data, LaunchConfig)
+    except (ValueError, TypeError) as e:  # a validator of LaunchConfig: it names the key
+        raise LaunchError(f"{source}: {e}") from None
+    except cattrs.ClassValidationError as e:  # a value of the wrong type (see _strict)
+        raise LaunchError(f"{source}: {'; '.join(_type_errors(e, data))}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice (YAML 1.2 forbids it; PyYAML
+    would silently keep the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _type_errors(error: cattrs.ClassValidationError, data: dict[str, Any]) -> list[str]:
+    """``key=value: must be <type>, got <type>`` for each value of the wrong type."""
+    with_notes, without = error.group_exceptions()
+    problems = [str(e) for e in without]
+    for exc, note in with_notes:
+        name = getattr(note, "name", str(note))
+        value = data.get(name)
+        options = typing.get_args(note.type) or (note.type,)
+        hint = " (quote it to make it a string)" if str in options and isinstance(value, (int, float)) else ""
+        problems.append(f"{name}={_shown(value)}: must be {_expected(note.type)}, got {exc}{hint}")
+    return problems
+
+
+def _shown(value: Any) -> str:
+    """``value`` as YAML writes the scalars whose Python repr differs (true, false, null)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def load(path: str | os.PathLike[str]) -> LaunchConfig:
+    """Reads the launch config at ``path``.
+
+    Raises:
+        LaunchError: the file is missing or invalid (see :func:`from_yaml`).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise LaunchError(
+            f"cannot read the launch config {path}: {e.strerror}; write one with `accelfn config`"
+        ) from None
+    return from_yaml(text, source=str(path))
+
+
+def save(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
+    """Writes ``config`` to ``path`` as YAML (atomically: a temporary file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(to_yaml(config), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def merge(config: LaunchConfig, **overrides: Any) -> LaunchConfig:
+    """``config`` with the given fields replaced (flags given on the command line)."""
+    try:
+        return attrs.evolve(config, **overrides)
+    except (ValueError, TypeError) as e:
+        raise LaunchError(str(e)) from None

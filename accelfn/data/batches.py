@@ -1,0 +1,397 @@
+"""Data: sharding over ranks, resumable position, the last batch of an epoch, placement.
+
+Sharding follows ``torch.utils.data.DistributedSampler`` (DESIGN.md §7.1): every rank draws
+the same permutation from ``seed + epoch``, pads it by wrapping to a multiple of the world
+size (or drops the tail), and takes every world-size-th index from its rank. A sharded
+DataLoader is rebuilt around that sampler with the user's batch size, collate function and
+workers; its own generator is seeded per epoch so that iterating never draws from the
+global RNG (which would make a resumed run diverge).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any, cast
+
+import torch
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
+
+from accelfn.data._tree import num_samples
+from accelfn.data._workers import SeededFetch, start_iterating
+from accelfn.transforms import ShardData
+
+_NOTHING = object()
+
+
+def shard_indices(
+    num_samples: int, *, rank: int, world_size: int, shuffle: bool, seed: int, epoch: int,
+    drop_last: bool = False, even_batches: bool = True,
+) -> list[int]:
+    """This rank's dataset indices for one epoch, in the order it reads them.
+
+    ``DistributedSampler``'s, except that ``even_batches=False`` (without ``drop_last``)
+    pads nothing: each index appears exactly once over all ranks.
+    """
+    if even_batches or drop_last:
+        sampler: DistributedSampler[int] = DistributedSampler(
+            range(num_samples),  # type: ignore[arg-type]  # any Sized serves; torch's stub says Dataset
+            num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last,
+        )
+        sampler.set_epoch(epoch)
+        return list(sampler)
+    whole: DistributedSampler[int] = DistributedSampler(
+        range(num_samples), num_replicas=1, rank=0, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]  # as above
+    whole.set_epoch(epoch)
+    return list(whole)[rank::world_size]
+
+
+class _IndexSampler(Sampler[Any]):
+    """A fixed list of indices: one rank's shard of one epoch, after the skipped ones."""
+
+    def __init__(self, indices: Sequence[Any]):
+        self.indices = indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class ShardedIterable(IterableDataset):
+    """Item ``i`` of ``dataset`` goes to exactly one (rank, DataLoader worker) pair.
+
+    The stream is split round-robin over ``world_size * num_workers`` readers, so every
+    item is read exactly once. Do not also split by worker inside ``dataset``.
+    """
+
+    def __init__(self, dataset: Iterable[Any], *, rank: int, world_size: int):
+        self.dataset, self.rank, self.world_size = dataset, rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        num_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        readers = self.world_size * num_workers
+        me = self.rank * num_workers + worker
+        return itertools.islice(iter(self.dataset), me, None, readers)
+
+
+def _is_map_style(loader: DataLoader) -> bool:
+    return not isinstance(loader.dataset, IterableDataset)
+
+
+def _shuffles(loader: DataLoader) -> bool:
+    sampler = loader.sampler
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:  # noqa: SLF001
+            raise ValueError(
+                "shard_data() cannot shard a RandomSampler that draws with replacement or a "
+                "custom num_samples; use shuffle=True without them"
+            )
+        return True
+    if isinstance(sampler, SequentialSampler):
+        return False
+    raise ValueError(
+        f"shard_data() replaces the DataLoader's sampler, but this one uses "
+        f"{type(sampler).__name__}; build the DataLoader with shuffle=True/False (or drop "
+        "shard_data() and shard the data yourself)"
+    )
+
+
+def _rebuild(loader: DataLoader, *, dataset: Any = None, sampler: Sampler | None = None,
+             generator: torch.Generator | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
+             drop_last: bool | None = None) -> DataLoader:
+    """The same DataLoader (batch size, collate, workers, pinning) over a new sampler/dataset."""
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset if dataset is None else dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=loader.collate_fn if collate_fn is None else collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last if drop_last is None else drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers if workers else False,
+        pin_memory_device=loader.pin_memory_device,
+    )
+
+
+class EpochBatches:
+    """One rank's micro-batches of one epoch, from position ``start``, as ``(batch, is_last)``.
+
+    ``is_last`` is True for the epoch's final micro-batch (its accumulation window is then
+    flushed). ``num_batches`` is the epoch's total on this rank when it is known in advance
+    (map-style data), else None, in which case the iterator looks one batch ahead.
+
+    Raises:
+        ValueError: ``start`` beyond ``num_batches``.
+
+    Attributes:
+        num_batches: micro-batches in the whole epoch on this rank, or None.
+        padding_ranks: the ranks whose final batch ends with one sample added by wrapping
+            (the samples ``gather_for_metrics`` drops).
+        is_last: whether the batch most recently yielded is the epoch's last.
+    """
+
+    def __init__(self, source: Iterable[Any], *, num_batches: int | None, start: int,
+                 place: Callable[[Any], Any], padding_ranks: frozenset[int] = frozenset(),
+                 sync: Callable[[Iterator[Any]], Iterator[Any]] | None = None):
+        if num_batches is not None and start > num_batches:
+            raise ValueError(
+                f"cannot resume at micro-batch {start} of an epoch of {num_batches} micro-batches (on this "
+                "process): the batch size, the dataset or the number of processes probably differs from the "
+                "run that wrote the checkpoint; resume with the same data and world size, or start a fresh "
+                "run (without resume=...)"
+            )
+        self._source, self.num_batches, self.start = source, num_batches, start
+        self._place, self._sync = place, sync
+        self.padding_ranks = padding_ranks
+        self.is_last = False
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("the number of batches of this data is not known in advance")
+        return max(self.num_batches - self.start, 0)
+
+    def __iter__(self) -> Iterator[tuple[Any, bool]]:
+        it: Iterator[Any] = start_iterating(self._source)
+        if self._sync is not None:
+            it = self._sync(it)
+        place = self._place
+        if self.num_batches is not None:
+            remaining = len(self)
+            for i, batch in enumerate(it):
+                self.is_last = i == remaining - 1
+                yield place(batch), self.is_last
+            return
+        previous = _NOTHING
+        for batch in it:
+            if previous is not _NOTHING:
+                self.is_last = False
+                yield place(previous), False
+            previous = batch
+        if previous is not _NOTHING:
+            self.is_last = True
+            yield place(previous), True
+
+
+def epoch_batches(
+    data: Iterable[Any], shard: ShardData | None, *, rank: int, world_size: int, epoch: int,
+    start: int = 0, place: Callable[[Any], Any] = lambda b: b,
+    sync: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+) -> EpochBatches:
+    """This rank's micro-batches of ``epoch`` from position ``start`` (micro-batches skipped).
+
+    Args:
+        data: a DataLoader (map-style or iterable dataset) or any iterable of batches.
+        shard: the program's ``shard_data`` transform, or None to read ``data`` as it is.
+        rank, world_size: this process's place in the world.
+        epoch: the epoch (seeds the shuffle: ``seed + epoch``).
+        start: micro-batches of this epoch already consumed (a resumed run skips them).
+        place: moves a batch to the device.
+        sync: for data whose length is unknown, a wrapper that keeps ranks in step (pads
+            ranks that run out by replaying a batch) so that no collective hangs.
+
+    Raises:
+        ValueError: a DataLoader whose sampler cannot be sharded, or ``start`` beyond the epoch.
+    """
+    if shard is None or world_size == 1 and not isinstance(data, DataLoader):
+        if start and isinstance(data, DataLoader) and _is_map_style(data) and not isinstance(
+                data.sampler, SequentialSampler):
+            warnings.warn(
+                f"resuming at micro-batch {start} of epoch {epoch} of a DataLoader whose "
+                f"{type(data.sampler).__name__} draws a new order on every pass: the rest of "
+                "this epoch will not be the batches the interrupted run would have read. Add "
+                "af.shard_data() to the program (it works in one process too): its shuffle is "
+                "seeded by (seed, epoch), so a resumed run continues exactly",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
+        return EpochBatches(_LazySlice(data, start), num_batches=num, start=start, place=place,
+                            sync=sync if world_size > 1 and num is None else None)
+    if isinstance(data, DataLoader):
+        if data.batch_size is None:
+            raise ValueError(
+                "shard_data() needs a DataLoader built with batch_size=...; this one has "
+                "batch_size=None (unbatched samples, or a custom batch_sampler), which cannot be "
+                "sharded by samples"
+            )
+        if _is_map_style(data):
+            return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
+        loader = _rebuild(data, dataset=ShardedIterable(cast(Iterable[Any], data.dataset), rank=rank, world_size=world_size),
+                          generator=torch.Generator().manual_seed(shard.seed + epoch))
+        return EpochBatches(_LazySlice(loader, start), num_batches=None, start=start,
+                            place=place, sync=sync if world_size > 1 else None)
+    if isinstance(data, Sequence):
+        indices = shard_indices(len(data), rank=rank, world_size=world_size, shuffle=False, seed=shard.seed,
+                                epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches)
+        return EpochBatches((data[i] for i in indices[start:]), num_batches=len(indices), start=start, place=place)
+    return EpochBatches(_LazySlice(data, start, rank=rank, world_size=world_size), num_batches=None,
+                        start=start, place=place, sync=sync if world_size > 1 else None)
+
+
+class _LazySlice:
+    """Items ``rank, rank + world_size, ...`` of ``data``, from the ``start``-th of those on.
+
+    An iterable, not an iterator: ``data`` is first iterated when the epoch is, so building
+    an epoch's batches (``run`` does it once to count them) starts no DataLoader workers and
+    draws no random numbers from the global RNG (a shuffled DataLoader draws its seed in
+    ``iter``); iterating it is ``itertools.islice`` itself, with no Python frame per batch.
+    """
+
+    def __init__(self, data: Iterable[Any], start: int, *, rank: int = 0, world_size: int = 1):
+        self._data, self._first, self._stride = data, rank + start * world_size, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(start_iterating(self._data), self._first, None, self._stride)
+
+
+def _sized(data: Any) -> bool:
+    if isinstance(data, DataLoader):
+        return _is_map_style(data)
+    try:
+        len(data)
+    except TypeError:
+        return False
+    return True
+
+
+def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: int, epoch: int, start: int,
+               place: Callable[[Any], Any]) -> EpochBatches:
+    num_samples = len(loader.dataset)  # type: ignore[arg-type]  # map-style: sized, unlike Dataset's stub
+    indices = shard_indices(
+        num_samples, rank=rank, world_size=world_size, shuffle=_shuffles(loader), seed=shard.seed,
+        epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches,
+    )
+    batch_size = loader.batch_size
+    assert batch_size is not None
+    full, partial = divmod(len(indices), batch_size)
+    num_batches = full + (1 if partial and not loader.drop_last else 0)
+    padded = shard.even_batches and not shard.drop_last and num_samples % world_size
+    padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
+    generator = torch.Generator().manual_seed(shard.seed + epoch)
+    remaining = indices[start * batch_size:]
+    if loader.num_workers == 0:
+        rebuilt = _rebuild(loader, sampler=_IndexSampler(remaining), generator=generator)
+    else:  # a worker fetches each batch with its RNGs seeded by (seed, epoch, batch number)
+        keys = [(start + j // batch_size, i) for j, i in enumerate(remaining)]
+        rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch),
+                           sampler=_IndexSampler(keys), generator=generator)
+    return EpochBatches(rebuilt, num_batches=num_batches, start=start, place=place, padding_ranks=padding_ranks)
+
+
+def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]) -> Iterator[Any]:
+    """Keeps ranks in step over data of unknown length: one tiny all-reduce per batch.
+
+    While any rank still has batches, a rank that has run out replays its first batch (the
+    way DistributedSampler pads by wrapping); the epoch ends for all ranks together.
+    """
+    first = _NOTHING
+    while True:
+        batch = next(it, _NOTHING)
+        have = 0 if batch is _NOTHING else 1
+        (any_left,) = all_reduce_max([have])
+        if not any_left:
+            return
+        if batch is _NOTHING:
+            if first is _NOTHING:
+                raise RuntimeError(
+                    "this rank received no data at all while others did; give every rank at "
+                    "least one batch per epoch (fewer items than ranks x workers?)"
+                )
+            batch = first
+        elif first is _NOTHING:
+            first = batch
+        yield batch
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """``dataset[i]`` as ``(i, dataset[i])``: each sample carries its dataset index."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class _Enumerated:
+    """``(position, item)`` pairs of an iterable, from the start at each ``iter`` (as a dataset)."""
+
+    def __init__(self, dataset: Iterable[Any]):
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return enumerate(self.dataset)
+
+
+class _KeyedCollate:
+    """Collates ``(key, sample)`` pairs into ``(keys, collate(samples))``; picklable for workers."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]):
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
+        keys = torch.tensor([k for k, _ in items], dtype=torch.int64)
+        return keys, self.collate_fn([x for _, x in items])
+
+
+def keyed_batches(data: Iterable[Any], *, rank: int, world_size: int) -> Iterable[tuple[torch.Tensor, Any]]:
+    """This rank's part of ``data`` for evaluation, each batch with the keys of its samples.
+
+    Every sample goes to exactly one rank (nothing is padded: ranks may differ by a batch),
+    and sorting all ranks' keys puts the samples back in the order of ``data``. A key is
+    the dataset index (map-style DataLoader), the position in the stream (DataLoader over
+    an IterableDataset, split over ranks x workers), or ``batch_number * 2**32 + position``
+    (any other iterable of batches, split over ranks batch by batch).
+
+    Args:
+        data: a DataLoader built with ``batch_size=...``, or an iterable of batches.
+        rank, world_size: this process's place in the world.
+
+    Returns:
+        Iterable of ``(keys, batch)``: ``keys`` an int64 tensor of shape ``(batch,)``.
+
+    Raises:
+        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler).
+    """
+    if isinstance(data, DataLoader):
+        if data.batch_size is None:
+            raise ValueError(
+                "evaluate() needs a DataLoader built with batch_size=...; one with a custom "
+                "batch_sampler cannot be split by samples"
+            )
+        collate = _KeyedCollate(data.collate_fn)
+        if _is_map_style(data):
+            indices = shard_indices(len(data.dataset), rank=rank, world_size=world_size,  # type: ignore[arg-type]  # map-style: sized
+                                    shuffle=False, seed=0, epoch=0, even_batches=False)
+            return _rebuild(data, dataset=_Keyed(data.dataset), sampler=_IndexSampler(indices),
+                            collate_fn=collate, drop_last=False)
+        keyed = ShardedIterable(_Enumerated(cast(Iterable[Any], data.dataset)), rank=rank, world_size=world_size)
+        return _rebuild(data, dataset=keyed, collate_fn=collate, drop_last=False)
+    return _keyed_stream(data, rank=rank, world_size=world_size)
+
+
+def _keyed_stream(data: Iterable[Any], *, rank: int, world_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
+    for number, batch in itertools.islice(enumerate(data), rank, None, world_size):
+        size = num_samples(batch)
+        yield torch.arange(size, dtype=torch.int64) + number * 2**32, batch

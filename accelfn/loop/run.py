@@ -1,0 +1,250 @@
+"""``run``: epochs of a prepared program, with totals, logging, checkpoints and resume."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from accelfn.backends.base import Backend
+from accelfn.checkpoint import Checkpoints
+from accelfn.checkpoint.io import transforms_record
+from accelfn.loop._preemption import Preemption
+from accelfn.loop._progress import Progress
+from accelfn.loop._resume import check_run_arguments, resume_state
+from accelfn.loop._schedule import Schedule
+from accelfn.state import TrainState
+from accelfn.step import Step
+from accelfn.tracking import Tracker
+from accelfn.transforms import Accumulate
+
+
+def _check_count(name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"run({name}=...) must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"run({name}={value!r}): must be >= 1")
+
+
+def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_steps: Any,
+              trackers: Any, log_every: Any) -> None:
+    if not isinstance(step, Step):
+        raise TypeError(f"run() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"run() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    if not isinstance(backend, Backend):
+        raise TypeError(f"run(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
+    if not isinstance(data, Iterable):
+        raise TypeError(f"run() needs iterable data (a DataLoader), got {type(data).__name__}")
+    if epochs is None and max_steps is None:
+        raise ValueError("run(epochs=None) trains until max_steps, so it needs max_steps=<total optimizer "
+                         "updates>; pass both, or an int for epochs")
+    _check_count("epochs", epochs, allow_none=True)
+    _check_count("max_steps", max_steps, allow_none=True)
+    _check_count("log_every", log_every)
+    if isinstance(trackers, Tracker) or not isinstance(trackers, Iterable):
+        raise TypeError(f"run(trackers=...) takes a list of trackers, e.g. trackers=[af.JSONL(...)], got {trackers!r}")
+    for tracker in trackers:
+        if not isinstance(tracker, Tracker):
+            raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
+
+
+def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, max_steps: int | None) -> int | None:
+    """Optimizer updates the whole run will apply, when the data's length is known."""
+    if epochs is None:
+        return max_steps
+    try:
+        per_epoch = backend.batches(data, step, 0).num_batches
+    except (TypeError, ValueError):
+        per_epoch = None
+    if per_epoch is None:
+        return max_steps
+    accumulate = step.find(Accumulate)
+    updates = epochs * math.ceil(per_epoch / (accumulate.num_micro_batches if accumulate else 1))
+    return updates if max_steps is None else min(updates, max_steps)
+
+
+def run(
+    step: Step,
+    state: TrainState,
+    data: Iterable[Any],
+    *,
+    backend: Backend,
+    epochs: int | None = 1,
+    max_steps: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    resume: str | os.PathLike[str] | None = None,
+    trackers: Sequence[Tracker] = (),
+    progress: bool = True,
+    log_every: int = 1,
+) -> TrainState:
+    """Trains ``state`` with ``step`` over ``data`` until ``epochs`` or ``max_steps`` (totals).
+
+    ``epochs`` and ``max_steps`` count from the start of training, not from this call: a run
+    resumed at step 7 of an ``epochs=3`` job stops exactly where the uninterrupted job stops.
+    Each epoch's last micro-batch flushes the accumulation window.
+
+    Args:
+        step: the program (``af.train_step`` with transforms).
+        state: the state to train (its model and optimizer are updated in place).
+        data: a DataLoader or iterable of batches; ``shard_data`` shards it over ranks.
+        backend: the backend that interprets the program, e.g. ``af.backends.auto()``.
+        epochs: total epochs of the job, or None to train until ``max_steps`` alone
+            (then required). Training stops at whichever of the two limits comes first.
+        max_steps: total optimizer updates of the job, or None for no limit.
+        checkpoints: an ``af.Checkpoints`` policy saving during training (and on SIGTERM/
+            SIGINT), or None.
+        resume: ``"auto"`` (the latest checkpoint of ``checkpoints``, if any) or the path of
+            a checkpoint to resume from, or None to start from ``state`` as it is. A
+            checkpoint written in the middle of an epoch by another number of processes
+            resumes at ``epoch_micro_step * its_world_size // world_size``, which keeps the
+            samples the epoch consumed but not their batching (a RuntimeWarning says so).
+        trackers: where metrics go (``af.TensorBoard``, ``af.JSONL``); main process only.
+        progress: show a progress bar on the main process.
+        log_every: reduce metrics to Python floats, show and log them every this many
+            optimizer updates (in between, the hot loop never waits for the device).
+
+    Returns:
+        TrainState: the state after the last update.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
+            without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
+            whose position in its epoch is beyond the data's micro-batches per epoch.
+        NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+        CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
+            or is corrupted (with ``"auto"``, the message names the previous checkpoint).
+
+    Warns:
+        RuntimeWarning: ``epochs`` ran out before ``max_steps``; a mid-epoch resume on
+            another number of processes.
+        SystemExit: status 128 + signal number after SIGTERM or SIGINT when ``checkpoints``
+            is given: the current micro-batch finishes and a checkpoint is written first.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, accelfn as af
+        >>> model = torch.nn.Linear(4, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+        >>> step = af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1]))
+        >>> state = af.run(step, state, data, backend=af.backends.CPU(), epochs=2, progress=False)
+        >>> state.step
+        8
+    """
+    _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
+    trackers = tuple(trackers)
+    check_run_arguments(checkpoints, resume)
+    state, step_fn = backend.prepare(step, state)
+    state.model.train()  # a training loop trains, also after an evaluation put the model in eval()
+    schedule = Schedule(checkpoints, backend, transforms_record(step)) if checkpoints is not None else None
+    state = resume_state(state, schedule, resume, backend, program=step,
+                         position=functools.partial(_resume_position, backend, data, step))
+    bar = Progress(backend, trackers, show=progress, log_every=log_every,
+                   total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
+    preemption = Preemption(backend) if schedule is not None else None
+    try:
+        with preemption or contextlib.nullcontext():
+            state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, schedule, bar, preemption)
+            if preemption is not None and preemption.requested():  # agreed during the last micro-batch
+                preemption.stop(state, schedule)
+    finally:
+        bar.close()
+    return state
+
+
+def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int | None,
+            max_steps: int | None, schedule: Schedule | None, bar: Progress,
+            preemption: Preemption | None) -> TrainState:
+    if max_steps is not None and state.step >= max_steps:
+        return state
+    step_once = step_fn.__call__  # a bound method is called without the slower instance-call path
+    while epochs is None or state.epoch < epochs:
+        epoch, consumed = state.epoch, state.micro_step
+        for batch, last in backend.batches(data, step, epoch, start=state.epoch_micro_step):
+            state, metrics = step_once(state, batch, flush=last)
+            if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
+                state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+            if preemption is not None and preemption.requested():
+                preemption.stop(state, schedule)
+            if not metrics:
+                continue
+            bar.update(state.step, metrics)
+            if schedule is not None:
+                schedule.maybe_save(state)
+            if max_steps is not None and state.step >= max_steps:
+                break
+        if max_steps is not None and state.step >= max_steps:
+            return state
+        if state.epoch == epoch:  # nothing (left) to read in this epoch
+            if state.micro_step == consumed:
+                _warn_empty_epoch(state, epochs)
+                if epochs is None:
+                    return state
+            state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+    if max_steps is not None:
+        warnings.warn(
+            f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
+            "pass epochs=None to train until max_steps (or more epochs)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return state
+
+
+def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: int, position: int,
+                     world_size: int) -> int:
+    """The micro-batch of ``epoch`` a run resumed at ``position`` (of a checkpoint written by
+    ``world_size`` processes) continues at. In another world size, each process's position
+    is scaled to keep the epoch's consumed samples (approximate: the rest of the epoch is
+    batched differently), with a warning.
+
+    Raises:
+        ValueError: ``position`` beyond this process's epoch (other data or batch size).
+    """
+    if not position:
+        return 0  # an epoch boundary: the same in any world size
+    total = backend.batches(data, step, epoch).num_batches  # None: the data's length is not known
+    if world_size != backend.world_size:
+        start = position * world_size // backend.world_size
+        start = start if total is None else min(start, total)
+        warnings.warn(
+            f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
+            f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
+            f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
+            "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
+            "epoch is batched in another order, so the run differs from an uninterrupted one",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        return start
+    if total is not None and position > total:
+        raise ValueError(
+            f"cannot resume at micro-batch {position} of epoch {epoch}: the data has {total} "
+            f"micro-batch{'es' if total != 1 else ''} per epoch on this process. The batch size or the dataset "
+            f"probably differs from the run that wrote the checkpoint (on {_processes(world_size)}, as this run); "
+            "resume with the same data and batch size, or start a fresh run (without resume=...)"
+        )
+    return position
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n > 1 else ''}"
+
+
+def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:
+    if state.epoch_micro_step:
+        return  # resumed at the very end of an epoch: nothing left to read is expected
+    warnings.warn(
+        f"epoch {state.epoch} read no batches: the data is empty, or a one-shot iterator (a "
+        "generator) that an earlier epoch exhausted; pass a DataLoader or a list to train "
+        f"{'more than one epoch' if epochs is None or epochs > 1 else 'on it'}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

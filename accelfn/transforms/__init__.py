@@ -1,0 +1,61 @@
+"""Transforms: small frozen values that are also functions ``Step -> Step``.
+
+Each transform acts at a fixed phase of the step, so the order in which they are composed
+never changes the meaning of the program; ``Step.transforms`` lists them in phase order::
+
+    data      shard_data      each process reads its own shard of every epoch
+    model     replicate       data parallel: one gradient all-reduce per update
+    forward   with_precision  autocast / low-precision parameters, loss scaling
+    backward  accumulate      n micro-batches per optimizer update
+    gradient  clip, clip_value  after unscaling and after the all-reduce
+    update    skip_nonfinite  skip updates whose gradients are not finite
+
+One module per transform holds its record, its verb and the state record it keeps in
+``TrainState.transforms_state`` (the loss scale, the accumulation window, the skip count).
+Transforms never import ``torch.distributed``, ``torch_xla`` or ``accelfn.backends``: the
+backend interprets them.
+"""
+
+from accelfn.transforms.accumulate import Accumulate, Window, accumulate
+from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
+from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
+from accelfn.transforms.data import ShardData, shard_data
+from accelfn.transforms.precision import (
+    POLICY_NAMES,
+    DynamicScaling,
+    LossScale,
+    Policy,
+    SkipCount,
+    WithPrecision,
+    parse_policy,
+    with_precision,
+)
+from accelfn.transforms.replicate import Replicate, replicate
+from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
+
+__all__ = [
+    "POLICY_NAMES",
+    "TRANSFORM_TYPES",
+    "Accumulate",
+    "Clip",
+    "ClipValue",
+    "DynamicScaling",
+    "LossScale",
+    "Policy",
+    "Replicate",
+    "ShardData",
+    "SkipCount",
+    "SkipNonfinite",
+    "Transform",
+    "Window",
+    "WithPrecision",
+    "accumulate",
+    "clip",
+    "clip_value",
+    "compose",
+    "parse_policy",
+    "replicate",
+    "shard_data",
+    "skip_nonfinite",
+    "with_precision",
+]

@@ -1,0 +1,65 @@
+"""``shard_data``: each process reads its own shard of every epoch."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from accelfn.errors import boolean, non_negative_int
+from accelfn.step import Phase, TransformBase
+from accelfn.transforms.replicate import Replicate
+
+
+@attrs.frozen
+class ShardData(TransformBase):
+    """Each process reads its own shard of every epoch (``torch.utils.data.DistributedSampler``).
+
+    Attributes:
+        seed: base of the shuffle; epoch ``e`` uses ``seed + e`` on every rank.
+        drop_last: drop the tail that does not divide evenly by the world size instead of
+            padding it by wrapping around.
+        even_batches: pad (by wrapping) so every rank runs the same number of batches.
+            ``False`` keeps each sample exactly once, so ranks may differ by one batch; it
+            cannot be combined with ``replicate()``, whose all-reduce would wait forever.
+    """
+
+    phase: ClassVar[Phase] = Phase.DATA
+    kind: ClassVar[str] = "shard_data"
+    verb: ClassVar[str] = "shard_data"
+
+    seed: int = attrs.field(default=0, validator=non_negative_int)
+    drop_last: bool = attrs.field(default=False, validator=boolean)
+    even_batches: bool = attrs.field(default=True, validator=boolean)
+
+    def conflicts_with(self, other: TransformBase) -> str | None:
+        if isinstance(other, Replicate) and not self.even_batches and not self.drop_last:
+            return (
+                "shard_data(even_batches=False) lets ranks run different numbers of batches, "
+                "so replicate()'s gradient all-reduce would hang; keep even_batches=True "
+                "(pad by wrapping) or use drop_last=True"
+            )
+        return None
+
+
+def shard_data(*, seed: int = 0, drop_last: bool = False, even_batches: bool = True) -> ShardData:
+    """Each process reads its own shard of every epoch; see :class:`ShardData`.
+
+    Args:
+        seed: base of the shuffle, agreed by all ranks; epoch ``e`` shuffles with ``seed + e``.
+        drop_last: drop the tail that does not divide by the world size (default: pad it).
+        even_batches: pad so that every rank runs the same number of batches (default True).
+
+    Returns:
+        ShardData: the transform.
+
+    Raises:
+        ValueError: ``seed`` negative.
+        TypeError: a flag that is not a bool, or ``seed`` not an int.
+
+    Example:
+        >>> import accelfn as af
+        >>> af.shard_data(seed=1)
+        ShardData(seed=1, drop_last=False, even_batches=True)
+    """
+    return ShardData(seed=seed, drop_last=drop_last, even_batches=even_batches)

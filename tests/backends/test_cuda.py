@@ -1,0 +1,158 @@
+"""The CUDA backend against the CPU reference and hand-written torch.amp loops (needs a GPU).
+
+Run them all with scripts/gpu-check.sh on a machine with a GPU; elsewhere they skip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+import accelfn as af
+from tests.helpers import launch as _launch
+from tests.helpers import programs as P
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(NUM_GPUS == 0, reason=f"needs a CUDA GPU; torch {torch.__version__} sees none "
+                       "(run scripts/gpu-check.sh on a GPU machine)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmuls() -> Iterator[None]:
+    """TF32 off, so that fp32 on the GPU is comparable with the CPU at 1e-5."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture
+def cuda() -> af.backends.Backend:
+    return af.backends.CUDA(af.backends.LaunchEnv())
+
+
+def _cpu() -> af.backends.Backend:
+    return af.backends.CPU(af.backends.LaunchEnv())
+
+
+def _assert_params_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float,
+                         atol: float) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name].cpu(), expected[name].cpu(), rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("case", ["e2", "e2_acc2_clip"])
+def test_cuda_training_equals_the_cpu_reference(cuda: af.backends.Backend, case: str) -> None:
+    """fp32 training on one GPU gives the CPU's parameters to 1e-5 (2 epochs, with accumulate(2) and clip)."""
+    expected = P.parameters(P.train_case(case, _cpu(), 6))
+    state = P.train_case(case, cuda, 6)
+    assert {p.device.type for p in state.model.parameters()} == {"cuda"}
+    assert all(v.device.type == "cuda" for s in state.optimizer.state.values() for v in s.values() if v.ndim)
+    _assert_params_close(P.parameters(state), expected, rtol=1e-5, atol=1e-6)
+
+
+def _hand_written(precision: torch.dtype, data: list, *, scaler: torch.amp.GradScaler | None) -> torch.nn.Module:
+    """A torch.amp loop on the GPU: accumulate 2 micro-batches, clip at 0.5, AdamW."""
+    state = P.make_state()
+    model, optimizer = state.model.cuda(), state.optimizer
+    for window in (data[:2], data[2:]):
+        for x, y in window:
+            with torch.autocast("cuda", dtype=precision):
+                loss = F.mse_loss(model(x.cuda()), y.cuda())
+            (scaler.scale(loss / 2) if scaler else loss / 2).backward()
+        if scaler:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def _batches(bad: int | None = None) -> list:
+    x, y = P.regression_data(16, seed=4).tensors
+    out = [(x[i:i + 4].clone(), y[i:i + 4]) for i in range(0, 16, 4)]
+    if bad is not None:
+        out[bad][0][0, 0] = math.inf
+    return out
+
+
+def test_bf16_autocast_on_cuda_equals_the_hand_written_autocast_loop(cuda: af.backends.Backend) -> None:
+    """with_precision('bf16') + accumulate(2) + clip runs the forward in bf16 and equals torch.autocast's loop."""
+    data = _batches()
+    expected = _hand_written(torch.bfloat16, data, scaler=None)
+    state = P.make_state()
+    forward_dtypes = set()
+    state.model[0].register_forward_hook(lambda m, i, out: forward_dtypes.add(out.dtype))
+    step = af.compose(af.with_precision("bf16"), af.accumulate(2), af.clip(0.5))(af.train_step(P.mse))
+    state = af.run(step, state, data, backend=cuda, progress=False)
+    assert forward_dtypes == {torch.bfloat16}
+    assert {p.dtype for p in state.model.parameters()} == {torch.float32}
+    _assert_params_close(P.parameters(state), {k: v.detach() for k, v in expected.state_dict().items()},
+                         rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_on_cuda_equals_the_grad_scaler_loop_and_skips_an_overflow(cuda: af.backends.Backend) -> None:
+    """with_precision('fp16') skips the window with an inf and matches torch.amp.GradScaler's parameters and scale."""
+    data = _batches(bad=3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    expected = _hand_written(torch.float16, data, scaler=scaler)
+    step = af.compose(af.with_precision("fp16", init_scale=2.0**10), af.accumulate(2), af.clip(0.5))(
+        af.train_step(P.mse))
+    state = af.run(step, P.make_state(), data, backend=cuda, progress=False)
+    assert state.step == 1  # the second window overflowed
+    assert state.transforms_state["loss_scale"].scale == scaler.get_scale() == 2.0**9
+    _assert_params_close(P.parameters(state), {k: v.detach() for k, v in expected.state_dict().items()},
+                         rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_on_cuda_equals_the_cpu(cuda: af.backends.Backend) -> None:
+    """evaluate on the GPU returns the CPU's outputs, in dataset order, on the GPU."""
+    loader = DataLoader(P.IndexDataset(9), batch_size=5)
+    expected = af.evaluate(P.eval_outputs, P.make_state(seed=7), loader, backend=_cpu())
+    state = P.make_state(seed=7)
+    state.model.cuda()
+    got = af.evaluate(P.eval_outputs, state, loader, backend=cuda)
+    assert got["prediction"].device.type == "cuda"
+    assert torch.equal(got["index"].cpu(), torch.arange(9))
+    torch.testing.assert_close(got["prediction"].cpu(), expected["prediction"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_launch_with_backend_cuda_gives_workers_the_cuda_backend(tmp_path: Path) -> None:
+    """`accelfn launch --backend cuda` makes af.backends.auto() return the CUDA backend in the worker."""
+    _launch.launch("--backend", "cuda", "--nproc-per-node", "1", "--timeout-s", "60", script="hello.py",
+                   script_args=("--out", tmp_path), cwd=tmp_path)
+    (record,) = _launch.read_ranks(tmp_path, 1)
+    assert (record["backend"], record["requested_backend"], record["world_size"]) == ("cuda", "cuda", 1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(NUM_GPUS < 2, reason=f"DDP over NCCL needs 2 GPUs; this machine has {NUM_GPUS}")
+def test_ddp_over_two_gpus_equals_the_cpu_reference(tmp_path: Path) -> None:
+    """2 GPU processes x batch 3 under NCCL DDP give the CPU parameters of 1 process x batch 6, replicas equal."""
+    _launch.launch("--backend", "cuda", "--nproc-per-node", "2", "--timeout-s", "120", script="cuda_ddp.py",
+                   script_args=("--out", tmp_path), cwd=tmp_path)
+    ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(2)]
+    for case in ("e2", "e2_acc2_clip"):
+        expected = P.parameters(P.train_case(case, _cpu(), 2 * P.PER_RANK_BATCH))
+        for tensors in ranks:
+            got = {k[len(f"train.{case}."):]: v for k, v in tensors.items() if k.startswith(f"train.{case}.")}
+            _assert_params_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert torch.equal(ranks[0]["evaluate.index"], torch.arange(9))

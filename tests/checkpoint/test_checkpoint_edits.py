@@ -1,0 +1,196 @@
+"""Corrupted or edited manifests: refused, naming the file and the field, before anything changes."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import orjson
+import pytest
+import torch
+
+import accelfn as af
+from accelfn.errors import CheckpointError
+from tests.helpers.states import assert_same_state, build, loader, program
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+@pytest.fixture
+def saved(cpu, tmp_path) -> tuple[Path, af.TrainState]:
+    """A checkpoint of an fp16 state mid-window (AdamW moments, cosine schedule, an extra
+    object), and the state; the global generators have moved on since it was saved."""
+    step = program(af.with_precision("fp16"))
+    state, step_fn = cpu.prepare(step, build(0, extra=True))
+    for batch, last in list(cpu.batches(loader(), step, 0))[:5]:
+        state, _ = step_fn(state, batch, flush=last)
+    path = af.save(state, tmp_path / "ckpt")
+    torch.rand(3), random.random(), np.random.rand()
+    return path, state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Trees equal: tensors and arrays bitwise, records field by field."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if attrs.has(type(a)):
+        return type(a) is type(b) and _same(attrs.asdict(a, recurse=False), attrs.asdict(b, recurse=False))
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _everything(state: af.TrainState) -> dict[str, Any]:
+    """The state's tensors, optimizer, scheduler, extra, counters and the global generators."""
+    snap = af.snapshot(state)
+    return {"snapshot": {f.name: getattr(snap, f.name) for f in attrs.fields(af.Snapshot) if f.name != "rng"},
+            "torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _edit(path: Path, change: Edit, *, checksum: bool = True) -> None:
+    """Applies ``change`` to manifest.json; with ``checksum``, rewrites manifest.sha256 to match."""
+    manifest = orjson.loads((path / "manifest.json").read_bytes())
+    change(manifest)
+    data = orjson.dumps(manifest)
+    (path / "manifest.json").write_bytes(data)
+    if checksum:
+        (path / "manifest.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  manifest.json\n")
+
+
+def _set(*keys: Any, value: Any) -> Edit:
+    def change(manifest: dict[str, Any]) -> None:
+        node = manifest
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+
+    return change
+
+
+def _shorten_python_rng(manifest: dict[str, Any]) -> None:
+    internal = manifest["ranks"][0]["rng"]["fields"]["python"]["__tuple__"][1]["__tuple__"]
+    del internal[10:]
+
+
+def _renumber_first_optimizer_state(manifest: dict[str, Any]) -> None:
+    manifest["optimizer"]["state"]["__dict__"][0][0] = 7
+
+
+def _refused(path: Path, target: af.TrainState, message: str) -> None:
+    before = _everything(target)
+    with pytest.raises(CheckpointError) as error:
+        af.load(path, into=target)
+    assert message in str(error.value), str(error.value)
+    after = _everything(target)
+    assert _same(after, before), "the state or a global generator changed"
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (_set("counters", "step", value="x"), "ckpt: invalid values in manifest.json:\n  counters.step: 'x' (a str), "
+                                          "must be an int >= 0"),
+    (_set("counters", "epoch", value=-1), "counters.epoch: -1 (an int), must be an int >= 0"),
+    (_set("ranks", 0, "rng", "fields", "torch_cpu", value="00"),
+     "ckpt: invalid values in manifest.json:\n  ranks[0].rng.torch_cpu: not a state of torch's CPU generator"),
+    (_shorten_python_rng, "ranks[0].rng.python: not a state of Python's random"),
+    (_set("optimizer", "param_groups", 0, "lr", value="fast"),
+     "ckpt: the checkpoint does not match the state it is loaded into:\n  optimizer.param_groups[0].lr: 'fast' "
+     "(a str) in manifest.json, 0.01 (a float) here"),
+    (_set("optimizer", "param_groups", 0, "amsgrad", value="no"),
+     "optimizer.param_groups[0].amsgrad: 'no' (a str) in manifest.json, False (a bool) here"),
+    (_set("optimizer", "param_groups", 0, "eps", value={"__float__": "abc"}),
+     "ckpt/manifest.json: optimizer.param_groups[0].eps: a malformed __float__ value"),
+    (_renumber_first_optimizer_state, "optimizer.state: entries for parameters 7 in manifest.json; the optimizer "
+                                      "has parameters 0..3"),
+    (_set("scheduler", "T_max", value="zz"), "scheduler.T_max: 'zz' (a str) in manifest.json, 15 (an int) here"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value="big"),
+     "ckpt/manifest.json: ranks[0].transforms_state.loss_scale.scale: 'big' (a str), must be float"),
+    (_set("model", "fc1.weight", value=3), "model 'fc1.weight': 3 (an int) in the checkpoint, a tensor here"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value=0.0),
+     "ckpt/manifest.json: ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite "
+     "number > 0, got 0.0"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value=-65536.0),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got -65536.0"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value={"__float__": "inf"}),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got inf"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "scale", value={"__float__": "nan"}),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: scale must be a finite number > 0, got nan"),
+    (_set("ranks", 0, "transforms_state", "loss_scale", "fields", "growth_tracker", value=-1),
+     "ranks[0].transforms_state.loss_scale: not a valid LossScale: growth_tracker must be an int >= 0, got -1"),
+    (_set("ranks", 0, "transforms_state", "skips", "fields", "num_skipped", value=-3),
+     "ranks[0].transforms_state.skips: not a valid SkipCount: num_skipped must be an int >= 0, got -3"),
+    (_set("counters", "micro_step", value=1),
+     "ckpt: invalid values in manifest.json:\n  counters.micro_step: 1, below counters.step (2); every optimizer "
+     "update consumes at least one micro-batch"),
+    (_set("optimizer", "param_groups", 0, "betas", value={"__tuple__": [0.9, 0.999, 0.5]}),
+     "ckpt: the checkpoint does not match the state it is loaded into:\n  optimizer.param_groups[0].betas: "
+     "(0.9, 0.999, 0.5) (a tuple) in manifest.json, (0.9, 0.999) (a tuple) here (3 items, not 2)"),
+    (_set("scheduler", "base_lrs", value=[]),
+     "scheduler.base_lrs: [] (a list) in manifest.json, [0.01] (a list) here (0 items, not 1)"),
+    (_set("optimizer", "param_groups", 0, "lr", value=-1.0),
+     "optimizer.param_groups[0]: AdamW refuses the hyperparameters in manifest.json: Invalid learning rate: -1.0"),
+    (_set("optimizer", "param_groups", 0, "betas", value={"__tuple__": [1.5, 0.999]}),
+     "optimizer.param_groups[0]: AdamW refuses the hyperparameters in manifest.json: Invalid beta parameter at "
+     "index 0: 1.5"),
+])
+def test_an_edited_value_is_refused_before_anything_changes(saved, change: Edit, message: str) -> None:
+    """A manifest edited with its checksum updated to match (a counter that is not an int >= 0,
+    fewer micro-batches than updates, an RNG state of the wrong size, a hyperparameter or
+    scheduler value of another type or length than the live one, a loss scale that is not a
+    finite number > 0, a negative growth tracker or skip count, a malformed or mistyped value)
+    fails to load with a CheckpointError naming the file and the field, and the model,
+    optimizer, scheduler, extra objects, counters and global generators are exactly as before."""
+    path, _ = saved
+    _edit(path, change)
+    _refused(path, build(99, extra=True), message)
+
+
+def test_an_edited_manifest_fails_its_checksum(saved) -> None:
+    """One digit of a counter changed in manifest.json (still valid JSON, a plausible value)
+    fails the sha256 in manifest.sha256; nothing in the target changes."""
+    path, _ = saved
+    _edit(path, _set("counters", "step", value=3), checksum=False)
+    _refused(path, build(99, extra=True), f"{path / 'manifest.json'}: sha256 ")
+    with pytest.raises(CheckpointError, match="does not match [0-9a-f]{64} in manifest.sha256; the manifest is "
+                                              "corrupted or was changed"):
+        af.load(path, into=build(99, extra=True))
+
+
+def test_a_missing_or_garbled_checksum_file_is_refused(saved) -> None:
+    """A format-2 checkpoint without manifest.sha256, or with a garbled one, does not load."""
+    path, _ = saved
+    (path / "manifest.sha256").write_text("0123  manifest.json\n")
+    _refused(path, build(99, extra=True), "manifest.sha256: not a sha256 line for manifest.json")
+    (path / "manifest.sha256").unlink()
+    _refused(path, build(99, extra=True), "manifest.sha256 is missing: a checkpoint of format version 3 has the "
+                                          "sha256 of its manifest.json in it")
+
+
+def test_a_format_1_checkpoint_without_checksum_loads(saved) -> None:
+    """A checkpoint of format version 1 (no manifest.sha256) still loads exactly, and its
+    values are still checked."""
+    path, state = saved
+    (path / "manifest.sha256").unlink()
+    _edit(path, _set("format_version", value=1), checksum=False)
+    assert_same_state(af.load(path, into=build(99, extra=True)), state)
+    _edit(path, _set("optimizer", "param_groups", 0, "lr", value="fast"), checksum=False)
+    _refused(path, build(99, extra=True), "optimizer.param_groups[0].lr: 'fast' (a str) in manifest.json")
+
+
+def test_restoring_a_snapshot_with_an_invalid_counter_changes_nothing(cpu) -> None:
+    """restore() of a snapshot whose counter is negative raises naming it; the state is untouched."""
+    snap = af.snapshot(build(0))
+    bad = attrs.evolve(snap, counters={**snap.counters, "micro_step": -2})
+    target = build(5)
+    before = _everything(target)
+    with pytest.raises(CheckpointError, match=r"invalid values in the snapshot:\n  counters.micro_step: -2"):
+        af.restore(target, bad)
+    assert _same(_everything(target), before)

@@ -1,0 +1,164 @@
+"""`accelfn launch` with real processes: free ports, two nodes on loopback, config files, failures."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import launch as _launch
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLE = _launch.ROOT / "examples" / "digits.py"
+
+
+def test_two_jobs_started_at_once_both_succeed(tmp_path: Path) -> None:
+    """Two `accelfn launch --nproc-per-node 2` jobs started together on one machine both form a world of 2."""
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = []
+    for out in outs:
+        out.mkdir()
+        procs.append(_launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
+                                   _launch.WORKERS / "hello.py", "--out", out, cwd=out))
+    for proc in procs:
+        _launch.assert_ok(_launch.finish(proc))
+    ports = []
+    for out in outs:
+        ranks = _launch.read_ranks(out, 2)
+        assert [r["rank"] for r in ranks] == [0, 1]
+        assert all(r["world_size"] == 2 and r["sum_of_ranks_plus_one"] == 3.0 for r in ranks)
+        assert ranks[0]["master_port"] == ranks[1]["master_port"]
+        ports.append(ranks[0]["master_port"])
+    assert ports[0] != ports[1]
+
+
+def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:
+    """Two launchers with --nnodes 2 --node-rank 0|1 and one process each form a world of 2 with ranks 0 and 1."""
+    port = _launch.free_port()
+    procs = [
+        _launch.start("launch", "--backend", "cpu", "--nnodes", "2", "--node-rank", str(node),
+                      "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      "--timeout-s", "60",
+                      _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"node{node}", cwd=tmp_path)
+        for node in (0, 1)
+    ]
+    for proc in procs:
+        _launch.assert_ok(_launch.finish(proc))
+    ranks = _launch.read_ranks(tmp_path, 2)
+    assert sorted(r["tag"] for r in ranks) == ["node0", "node1"]
+    for rank, r in enumerate(ranks):
+        assert (r["rank"], r["world_size"], r["local_rank"], r["local_world_size"]) == (rank, 2, 0, 1)
+        assert r["sum_of_ranks_plus_one"] == 3.0
+
+
+def test_script_with_a_stray_local_rank_option_runs(tmp_path: Path) -> None:
+    """A script that declares --local_rank and parses strictly gets only its own arguments, unchanged."""
+    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="hello.py",
+                   script_args=("--out", tmp_path, "--tag=--nproc-per-node=7"), cwd=tmp_path)
+    for rank, r in enumerate(_launch.read_ranks(tmp_path, 2)):
+        assert r["rank"] == r["local_rank"] == rank
+        assert r["stray_local_rank"] == -1  # nothing was passed to it: ranks come from the environment
+        assert r["tag"] == "--nproc-per-node=7"  # an option of the launcher's, after the script, is the script's
+
+
+def test_config_file_round_trip_with_a_flag_override(tmp_path: Path) -> None:
+    """`accelfn config` writes a file that `accelfn launch --config` applies, a flag overriding one field."""
+    config = tmp_path / "launch.yaml"
+    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16",
+                "--timeout-s", "45", "-o", config, cwd=tmp_path)
+    _launch.launch("--config", config, "--precision", "fp16", script="hello.py", script_args=("--out", tmp_path),
+                   cwd=tmp_path)
+    for r in _launch.read_ranks(tmp_path, 2):
+        assert r["world_size"] == 2
+        assert (r["requested_backend"], r["backend"], r["precision"], r["timeout_s"]) == ("cpu", "cpu", "fp16", 45.0)
+
+
+def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path: Path) -> None:
+    """ACCELFN_* variables already set reach the workers over the config file's values and
+    the defaults; a flag overrides them."""
+    config = tmp_path / "launch.yaml"
+    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16",
+                "--timeout-s", "45", "-o", config, cwd=tmp_path)
+    env = _launch.environment(ACCELFN_TIMEOUT_S="33", ACCELFN_PRECISION="fp16")
+    _launch.launch("--config", config, "--precision", "fp32", script="hello.py", script_args=("--out", tmp_path),
+                   cwd=tmp_path, env=env)
+    assert [(r["precision"], r["timeout_s"]) for r in _launch.read_ranks(tmp_path, 2)] == [("fp32", 33.0)] * 2
+
+
+def test_default_config_file_in_the_working_directory_is_used(tmp_path: Path) -> None:
+    """Without --config, launch reads ./accelfn.yaml and says so."""
+    _launch.run("config", "--nproc-per-node", "2", "--precision", "bf16", "--backend", "cpu", cwd=tmp_path)
+    assert (tmp_path / "accelfn.yaml").is_file()
+    result = _launch.launch(script="hello.py", script_args=("--out", tmp_path), cwd=tmp_path)
+    assert "using the launch config accelfn.yaml" in result.stderr
+    assert [(r["world_size"], r["precision"]) for r in _launch.read_ranks(tmp_path, 2)] == [(2, "bf16")] * 2
+
+
+def test_rank_without_its_peer_fails_with_a_launch_error_instead_of_hanging(tmp_path: Path) -> None:
+    """A rank of a world of 2 whose peer never starts exits non-zero with LaunchError after ACCELFN_TIMEOUT_S."""
+    env = _launch.environment(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_launch.free_port()), ACCELFN_TIMEOUT_S="2",
+                              ACCELFN_BACKEND="cpu")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(_launch.WORKERS / "hello.py"), "--out", str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "LaunchError: rank 0 of WORLD_SIZE=2 could not form the gloo process group" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_inconsistent_launch_variables_fail_before_any_group_is_formed(tmp_path: Path) -> None:
+    """RANK without WORLD_SIZE makes a worker exit at once with a LaunchError that names both variables."""
+    env = _launch.environment(RANK="1")
+    result = subprocess.run([sys.executable, str(_launch.WORKERS / "hello.py"), "--out", str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "LaunchError: RANK is set but WORLD_SIZE is not" in result.stderr
+
+
+def test_a_failing_worker_fails_the_launch_with_its_exit_code(tmp_path: Path) -> None:
+    """When a worker exits with status 3, `accelfn launch` exits with 3 (and does not hang)."""
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nimport accelfn as af\nb = af.backends.auto()\n"
+                      "sys.exit(3 if b.rank == 1 else 0)\n")
+    result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "30", script=script,
+                            cwd=tmp_path, check=False)
+    assert result.returncode == 3, result.stderr[-3000:]
+
+
+def test_digits_example_under_two_processes_reaches_the_accuracy_bar(tmp_path: Path) -> None:
+    """examples/digits.py, unchanged, under `accelfn launch --nproc-per-node 2` reaches >= 95% held-out accuracy."""
+    result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120", script=EXAMPLE,
+                            script_args=("--logdir", tmp_path / "tb"), cwd=tmp_path)
+    reports = re.findall(r"held-out accuracy: ([0-9.]+)", result.stdout)
+    assert len(reports) == 1, result.stdout[-2000:]  # printed by the main process only
+    assert float(reports[0]) >= 0.95
+    assert len([p for p in (tmp_path / "tb").rglob("*") if p.is_file()]) == 1
+
+
+def test_sigterm_to_the_launcher_is_forwarded_and_it_exits_143(tmp_path: Path) -> None:
+    """SIGTERM to `accelfn launch` reaches both workers, which save one checkpoint and exit, and the
+    launcher then exits with 143 (not 1), without a traceback."""
+    launcher = _launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
+                             _launch.WORKERS / "slow_job.py", "--out", tmp_path, cwd=tmp_path)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ready").exists():
+        assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+        assert time.monotonic() < deadline, "the workers never reached step 2"
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    result = _launch.finish(launcher)
+    assert result.returncode == 143, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr and "SignalException" not in result.stderr
+    assert "accelfn launch: SIGTERM received, forwarded to the workers, which have exited; exiting with " \
+           "status 143" in result.stderr
+    saved = re.findall(r"accelfn: SIGTERM received; saved \S+/(step_\d+) ", result.stderr)
+    assert len(saved) == 1  # printed by the main process once both ranks stopped and saved
+    assert [p.name for p in (tmp_path / "ckpts").iterdir()] == saved
+    assert int(saved[0].removeprefix("step_")) >= 2

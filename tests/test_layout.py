@@ -1,0 +1,59 @@
+"""The shape of the package: its import contract (import-linter), its types (mypy), its size."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "lint-imports"), "--no-cache"], cwd=root, env={"PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_import_contract_holds() -> None:
+    """import-linter finds every layer importing only the layers below it, and no module
+    importing the package root (pyproject.toml's contracts)."""
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 2 kept, 0 broken." in result.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "broken"), [
+    ("accelfn/transforms/clip.py", "from accelfn.loop import run", "Layers: arrows point down only BROKEN"),
+    ("accelfn/checkpoint/io.py", "from accelfn.backends import auto", "Layers: arrows point down only BROKEN"),
+    ("accelfn/cli/commands.py", "import accelfn", "Nothing imports the package root BROKEN"),
+])
+def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, broken) -> None:
+    """Adding an upward import, or an import of the package root, to a copy of the package
+    makes import-linter fail and name the broken contract."""
+    shutil.copytree(ROOT / "accelfn", tmp_path / "accelfn")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with (tmp_path / module).open("a") as f:
+        f.write(f"\n{line}  # noqa\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert broken in result.stdout, result.stdout
+
+
+def test_mypy_is_clean() -> None:
+    """mypy (configured in pyproject.toml) reports no error in accelfn/."""
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_top_level_holds_one_entry_per_concept_and_no_module_is_long() -> None:
+    """accelfn/ has at most 16 entries (12 concepts and the package's own files), and no
+    module is over 420 lines."""
+    entries = sorted(p.name for p in (ROOT / "accelfn").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 16, entries
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "accelfn").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 420}
+    assert not long, long
