@@ -24,37 +24,76 @@ class LaunchError(RuntimeError):
     """The launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is missing or inconsistent."""
 
 
-def non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+# The argument checks. Every message has one of two forms, naming the call a user wrote
+# (a record's ``verb`` class attribute, such as ``with_precision``, or its class name):
+#   TypeError:  with_precision(growth_interval=...) must be an int, got 2.5
+#   ValueError: with_precision(growth_interval=0): must be >= 1
 
 
-def boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{attribute.name} must be True or False, got {value!r}")
-
-
-def _verb(instance: object) -> str:
+def call_name(instance: object) -> str:
+    """The call that builds ``instance``, for messages: its ``verb`` class attribute
+    (``"shard_data"``), or its class name."""
     return getattr(type(instance), "verb", type(instance).__name__)
 
 
-def finite_positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def wrong_type(call: str, name: str, expected: str, value: object) -> TypeError:
+    """``call(name=...) must be EXPECTED, got VALUE``."""
+    return TypeError(f"{call}({name}=...) must be {expected}, got {value!r}")
+
+
+def wrong_value(call: str, name: str, rule: str, value: object) -> ValueError:
+    """``call(name=VALUE): must be RULE``."""
+    return ValueError(f"{call}({name}={value!r}): must be {rule}")
+
+
+def check_int(call: str, name: str, value: object, *, minimum: int) -> None:
+    """An int (not a bool) >= ``minimum``.
+
+    Raises:
+        TypeError: not an int.
+        ValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_type(call, name, "an int", value)
+    if value < minimum:
+        raise wrong_value(call, name, f">= {minimum}", value)
+
+
+def check_finite_positive(call: str, name: str, value: object) -> None:
+    """A finite int or float (not a bool) > 0.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: zero, negative, inf or NaN.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{_verb(instance)}({attribute.name}=...) must be a number, got {value!r}")
+        raise wrong_type(call, name, "a number", value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{_verb(instance)}({attribute.name}={value!r}): must be a finite number > 0")
+        raise wrong_value(call, name, "a finite number > 0", value)
+
+
+def require_number(call: str, name: str, value: object) -> None:
+    """A number (TypeError before ``float()`` turns a string or a bool into one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise wrong_type(call, name, "a number", value)
+
+
+def non_negative_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    """attrs validator: an int >= 0 (a count)."""
+    check_int(call_name(instance), attribute.name, value, minimum=0)
 
 
 def count_at_least_one(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_verb(instance)}({attribute.name}=...) must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{_verb(instance)}({attribute.name}={value!r}): must be >= 1")
+    """attrs validator: an int >= 1."""
+    check_int(call_name(instance), attribute.name, value, minimum=1)
 
 
-def require_number(fn: str, name: str, value: object) -> None:
-    """TypeError before float() conversion turns a string or a bool into a number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}({name}=...) must be a number, got {value!r}")
+def finite_positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    """attrs validator: a finite number > 0."""
+    check_finite_positive(call_name(instance), attribute.name, value)
+
+
+def boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
+    """attrs validator: True or False."""
+    if not isinstance(value, bool):
+        raise wrong_type(call_name(instance), attribute.name, "True or False", value)

@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from accelfn.errors import check_int
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -80,8 +82,7 @@ def _check_optimizer(instance: object, attribute: attrs.Attribute, value: object
 
 
 def _check_counter(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"TrainState.{attribute.name} must be an int >= 0, got {value!r}")
+    check_int("TrainState", attribute.name, value, minimum=0)
 
 
 @attrs.frozen(eq=False)

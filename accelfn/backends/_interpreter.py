@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -44,8 +44,23 @@ from accelfn.transforms import (
 )
 from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_policy
 
-if TYPE_CHECKING:
-    from accelfn.backends.base import Backend
+
+
+class Primitives(Protocol):
+    """What the interpreter asks of a backend (``Backend`` has all of it): the hardware
+    primitives each backend file overrides, and nothing else."""
+
+    world_size: int
+    #: XLA's graph cut after each micro-batch (``torch_xla.sync``), None elsewhere
+    graph_cut: Callable[[], None] | None
+
+    def autocast(self, policy: Policy) -> contextlib.AbstractContextManager[Any]: ...
+
+    def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]: ...
+
+    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
@@ -85,7 +100,7 @@ class StepFn:
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
     """
 
-    def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
+    def __init__(self, backend: Primitives, step: Step, state: TrainState, model: torch.nn.Module):
         accumulate = step.find(Accumulate)
         precision = step.find(WithPrecision)
         skip = step.find(SkipNonfinite)
@@ -340,7 +355,7 @@ class PlainStepFn(StepFn):
                               transforms_state=state.transforms_state), metrics
 
 
-def step_function(backend: Backend, step: Step, state: TrainState, model: torch.nn.Module) -> StepFn:
+def step_function(backend: Primitives, step: Step, state: TrainState, model: torch.nn.Module) -> StepFn:
     """``step`` specialized for ``backend`` and ``state``: a PlainStepFn where nothing acts per step."""
     general = StepFn(backend, step, state, model)
     return PlainStepFn(backend, step, state, model) if general.plain else general

@@ -171,6 +171,11 @@ class Backend(abc.ABC):
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
 
+        The backend remembers the iterable it returns last (the one piece of state it keeps
+        between calls): ``gather_for_metrics`` reads its position to drop the padding of an
+        epoch's last batch. Read one ``batches()`` iterable at a time, as ``run`` and
+        ``evaluate`` do.
+
         Raises:
             ValueError: data that ``shard_data`` cannot shard (the message says why), or,
                 under ``replicate()`` without ``shard_data()``, ranks whose data have
@@ -241,7 +246,9 @@ class Backend(abc.ABC):
 
         Args:
             tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,
-                computed from the batch most recently read from ``backend.batches``.
+                computed from the batch most recently read from the iterable the last
+                ``backend.batches(...)`` call returned (the contract: that iterable's
+                position says whether this is the epoch's last batch and which ranks padded it).
         """
         active = self._active
         drop = active.padding_ranks if active is not None and active.is_last else frozenset()

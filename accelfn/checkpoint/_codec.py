@@ -218,7 +218,7 @@ def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a valid {cls.__qualname__}: {e}") from None
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
 from accelfn.checkpoint.io import transforms_record
+from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress
 from accelfn.loop._resume import check_run_arguments, resume_state
@@ -26,10 +27,7 @@ from accelfn.transforms import Accumulate
 def _check_count(name: str, value: Any, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"run({name}=...) must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"run({name}={value!r}): must be >= 1")
+    check_int("run", name, value, minimum=1)
 
 
 def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_steps: Any,

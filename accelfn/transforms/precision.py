@@ -13,6 +13,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import attrs
 import torch
 
+from accelfn.errors import (
+    count_at_least_one,
+    finite_positive,
+    non_negative_int,
+    wrong_value,
+)
 from accelfn.step import Phase, TransformBase
 
 PolicyName = Literal["fp32", "bf16", "fp16", "bf16-true"]
@@ -21,27 +27,6 @@ _TINY = math.ulp(0.0)  # the smallest positive float
 
 if TYPE_CHECKING:
     from accelfn.state import TrainState
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{attribute.name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a finite number > 0, got {value!r}")
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int (a count of optimizer updates), got {value!r}")
-    if value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
-
-
-def _count(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{attribute.name} must be an int (a count of optimizer updates), got {value!r}")
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
 
 
 @attrs.frozen
@@ -60,18 +45,20 @@ class DynamicScaling:
         ValueError: a factor or count out of range.
     """
 
-    init_scale: float = attrs.field(default=2.0**16, validator=_positive)
-    growth_factor: float = attrs.field(default=2.0, validator=_positive)
-    backoff_factor: float = attrs.field(default=0.5, validator=_positive)
-    growth_interval: int = attrs.field(default=2000, validator=_positive_int)
-    min_scale: float = attrs.field(default=2.0**-14, validator=_positive)
-    max_consecutive_skips: int = attrs.field(default=50, validator=_positive_int)
+    verb: ClassVar[str] = "with_precision"
+
+    init_scale: float = attrs.field(default=2.0**16, validator=finite_positive)
+    growth_factor: float = attrs.field(default=2.0, validator=finite_positive)
+    backoff_factor: float = attrs.field(default=0.5, validator=finite_positive)
+    growth_interval: int = attrs.field(default=2000, validator=count_at_least_one)
+    min_scale: float = attrs.field(default=2.0**-14, validator=finite_positive)
+    max_consecutive_skips: int = attrs.field(default=50, validator=count_at_least_one)
 
     def __attrs_post_init__(self) -> None:
         if self.growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+            raise wrong_value(self.verb, "growth_factor", "> 1", self.growth_factor)
         if self.backoff_factor >= 1.0:
-            raise ValueError(f"backoff_factor must be < 1, got {self.backoff_factor!r}")
+            raise wrong_value(self.verb, "backoff_factor", "< 1", self.backoff_factor)
 
 
 @attrs.frozen
@@ -161,8 +148,8 @@ class LossScale:
         Micikevicius et al., "Mixed Precision Training", ICLR 2018, section 3.2.
     """
 
-    scale: float = attrs.field(validator=_positive)
-    growth_tracker: int = attrs.field(default=0, validator=_count)
+    scale: float = attrs.field(validator=finite_positive)
+    growth_tracker: int = attrs.field(default=0, validator=non_negative_int)
 
     def adjust(self, grads_finite: bool, scaling: DynamicScaling) -> LossScale:
         """Returns the scale for the next update given whether this one's gradients were finite.
@@ -193,8 +180,8 @@ class SkipCount:
             above ``num_skipped``.
     """
 
-    num_skipped: int = attrs.field(default=0, validator=_count)
-    consecutive: int = attrs.field(default=0, validator=_count)
+    num_skipped: int = attrs.field(default=0, validator=non_negative_int)
+    consecutive: int = attrs.field(default=0, validator=non_negative_int)
 
     def __attrs_post_init__(self) -> None:
         if self.consecutive > self.num_skipped:

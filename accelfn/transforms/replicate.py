@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import attrs
 
-from accelfn.errors import boolean
+from accelfn.errors import boolean, finite_positive
 from accelfn.step import Phase, TransformBase
 
 
@@ -29,15 +29,10 @@ class Replicate(TransformBase):
     kind: ClassVar[str] = "replicate"
     verb: ClassVar[str] = "replicate"
 
-    bucket_cap_mb: float = attrs.field(default=25.0)
+    bucket_cap_mb: float = attrs.field(default=25.0, validator=finite_positive)
     find_unused_parameters: bool = attrs.field(default=False, validator=boolean)
     static_graph: bool = attrs.field(default=False, validator=boolean)
     gradient_as_bucket_view: bool = attrs.field(default=False, validator=boolean)
-
-    @bucket_cap_mb.validator
-    def _check_bucket(self, attribute: attrs.Attribute, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"replicate(bucket_cap_mb=...) must be a number > 0, got {value!r}")
 
 
 def replicate(

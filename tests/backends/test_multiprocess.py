@@ -6,7 +6,6 @@ compares one part of it with a single-process reference computed here.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accelfn as af
-from accelfn.backends._interpreter import Window
+from accelfn.transforms import Window
 from accelfn.checkpoint._codec import Encoder, decode
 from accelfn.checkpoint.snapshot import COUNTERS
 from accelfn.errors import CheckpointError

@@ -7,7 +7,6 @@ import math
 import re
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch

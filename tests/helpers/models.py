@@ -1,8 +1,9 @@
-"""Small models and data whose training a hand-written loop can mirror."""
+"""Small models, data and the loss whose training a hand-written loop can mirror."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class MLP(torch.nn.Module):
@@ -27,3 +28,9 @@ def classification_data(n: int = 40, seed: int = 1) -> torch.utils.data.TensorDa
     x = torch.randn(n, 6, generator=g)
     y = torch.randint(0, 3, (n,), generator=g)
     return torch.utils.data.TensorDataset(x, y)
+
+
+def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of ``model(x)`` against the labels ``y`` of a ``(x, y)`` batch."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)

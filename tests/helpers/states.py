@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
+from tests.helpers.models import classification_data, loss_fn
 
 
 class DropNet(torch.nn.Module):
@@ -36,10 +36,6 @@ class Counter:
         self.seen, self.history = state["seen"], list(state["history"])
 
 
-def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
 
 def build(seed: int = 0, *, total_steps: int = 15, extra: bool = False) -> af.TrainState:
     """DropNet with AdamW and a cosine schedule over ``total_steps``; its init depends on ``seed``."""
@@ -51,8 +47,8 @@ def build(seed: int = 0, *, total_steps: int = 15, extra: bool = False) -> af.Tr
 
 
 def dataset(n: int = 40) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+    """``n`` samples of 6 features and 3 classes (``models.classification_data``)."""
+    return classification_data(n)
 
 
 def loader(n: int = 40, batch_size: int = 4, workers: int = 0) -> DataLoader:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 SKIP_REASON = (
     "torch_xla is not installed in this environment; the XLA tests run in their own cached "
@@ -21,6 +20,8 @@ torch_xla = pytest.importorskip("torch_xla", reason=SKIP_REASON)
 torch_xla.device()
 
 import torch_xla.debug.metrics as met  # noqa: E402
+
+from tests.helpers.models import loss_fn  # noqa: E402, F401  (the XLA tests' loss)
 
 
 def counts() -> dict[str, int]:
@@ -39,10 +40,6 @@ def since(before: dict[str, int]) -> dict[str, int]:
     now = counts()
     return {k: now[k] - before[k] for k in now}
 
-
-def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:

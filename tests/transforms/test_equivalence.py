@@ -10,12 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import accelfn as af
-from tests.helpers.models import classification_data, make_mlp
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y)
+from tests.helpers.models import classification_data, loss_fn, make_mlp
 
 
 def build(optimizer_name: str, with_scheduler: bool):

@@ -15,12 +15,7 @@ from torch.utils.data import DataLoader
 import accelfn as af
 from accelfn.transforms import _math
 from accelfn.transforms.precision import LossScale, SkipCount
-from tests.helpers.models import classification_data, make_mlp
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y)
+from tests.helpers.models import classification_data, loss_fn, make_mlp
 
 
 def batches_with(bad: dict[int, float], n: int = 4, size: int = 4, seed: int = 2):
@@ -218,15 +213,15 @@ def test_loss_scale_rule_matches_grad_scaler():
 
 
 @pytest.mark.parametrize(("make", "error", "message"), [
-    (lambda: LossScale(0.0), ValueError, "scale must be a finite number > 0, got 0.0"),
-    (lambda: LossScale(-2.0), ValueError, "scale must be a finite number > 0, got -2.0"),
-    (lambda: LossScale(math.inf), ValueError, "scale must be a finite number > 0, got inf"),
-    (lambda: LossScale(math.nan), ValueError, "scale must be a finite number > 0, got nan"),
-    (lambda: LossScale("big"), TypeError, "scale must be a number, got 'big'"),
-    (lambda: LossScale(8.0, -1), ValueError, "growth_tracker must be an int >= 0, got -1"),
-    (lambda: LossScale(8.0, 1.0), TypeError, "growth_tracker must be an int (a count of optimizer updates), got 1.0"),
-    (lambda: SkipCount(-1), ValueError, "num_skipped must be an int >= 0, got -1"),
-    (lambda: SkipCount(3, -1), ValueError, "consecutive must be an int >= 0, got -1"),
+    (lambda: LossScale(0.0), ValueError, "LossScale(scale=0.0): must be a finite number > 0"),
+    (lambda: LossScale(-2.0), ValueError, "LossScale(scale=-2.0): must be a finite number > 0"),
+    (lambda: LossScale(math.inf), ValueError, "LossScale(scale=inf): must be a finite number > 0"),
+    (lambda: LossScale(math.nan), ValueError, "LossScale(scale=nan): must be a finite number > 0"),
+    (lambda: LossScale("big"), TypeError, "LossScale(scale=...) must be a number, got 'big'"),
+    (lambda: LossScale(8.0, -1), ValueError, "LossScale(growth_tracker=-1): must be >= 0"),
+    (lambda: LossScale(8.0, 1.0), TypeError, "LossScale(growth_tracker=...) must be an int, got 1.0"),
+    (lambda: SkipCount(-1), ValueError, "SkipCount(num_skipped=-1): must be >= 0"),
+    (lambda: SkipCount(3, -1), ValueError, "SkipCount(consecutive=-1): must be >= 0"),
     (lambda: SkipCount(1, 2), ValueError, "consecutive (2) must be <= num_skipped (1)"),
 ])
 def test_loss_scale_and_skip_count_refuse_impossible_values(make, error, message):

@@ -30,12 +30,14 @@ def loss_fn(model, batch):
         (lambda: af.clip_value(-0.5), r"clip_value\(max_value=-0.5\)"),
         (lambda: af.with_precision("fp12"), r"'fp12'.*'fp32', 'bf16', 'fp16', 'bf16-true'"),
         (lambda: af.with_precision("bf16", init_scale=8.0), r"apply to 'fp16' only"),
-        (lambda: af.with_precision("fp16", growth_factor=0.5), r"growth_factor must be > 1"),
-        (lambda: af.with_precision("fp16", backoff_factor=2.0), r"backoff_factor must be < 1"),
+        (lambda: af.with_precision("fp16", growth_factor=0.5), r"with_precision\(growth_factor=0.5\): must be > 1"),
+        (lambda: af.with_precision("fp16", backoff_factor=2.0), r"with_precision\(backoff_factor=2.0\): must be < 1"),
         (lambda: af.with_precision("bf16", max_consecutive_skips=5), r"max_consecutive_skips\) apply to 'fp16' only"),
         (lambda: af.skip_nonfinite(max_consecutive_skips=0), r"max_consecutive_skips=0"),
-        (lambda: af.shard_data(seed=-1), r"seed must be >= 0"),
+        (lambda: af.shard_data(seed=-1), r"shard_data\(seed=-1\): must be >= 0"),
         (lambda: af.replicate(bucket_cap_mb=0), r"bucket_cap_mb"),
+        (lambda: af.with_precision("fp16", growth_interval=0), r"with_precision\(growth_interval=0\): must be >= 1"),
+        (lambda: af.with_precision("fp16", init_scale=-1.0), r"with_precision\(init_scale=-1.0\): must be a finite number > 0"),
     ],
 )
 def test_bad_values_fail_at_construction(make, message):
