@@ -89,10 +89,8 @@ class Backend(abc.ABC):
     def autocast(self, program: Step | Policy) -> contextlib.AbstractContextManager[Any]:
         """The context a program's forward runs in, for code of your own (and for the step's).
 
-        ``torch.autocast`` to the compute dtype under ``"bf16"`` and ``"fp16"``; under
-        ``"fp32"`` and ``"bf16-true"`` (no autocast in training either) a context that does
-        nothing. For a Step the policy is ``precision(program)``, so a policy given by
-        ``accelfn launch --precision`` counts when the script sets none.
+        ``torch.autocast`` to the compute dtype under ``"bf16"``/``"fp16"``; a no-op under
+        ``"fp32"``/``"bf16-true"``, as in training. A Step's policy is ``precision(step)``.
 
         Args:
             program: the Step (or its precision Policy) whose policy to run under.
@@ -107,22 +105,20 @@ class Backend(abc.ABC):
             ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
             torch.bfloat16
         """
-        if not isinstance(program, (Step, Policy)):
+        if isinstance(program, Policy):  # the step function's call, once per micro-batch
+            policy = program
+        elif isinstance(program, Step):
+            policy = self.precision(program)
+        else:
             raise TypeError(f"autocast() takes the Step whose precision policy to run under (or its "
                             f"Policy), got {type(program).__name__}")
-        policy = program if isinstance(program, Policy) else self.precision(program)
         if not policy.autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype)
 
     def precision(self, step: Step) -> Policy:
-        """The precision policy this backend runs ``step`` under.
-
-        The program's ``with_precision``; without one, the launch's (``accelfn launch
-        --precision`` or the launch config); else ``"fp32"``.
-
-        Args:
-            step: the program.
+        """The precision policy this backend runs ``step`` under: the program's
+        ``with_precision``, else the launch's (``accelfn launch --precision``), else fp32.
 
         Returns:
             Policy: its ``name``, ``param_dtype``, ``compute_dtype`` and loss ``scaling``
@@ -192,8 +188,7 @@ class Backend(abc.ABC):
         if not isinstance(state, TrainState):
             raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
         step = self._with_launch_precision(step)
-        precision = step.find(WithPrecision)
-        policy = precision.policy if precision is not None else parse_policy("fp32")
+        policy = self.precision(step)
         self.check_precision(policy)
         self._place_state(state, policy)
         for transform in step.transforms:
@@ -254,11 +249,9 @@ class Backend(abc.ABC):
     def eval_batches(self, data: DataLoader) -> Iterator[Any]:
         """This rank's device-placed batches of ``data``, for an evaluation loop of your own.
 
-        The shard ``af.shard_data()`` gives epoch 0, without a training Step: each rank reads
-        every world-size-th sample, the last batches padded by wrapping around so that every
-        rank runs as many batches (no collective waits forever); ``gather_for_metrics`` on
-        outputs of a batch from this iterator drops that padding, so every sample counts
-        once. ``af.evaluate`` does all of it, and the gather, in one call.
+        ``af.shard_data()``'s shard of epoch 0, without a training Step: every world-size-th
+        sample, padded by wrapping so every rank runs as many batches; ``gather_for_metrics``
+        on a batch's outputs drops the padding, so every sample counts once.
 
         Args:
             data: a DataLoader over a map-style dataset, built with ``batch_size=...`` (its
