@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 import accelfn as af
 
@@ -89,3 +90,22 @@ def test_placement_options_must_be_bools() -> None:
         af.backends.CPU(ENV, place_model="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"place_batches must be True or False, got 0"):
         af.backends.auto(ENV, place_batches=0)  # type: ignore[arg-type]
+
+
+def test_evaluation_without_batch_placement_hands_over_the_loaders_tensors() -> None:
+    """place_batches=False: eval_batches and evaluate give fn the meta tensors the DataLoader
+    collated, untouched; the default backend tries to copy them to the CPU and fails."""
+    loader = DataLoader(torch.empty(5, 3, device="meta"), batch_size=2)
+    kept = af.backends.CPU(ENV, place_batches=False)
+    assert [(b.device.type, tuple(b.shape)) for b in kept.eval_batches(loader)] == [
+        ("meta", (2, 3)), ("meta", (2, 3)), ("meta", (1, 3))]
+    seen = []
+
+    def fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        seen.append(batch.device.type)
+        return torch.zeros(len(batch))
+
+    out = af.evaluate(fn, _state(torch.nn.Linear(3, 1)), loader, backend=kept)
+    assert seen == ["meta"] * 3 and out.shape == (5,)
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        next(iter(af.backends.CPU(ENV).eval_batches(loader)))
