@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ from accelfn.backends.base import Backend
 from accelfn.data._tree import map_tensors
 from accelfn.data.batches import keyed_batches
 from accelfn.state import TrainState
+from accelfn.step import Step
 
 Outputs = Any  # a tensor, or a tuple/list/dict of tensors, each of shape (batch, ...)
 
@@ -21,6 +23,7 @@ def evaluate(
     data: Iterable[Any],
     *,
     backend: Backend,
+    precision: Step | None = None,
 ) -> Outputs:
     """``fn(model, batch)`` over all of ``data``, each sample once, in dataset order, on every rank.
 
@@ -29,7 +32,8 @@ def evaluate(
     put back in the order of ``data``. Nothing is padded, so no sample is counted twice.
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
-    master weights) ``fn`` runs in fp32 unless it enters ``torch.autocast`` itself.
+    master weights) ``fn`` runs in fp32 unless ``precision`` gives the training program,
+    whose policy it then runs under (``backend.autocast(precision)``, as training's forward).
 
     Args:
         fn: ``fn(model, batch)`` returning a tensor of shape ``(batch, ...)``, or a
@@ -38,6 +42,8 @@ def evaluate(
         data: a DataLoader built with ``batch_size=...`` (map-style: samples in index order;
             an IterableDataset: in stream order), or any iterable of batches (in batch order).
         backend: the backend, e.g. ``af.backends.auto()``.
+        precision: the training Step, to run ``fn`` under its precision policy (autocast to
+            bf16/fp16 as in training); None: the parameters' precision.
 
     Returns:
         The outputs for every sample of ``data``, same structure as ``fn``'s, each tensor of
@@ -45,8 +51,8 @@ def evaluate(
         device (CPU for gloo, the rank's GPU for NCCL).
 
     Raises:
-        TypeError: ``fn`` is not callable, ``state`` is not a TrainState, or ``fn`` returned
-            something other than tensors.
+        TypeError: ``fn`` is not callable, ``state`` is not a TrainState, ``precision`` is
+            neither a Step nor None, or ``fn`` returned something other than tensors.
         ValueError: an output whose leading dimension is not the batch size, or ``data``
             without any sample; a DataLoader without ``batch_size``.
 
@@ -64,6 +70,10 @@ def evaluate(
         raise TypeError(f"evaluate() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
     if not isinstance(backend, Backend):
         raise TypeError(f"evaluate(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
+    if precision is not None and not isinstance(precision, Step):
+        raise TypeError(f"evaluate(precision=...) takes the training Step (whose precision policy fn runs under), "
+                        f"or None, got {type(precision).__name__}")
+    policy = backend.precision(precision) if precision is not None else None
     model = state.model
     cast = _input_cast(model)
     keys, outputs = [], []
@@ -72,7 +82,8 @@ def evaluate(
     try:
         with backend.inference_mode():
             for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
-                out = fn(model, cast(backend.place(batch)))
+                with backend.autocast(policy) if policy is not None else contextlib.nullcontext():
+                    out = fn(model, cast(backend.place(batch)))
                 _check_leading(out, len(batch_keys))
                 keys.append(batch_keys)
                 outputs.append(map_tensors(lambda t: t.detach(), out))

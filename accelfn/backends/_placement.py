@@ -1,8 +1,14 @@
-"""Placement: moving a batch's tensors to the backend's device."""
+"""Placement: moving the model and a batch's tensors to the backend's device, or not.
+
+A backend built with ``place_model=False`` casts the model (for a low-precision policy)
+where it is, and one built with ``place_batches=False`` hands batches on unchanged: the
+model split over devices by hand, the batches a collate function placed itself.
+"""
 
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -31,3 +37,46 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
         return map_tensors(move, batch)
 
     return place
+
+
+def check_placement(*, place_model: Any, place_batches: Any) -> None:
+    """Raises TypeError unless both placement options are bools."""
+    for name, value in (("place_model", place_model), ("place_batches", place_batches)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def unchanged(batch: Any) -> Any:
+    """The placement of a backend built with ``place_batches=False``: none."""
+    return batch
+
+
+def move_module(model: torch.nn.Module, device: torch.device | None,
+                 dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
+    """Moves ``model`` to ``device`` (None: leaves every part where it is) and ``dtype`` in
+    place; returns {id(old): new} for the parameters the move replaced.
+
+    ``Module.to`` keeps each Parameter object when the new tensor can share its type (CPU to
+    CUDA) but makes new ones otherwise (CPU to XLA); tied parameters are then tied again.
+    """
+    owners = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+    if device is not None:
+        model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module, name, old in owners:
+        new = module._parameters[name]
+        assert new is not None, "model.to() keeps every parameter"
+        if new is not old:
+            module._parameters[name] = moved.setdefault(id(old), new)
+    return moved
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
+    """Points ``optimizer``'s param groups and state at the parameters that replaced theirs."""
+    if not moved:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    optimizer.state = defaultdict(dict, {moved.get(id(p), p): v for p, v in optimizer.state.items()})

@@ -13,16 +13,23 @@ import builtins
 import contextlib
 import functools
 import warnings
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from torch.utils.data import DataLoader
 
 from accelfn import collectives
 from accelfn.backends._env import LaunchEnv
+from accelfn.backends._eval_batches import check_eval_loader
 from accelfn.backends._interpreter import StepFn, step_function
-from accelfn.backends._placement import place_on
+from accelfn.backends._placement import (
+    check_placement,
+    move_module,
+    place_on,
+    rebind_optimizer,
+    unchanged,
+)
 from accelfn.data._tree import map_tensors
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.state import TrainState
@@ -48,7 +55,13 @@ class Backend(abc.ABC):
     #: called after every micro-batch (XLA's graph cut), or None
     graph_cut: Callable[[], None] | None = None
 
-    def __init__(self, env: LaunchEnv, device: torch.device):
+    def __init__(self, env: LaunchEnv, device: torch.device, *, place_model: bool = True,
+                 place_batches: bool = True):
+        check_placement(place_model=place_model, place_batches=place_batches)
+        #: whether ``prepare`` moves the model to ``device`` (False: left where it is)
+        self.place_model = place_model
+        #: whether batches are moved to ``device`` as they are read (False: left as they are)
+        self.place_batches = place_batches
         self.env = env
         self.rank = env.rank
         self.local_rank = env.local_rank
@@ -56,7 +69,7 @@ class Backend(abc.ABC):
         self.local_world_size = env.local_world_size
         self.device = device
         self._active: EpochBatches | None = None
-        self._placer = place_on(device)
+        self._placer = place_on(device) if place_batches else unchanged
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device})"
@@ -73,9 +86,54 @@ class Backend(abc.ABC):
 
     # -- primitives a backend may override ---------------------------------------------
 
-    def autocast(self, policy: Policy) -> contextlib.AbstractContextManager[Any]:
-        """The context the forward runs in under a mixed-precision policy."""
+    def autocast(self, program: Step | Policy) -> contextlib.AbstractContextManager[Any]:
+        """The context a program's forward runs in, for code of your own (and for the step's).
+
+        ``torch.autocast`` to the compute dtype under ``"bf16"``/``"fp16"``; a no-op under
+        ``"fp32"``/``"bf16-true"``, as in training. A Step's policy is ``precision(step)``.
+
+        Args:
+            program: the Step (or its precision Policy) whose policy to run under.
+
+        Raises:
+            TypeError: ``program`` is neither a Step nor a Policy.
+
+        Example:
+            >>> import torch, accelfn as af
+            >>> step = af.with_precision("bf16")(af.train_step(lambda m, b: m(b).sum()))
+            >>> with af.backends.CPU().autocast(step):
+            ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+            torch.bfloat16
+        """
+        if isinstance(program, Policy):  # the step function's call, once per micro-batch
+            policy = program
+        elif isinstance(program, Step):
+            policy = self.precision(program)
+        else:
+            raise TypeError(f"autocast() takes the Step whose precision policy to run under (or its "
+                            f"Policy), got {type(program).__name__}")
+        if not policy.autocast:
+            return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype)
+
+    def precision(self, step: Step) -> Policy:
+        """The precision policy this backend runs ``step`` under: the program's
+        ``with_precision``, else the launch's (``accelfn launch --precision``), else fp32.
+
+        Returns:
+            Policy: its ``name``, ``param_dtype``, ``compute_dtype`` and loss ``scaling``
+            (None but for ``"fp16"``).
+
+        Raises:
+            TypeError: ``step`` is not a Step.
+        """
+        if not isinstance(step, Step):
+            raise TypeError(f"precision() takes a Step (af.train_step(loss_fn) with its transforms), "
+                            f"got {type(step).__name__}")
+        present = step.find(WithPrecision)
+        if present is not None:
+            return present.policy
+        return parse_policy(self.env.precision or "fp32")
 
     def check_precision(self, policy: Policy) -> None:
         """Raises NotImplementedError if this backend cannot run ``policy``."""
@@ -130,8 +188,7 @@ class Backend(abc.ABC):
         if not isinstance(state, TrainState):
             raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
         step = self._with_launch_precision(step)
-        precision = step.find(WithPrecision)
-        policy = precision.policy if precision is not None else parse_policy("fp32")
+        policy = self.precision(step)
         self.check_precision(policy)
         self._place_state(state, policy)
         for transform in step.transforms:
@@ -158,7 +215,8 @@ class Backend(abc.ABC):
     def _place_state(self, state: TrainState, policy: Policy) -> None:
         model, optimizer = state.model, state.optimizer
         dtype = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        _rebind_optimizer(optimizer, _move_module(model, self.device, dtype))
+        device = self.device if self.place_model else None  # None: cast where it is
+        rebind_optimizer(optimizer, move_module(model, device, dtype))
         if optimizer.state:  # re-cast existing moments to the parameters' device and dtype
             optimizer.load_state_dict(optimizer.state_dict())
 
@@ -193,6 +251,44 @@ class Backend(abc.ABC):
             self._check_same_length(self._active.num_batches)
         return self._active
 
+    def eval_batches(self, data: DataLoader) -> Iterator[Any]:
+        """This rank's device-placed batches of ``data``, for an evaluation loop of your own.
+
+        ``af.shard_data()``'s shard of epoch 0, without a training Step: every world-size-th
+        sample, padded by wrapping so every rank runs as many batches; ``gather_for_metrics``
+        on a batch's outputs drops the padding, so every sample counts once.
+
+        Args:
+            data: a DataLoader over a map-style dataset, built with ``batch_size=...`` (its
+                collate function, workers and pinning are kept).
+
+        Returns:
+            An iterator of batches (the DataLoader's, tensors on ``device``).
+
+        Raises:
+            TypeError: ``data`` is not a DataLoader, or one over an IterableDataset, or with
+                a sampler other than ``shuffle=False``/``shuffle=True``'s.
+            ValueError: a DataLoader without ``batch_size``.
+
+        Example:
+            >>> import torch, accelfn as af
+            >>> loader = torch.utils.data.DataLoader(torch.arange(5), batch_size=2)
+            >>> [b.tolist() for b in af.backends.CPU().eval_batches(loader)]
+            [[0, 1], [2, 3], [4]]
+        """
+        check_eval_loader(data)
+        batches = epoch_batches(data, ShardData(), rank=self.rank, world_size=self.world_size, epoch=0,
+                                place=self.place)
+        return self._evaluating(batches)
+
+    def _evaluating(self, batches: EpochBatches) -> Iterator[Any]:
+        previous, self._active = self._active, batches  # gather_for_metrics reads its padding
+        try:
+            for batch, _ in batches:
+                yield batch
+        finally:
+            self._active = previous
+
     def _check_same_length(self, num_batches: int | None) -> None:
         """One collective: every rank must have the same number of batches (or all unknown)."""
         n = -1 if num_batches is None else num_batches
@@ -207,7 +303,8 @@ class Backend(abc.ABC):
             )
 
     def place(self, batch: Any) -> Any:
-        """``batch`` with every tensor moved to this backend's device."""
+        """``batch`` with every tensor moved to this backend's device (``batch`` itself when
+        the backend was built with ``place_batches=False``)."""
         return self._placer(batch)
 
     def _sync_ranks(self, it: Iterator[Any]) -> Iterator[Any]:
@@ -247,8 +344,9 @@ class Backend(abc.ABC):
         Args:
             tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,
                 computed from the batch most recently read from the iterable the last
-                ``backend.batches(...)`` call returned (the contract: that iterable's
-                position says whether this is the epoch's last batch and which ranks padded it).
+                ``backend.batches(...)`` or ``backend.eval_batches(...)`` call returned (the
+                contract: that iterable's position says whether this is the epoch's last batch
+                and which ranks padded it).
         """
         active = self._active
         drop = active.padding_ranks if active is not None and active.is_last else frozenset()
@@ -311,33 +409,3 @@ class Backend(abc.ABC):
             return fn(*args, **kwargs) if condition else None
 
         return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
-
-
-def _move_module(model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype | None) -> dict[int, torch.nn.Parameter]:
-    """Moves ``model`` to ``device`` (and ``dtype``) in place; returns {id(old): new} for the
-    parameters the move replaced.
-
-    ``Module.to`` keeps each Parameter object when the new tensor can share its type (CPU to
-    CUDA) but makes new ones otherwise (CPU to XLA); tied parameters are then tied again.
-    """
-    owners = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if p is not None]
-    model.to(device)
-    if dtype is not None:
-        model.to(dtype)
-    moved: dict[int, torch.nn.Parameter] = {}
-    for module, name, old in owners:
-        new = module._parameters[name]
-        assert new is not None, "model.to() keeps every parameter"
-        if new is not old:
-            module._parameters[name] = moved.setdefault(id(old), new)
-    return moved
-
-
-def _rebind_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter]) -> None:
-    """Points ``optimizer``'s param groups and state at the parameters that replaced theirs."""
-    if not moved:
-        return
-    for group in optimizer.param_groups:
-        group["params"] = [moved.get(id(p), p) for p in group["params"]]
-    optimizer.state = defaultdict(dict, {moved.get(id(p), p): v for p, v in optimizer.state.items()})

@@ -8,6 +8,7 @@ import torch
 
 from accelfn.backends import _ddp
 from accelfn.backends._env import LaunchEnv
+from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.transforms import Policy, Replicate
 
@@ -17,8 +18,13 @@ class CUDA(Backend):
 
     Args:
         env: the launch environment; by default read from the process environment.
+        place_model: move the model to this backend's device in ``prepare`` (False: leave
+            it where it is, e.g. split over devices by hand).
+        place_batches: move each batch to the device as it is read (False: leave batches
+            as the DataLoader made them).
 
     Raises:
+        TypeError: a placement option that is not a bool.
         RuntimeError: no CUDA device is visible, or fewer than ``LOCAL_RANK + 1``.
         LaunchError: an inconsistent launch environment.
     """
@@ -26,7 +32,8 @@ class CUDA(Backend):
     name: ClassVar[str] = "cuda"
     supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
 
-    def __init__(self, env: LaunchEnv | None = None):
+    def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
+        check_placement(place_model=place_model, place_batches=place_batches)  # before any state changes
         env = LaunchEnv.from_env() if env is None else env
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -42,7 +49,7 @@ class CUDA(Backend):
             )
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
-        super().__init__(env, device)
+        super().__init__(env, device, place_model=place_model, place_batches=place_batches)
         _ddp.init_process_group(env, "nccl", device)
 
     def check_precision(self, policy: Policy) -> None:
@@ -54,4 +61,6 @@ class CUDA(Backend):
             )
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
-        return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=[self.device.index])
+        # a model left where the user put it (maybe over several GPUs) is wrapped where it is
+        device_ids = [self.device.index] if self.place_model else None
+        return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn.backends._env import LaunchEnv
+from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.data._tree import map_tensors
 from accelfn.data.batches import EpochBatches, epoch_batches
@@ -66,11 +67,16 @@ class XLA(Backend):
 
     Args:
         env: the launch environment; by default read from the process environment.
+        place_model: move the model to this backend's device in ``prepare`` (False: leave
+            it where it is, e.g. split over devices by hand).
+        place_batches: move each batch to the device as it is read (False: leave batches
+            as the DataLoader made them).
 
     Attributes:
         hardware: the PJRT device kind, ``"CPU"``, ``"TPU"``, ``"CUDA"``, ...
 
     Raises:
+        TypeError: a placement option that is not a bool.
         ImportError: torch_xla is not installed (the message gives the pip command).
         LaunchError: an inconsistent launch environment, or a multi-process launch that the
             PJRT runtime does not see as one world (PJRT's CPU client has no collectives
@@ -88,14 +94,15 @@ class XLA(Backend):
     name: ClassVar[str] = "xla"
     supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
 
-    def __init__(self, env: LaunchEnv | None = None):
+    def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
+        check_placement(place_model=place_model, place_batches=place_batches)  # before any state changes
         env = LaunchEnv.from_env() if env is None else env
         torch_xla, xm = _torch_xla()
         if env.world_size > 1:
             _join_process_group(env)
         device = torch_xla.device()
         _check_autograd(device)
-        super().__init__(env, device)
+        super().__init__(env, device, place_model=place_model, place_batches=place_batches)
         self._xm = xm
         self.hardware: str = xm.xla_device_hw(device)
         self.graph_cut = torch_xla.sync
@@ -159,7 +166,7 @@ class XLA(Backend):
             ValueError: data that ``shard_data`` cannot shard (the message says why).
         """
         shard = step.find(ShardData)
-        if shard is None:
+        if shard is None or not self.place_batches:
             return super().batches(data, step, epoch, start=start)
         host = epoch_batches(data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
                              sync=self._sync_ranks)

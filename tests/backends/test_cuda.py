@@ -156,3 +156,73 @@ def test_ddp_over_two_gpus_equals_the_cpu_reference(tmp_path: Path) -> None:
             _assert_params_close(got, expected, rtol=1e-5, atol=1e-6)
     assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     assert torch.equal(ranks[0]["evaluate.index"], torch.arange(9))
+
+
+# -- placement opt-out and precision in user code (issue 15, items 6 and 7) ----------------
+
+
+class _Split(torch.nn.Module):
+    """6 -> 16 -> 3 whose layers may sit on different devices; the forward moves activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 16)
+        self.last = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x.to(self.first.weight.device)))
+        return self.last(h.to(self.last.weight.device))
+
+
+def _split_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(out, y.to(out.device))
+
+
+def test_cuda_without_model_placement_trains_a_model_split_over_gpu_and_cpu() -> None:
+    """place_model=False: a model with its first layer on the GPU and its last on the CPU stays
+    split through run, and trains to the CPU reference's parameters (1e-5)."""
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    step = af.train_step(_split_loss)
+    reference = _Split()
+    af.run(step, af.TrainState.create(reference, torch.optim.SGD(reference.parameters(), lr=0.1)), data,
+           backend=_cpu(), epochs=2, progress=False)
+
+    split = _Split()
+    split.first.cuda()
+    backend = af.backends.CUDA(af.backends.LaunchEnv(), place_model=False)
+    state = af.run(step, af.TrainState.create(split, torch.optim.SGD(split.parameters(), lr=0.1)), data,
+                   backend=backend, epochs=2, progress=False)
+    assert state.step == 8
+    assert [p.device.type for p in split.parameters()] == ["cuda", "cuda", "cpu", "cpu"]
+    _assert_params_close(dict(split.named_parameters()), dict(reference.named_parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_without_batch_placement_leaves_batches_where_the_collate_put_them() -> None:
+    """place_batches=False: batches and evaluate's inputs stay on the CPU; by default they go to the GPU."""
+    data = [(torch.randn(4, 6), torch.zeros(4, dtype=torch.int64)) for _ in range(3)]
+    step = af.train_step(_split_loss)
+    kept = af.backends.CUDA(af.backends.LaunchEnv(), place_batches=False)
+    placed = af.backends.CUDA(af.backends.LaunchEnv())
+    assert [b[0].device.type for b, _ in kept.batches(data, step, 0)] == ["cpu"] * 3
+    assert [b[0].device.type for b, _ in placed.batches(data, step, 0)] == ["cuda"] * 3
+    seen = []
+    model = torch.nn.Linear(6, 2)
+    state, _ = kept.prepare(step, af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    af.evaluate(lambda m, x: seen.append(x.device.type) or m(x.cuda()), state,
+                DataLoader(torch.randn(5, 6), batch_size=5), backend=kept)
+    assert seen == ["cpu"] and model.weight.device.type == "cuda"
+
+
+@pytest.mark.parametrize(("policy", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_cuda_autocast_of_a_program_computes_in_its_dtype(cuda: af.backends.Backend, policy: str,
+                                                          dtype: torch.dtype) -> None:
+    """backend.autocast(step) on the GPU is torch.autocast("cuda", compute dtype): a Linear returns it."""
+    step = af.with_precision(policy)(af.train_step(_split_loss))
+    layer = torch.nn.Linear(6, 2).cuda()
+    with cuda.autocast(step):
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == dtype
+        assert layer(torch.randn(3, 6, device="cuda")).dtype == dtype
