@@ -76,7 +76,9 @@ def arrive(what: str, timeout_s: float | None = None) -> None:
     except (AttributeError, RuntimeError, ValueError):
         return
     store = dist.PrefixStore("accelfn/arrive/", default_store)
-    timeout = default_store.timeout / 10 if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    # the store's timeout is the process group's (``Store.timeout``, missing from torch's stubs)
+    group_timeout: datetime.timedelta = default_store.timeout  # type: ignore[attr-defined]
+    timeout = group_timeout / 10 if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     timeout_s, me = timeout.total_seconds(), rank()
     mark = f"{_arrivals}/{me}"
     store.set(mark, what)
