@@ -90,9 +90,10 @@ def _check_same_names(backend: Backend, names: list[str]) -> None:
     finds out first; only when they differ are the names themselves gathered, for the message.
     """
     fingerprint = zlib.crc32("\0".join(names).encode())
-    t = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=backend.collective_device)
-    highest, lowest = backend.reduce(t, "max").tolist()
-    if highest == -lowest:
+    t = torch.tensor([fingerprint, len(names), -fingerprint, -len(names)], dtype=torch.int64,
+                     device=backend.collective_device)
+    highest, longest, lowest, shortest = backend.reduce(t, "max").tolist()
+    if highest == -lowest and longest == -shortest:
         return
     each = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(backend.gather_object(names)))
     raise ValueError(
