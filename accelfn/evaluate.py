@@ -33,8 +33,12 @@ def evaluate(
     ``torch.no_grad()``, not ``torch.inference_mode()``: a module that builds a cache on
     its first forward (a rotary table, ``nn.LazyLinear``'s weights) may do so inside
     ``evaluate``, and inference tensors left there would break the next ``af.run``
-    ("Inference tensors cannot be saved for backward"). For the same reason ``fn`` may
-    compute gradients itself, e.g. a saliency map under ``torch.enable_grad()``.
+    ("Inference tensors cannot be saved for backward"). And ``fn`` may compute gradients
+    itself, e.g. a saliency map under ``torch.enable_grad()``.
+
+    A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
+    ranks first check that all of them arrived (``collectives.arrive``).
+
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
     master weights) ``fn`` runs in fp32 unless it enters ``torch.autocast`` itself.
