@@ -9,6 +9,7 @@ of that.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
@@ -36,6 +37,80 @@ def default_device() -> torch.device:
     if world_size() > 1 and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class ArrivalError(RuntimeError):
+    """Some rank did not reach a collective the others reached (see ``arrive``)."""
+
+
+#: this process's count of passed ``arrive`` checks (the same on every rank)
+_arrivals = 0
+
+
+def arrive(what: str, timeout_s: float | None = None) -> None:
+    """Waits at most ``timeout_s`` seconds for every rank to reach this call too.
+
+    A collective called inside ``if backend.is_main_process:`` would otherwise wait the
+    whole process-group timeout for ranks that never come and die of a raw gloo error, or
+    pair with another collective a rank runs meanwhile. Each rank marks its arrival in the
+    process group's key-value store (``torch.distributed.Store``); rank 0 waits for every
+    mark, then lets all go. Nothing else pairs with it, and a failed check leaves nothing
+    behind, so the next call checks again. Does nothing in a world of one process (or
+    where the process group has no store).
+
+    Args:
+        what: the API the ranks must all call, e.g. ``"af.save"`` (named in the error).
+        timeout_s: how long a rank waits for the others (seconds); by default a tenth of
+            the process group's timeout (``accelfn launch --timeout-s``, 600 s by default).
+
+    Raises:
+        ArrivalError: on rank 0, the ranks that did not arrive within ``timeout_s``
+            (named); on another rank, rank 0 did not arrive.
+    """
+    global _arrivals
+    n = world_size()
+    if n == 1:
+        return
+    try:  # torch's own accessor (private, stable since 1.x); a group without a store is not checked
+        default_store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    store = dist.PrefixStore("accelfn/arrive/", default_store)
+    # the store's timeout is the process group's (``Store.timeout``, missing from torch's stubs)
+    group_timeout: datetime.timedelta = default_store.timeout  # type: ignore[attr-defined]
+    timeout = group_timeout / 10 if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    timeout_s, me = timeout.total_seconds(), rank()
+    mark = f"{_arrivals}/{me}"
+    store.set(mark, what)
+    try:
+        if me == 0:
+            marks = [f"{_arrivals}/{r}" for r in range(n)]
+            try:
+                store.wait(marks, timeout)
+            except dist.DistError:
+                missing = ", ".join(str(r) for r, m in enumerate(marks) if not store.check([m]))
+                raise ArrivalError(
+                    f"{what} was called on rank 0, but rank(s) {missing} did not call it within {timeout_s:g} s: "
+                    f"{what} is a collective, call it on every rank (not inside `if backend.is_main_process:`)"
+                ) from None
+            store.set(f"{_arrivals}/go", "")
+            for m in marks:
+                store.delete_key(m)
+            if _arrivals:
+                store.delete_key(f"{_arrivals - 1}/go")
+        else:
+            try:
+                store.wait([f"{_arrivals}/go"], timeout)
+            except dist.DistError:
+                raise ArrivalError(
+                    f"{what} was called on rank {me}, but rank 0 did not call it within {timeout_s:g} s: {what} is "
+                    "a collective, call it on every rank (if rank 0 was only busier, raise the collective "
+                    "timeout: accelfn launch --timeout-s)"
+                ) from None
+    except ArrivalError:
+        store.delete_key(mark)  # as if this call never happened: the next one checks afresh
+        raise
+    _arrivals += 1
 
 
 def barrier() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.data._tree import map_tensors
 from accelfn.data.batches import keyed_batches
@@ -27,9 +28,20 @@ def evaluate(
 ) -> Outputs:
     """``fn(model, batch)`` over all of ``data``, each sample once, in dataset order, on every rank.
 
-    Each rank runs ``fn`` on its own part of ``data`` in inference mode with the model in
-    eval mode (its training mode is restored afterwards); the outputs are then gathered and
-    put back in the order of ``data``. Nothing is padded, so no sample is counted twice.
+    Each rank runs ``fn`` on its own part of ``data`` under ``torch.no_grad()`` with the model
+    in eval mode; afterwards every submodule is back in the mode it had (a frozen backbone
+    the user put in eval mode stays there). The outputs are then gathered and put back in
+    the order of ``data``. Nothing is padded, so no sample is counted twice.
+
+    ``torch.no_grad()``, not ``torch.inference_mode()``: a module that builds a cache on
+    its first forward (a rotary table, ``nn.LazyLinear``'s weights) may do so inside
+    ``evaluate``, and inference tensors left there would break the next ``af.run``
+    ("Inference tensors cannot be saved for backward"). And ``fn`` may compute gradients
+    itself, e.g. a saliency map under ``torch.enable_grad()``.
+
+    A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
+    ranks first check that all of them arrived (``collectives.arrive``).
+
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
     master weights) ``fn`` runs in fp32 unless ``precision`` gives the training program,
@@ -53,8 +65,11 @@ def evaluate(
     Raises:
         TypeError: ``fn`` is not callable, ``state`` is not a TrainState, ``precision`` is
             neither a Step nor None, or ``fn`` returned something other than tensors.
+        RuntimeError: (``collectives.ArrivalError``) some rank did not call ``evaluate``
+            within a tenth of the collective timeout: it is a collective, call it on every rank.
         ValueError: an output whose leading dimension is not the batch size, or ``data``
-            without any sample; a DataLoader without ``batch_size``.
+            without any sample; a DataLoader without ``batch_size``; outputs of another
+            structure on some rank (on every rank, naming each rank's).
 
     Example:
         >>> import torch, accelfn as af
@@ -74,13 +89,15 @@ def evaluate(
         raise TypeError(f"evaluate(precision=...) takes the training Step (whose precision policy fn runs under), "
                         f"or None, got {type(precision).__name__}")
     policy = backend.precision(precision) if precision is not None else None
+    if backend.world_size > 1:
+        collectives.arrive("af.evaluate")
     model = state.model
     cast = _input_cast(model)
     keys, outputs = [], []
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        with backend.inference_mode():
+        with torch.no_grad():
             for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
                 with backend.autocast(policy) if policy is not None else contextlib.nullcontext():
                     out = fn(model, cast(backend.place(batch)))
@@ -89,8 +106,9 @@ def evaluate(
                 outputs.append(map_tensors(lambda t: t.detach(), out))
                 if backend.graph_cut is not None:
                     backend.graph_cut()
-    finally:
-        model.train(was_training)
+    finally:  # each module's own flag: model.train(flag) would set every submodule to it
+        for module, training in modes:
+            module.training = training
     return _gather_in_order(backend, keys, outputs)
 
 
@@ -136,16 +154,32 @@ def _concat(parts: list[Any]) -> Any:
 
 def _gather_in_order(backend: Backend, keys: list[torch.Tensor], outputs: list[Any]) -> Any:
     local = _concat(outputs) if outputs else None
-    # A rank without samples (fewer samples than ranks) has no outputs to gather: it takes
-    # empty ones shaped like another rank's. Every rank takes part in the same collectives.
-    (all_have,) = backend.reduce(torch.tensor([0 if local is None else 1]), "min").tolist()
-    if not all_have:
-        templates = backend.gather_object(None if local is None else map_tensors(lambda t: t[:0].cpu(), local))
-        template = next((t for t in templates if t is not None), None)
-        if template is None:
-            raise ValueError("evaluate(): data holds no samples on any rank")
-        if local is None:
-            local = map_tensors(lambda t: t.to(backend.device), template)
+    # One collective first: every rank's outputs without their rows. Ranks whose outputs
+    # differ in structure (other dict keys, tuple lengths) would pair up unrelated gathers,
+    # or wait forever for one another rank never starts: they fail on every rank instead.
+    # A rank without samples (fewer samples than ranks) takes empty outputs shaped like
+    # another rank's. Every rank takes part in the same collectives.
+    templates = backend.gather_object(None if local is None else map_tensors(lambda t: t[:0].cpu(), local))
+    present = [(r, t) for r, t in enumerate(templates) if t is not None]
+    if not present:
+        raise ValueError("evaluate(): data holds no samples on any rank")
+    structures = {r: _structure(t) for r, t in present}
+    if len(set(structures.values())) > 1:
+        each = "; ".join(f"rank {r}: {s}" for r, s in structures.items())
+        raise ValueError(f"evaluate(): fn returned outputs of another structure on some ranks ({each}); fn "
+                         "must return the same structure (the same tensors, keys and trailing shapes) on "
+                         "every rank")
+    if local is None:
+        local = map_tensors(lambda t: t.to(backend.device), present[0][1])
     local_keys = torch.cat(keys) if keys else torch.zeros(0, dtype=torch.int64)
     order = torch.argsort(backend.gather(local_keys))
     return map_tensors(lambda t: backend.gather(t)[order], local)
+
+
+def _structure(tree: Any) -> str:
+    """The structure of an output without its rows: containers, keys, trailing shapes, dtypes."""
+    if isinstance(tree, torch.Tensor):
+        return f"{str(tree.dtype).removeprefix('torch.')}{[-1, *tree.shape[1:]]}".replace("-1", "*")
+    if isinstance(tree, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_structure(v)}" for k, v in tree.items()) + "}"
+    return f"{type(tree).__name__}(" + ", ".join(_structure(v) for v in tree) + ")"

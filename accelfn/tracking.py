@@ -13,6 +13,8 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
 
+from accelfn.errors import check_directory, check_file
+
 
 @runtime_checkable
 class Tracker(Protocol):
@@ -33,7 +35,8 @@ class TensorBoard:
         logdir: the directory of the event file (created if missing).
 
     Raises:
-        ValueError: ``logdir`` exists and is not a directory.
+        ValueError: ``logdir`` (or the nearest of its parents that exists) is a file.
+        PermissionError: ``logdir`` cannot be written by this process.
 
     Example:
         >>> import accelfn as af
@@ -42,8 +45,7 @@ class TensorBoard:
 
     def __init__(self, logdir: str | os.PathLike[str]):
         self.logdir = Path(logdir)
-        if self.logdir.exists() and not self.logdir.is_dir():
-            raise ValueError(f"TensorBoard(logdir={str(logdir)!r}) is a file; give a directory for the event files")
+        check_directory(self.logdir, f"TensorBoard(logdir={str(logdir)!r})")
         self._writer: Any = None
 
     def __repr__(self) -> str:
@@ -72,14 +74,13 @@ class JSONL:
         path: the file (its directory is created if missing); lines are appended.
 
     Raises:
-        ValueError: ``path`` is a directory.
+        ValueError: ``path`` is a directory, or the nearest of its parents that exists is a file.
+        PermissionError: ``path`` cannot be written by this process.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        if self.path.is_dir():
-            raise ValueError(f"JSONL(path={str(path)!r}) is a directory; give a file path, "
-                             f"e.g. {str(path)!r} + '/metrics.jsonl'")
+        check_file(self.path, f"JSONL(path={str(path)!r})")
         self._file: IO[bytes] | None = None
 
     def __repr__(self) -> str:

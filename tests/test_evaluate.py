@@ -47,17 +47,18 @@ def test_list_of_batches_comes_back_in_batch_order_with_nested_outputs() -> None
     assert out[0].shape == (10, 1)
 
 
-def test_runs_in_eval_and_inference_mode_and_restores_training_mode() -> None:
-    """fn sees model.training False and no autograd; the model is in training mode again afterwards."""
+def test_runs_in_eval_mode_under_no_grad_and_restores_training_mode() -> None:
+    """fn sees model.training False and grad mode off (no_grad, not inference mode); the model
+    is in training mode again afterwards."""
     state = _state()
     seen = []
 
     def fn(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        seen.append((model.training, torch.is_inference_mode_enabled()))
+        seen.append((model.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
         return model(batch)
 
     out = af.evaluate(fn, state, [torch.randn(3, 4)], backend=CPU)
-    assert seen == [(False, True)]
+    assert seen == [(False, False, False)]
     assert not out.requires_grad
     assert state.model.training
 

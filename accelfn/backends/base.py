@@ -158,10 +158,6 @@ class Backend(abc.ABC):
         """Sum of ``tensor`` over all ranks (used for the item counts of ``af.Loss``)."""
         return collectives.reduce(tensor, "sum")
 
-    def inference_mode(self) -> contextlib.AbstractContextManager[Any]:
-        """The context ``evaluate`` runs the model in (``torch.inference_mode``)."""
-        return torch.inference_mode()
-
     # -- the generic part ----------------------------------------------------------------
 
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:

@@ -13,7 +13,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar
@@ -141,10 +140,6 @@ class XLA(Backend):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over ranks, computed in the graph (no host synchronization)."""
         return self._xm.all_reduce(self._xm.REDUCE_SUM, tensor)
-
-    def inference_mode(self) -> contextlib.AbstractContextManager[Any]:
-        """``torch.no_grad()``: torch_xla's tensors cannot be inference tensors."""
-        return torch.no_grad()
 
     # -- data ------------------------------------------------------------------------------
 

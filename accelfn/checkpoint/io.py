@@ -19,19 +19,20 @@ import attrs
 import orjson
 import torch
 
+from accelfn import collectives
 from accelfn.checkpoint import _atomic, _manifest, _serialize
 from accelfn.checkpoint import restore as _restore
 from accelfn.checkpoint import snapshot as _snapshot
 from accelfn.checkpoint._context import ProcessContext, default_context
-from accelfn.errors import CheckpointError
+from accelfn.errors import CheckpointError, check_directory
 from accelfn.state import TrainState
 
 if TYPE_CHECKING:
     from accelfn.step import Step
 
 __all__ = [
-    "ResumePosition", "is_checkpoint", "load", "load_with_manifest", "not_found", "save", "save_checkpoint",
-    "to_path", "transforms_record",
+    "ResumePosition", "is_checkpoint", "load", "load_with_manifest", "not_found", "read_fitting", "save",
+    "save_checkpoint", "to_path", "transforms_record",
 ]
 
 #: ``run``'s say in where a resumed epoch continues: called with the checkpoint's epoch,
@@ -56,10 +57,14 @@ def transforms_record(program: Step | None) -> Any:
 def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessContext | None = None) -> Path:
     """Writes ``state`` as a checkpoint directory at ``path``, atomically.
 
-    A collective in a multi-process world: call it on every rank. Every rank's RNG and
-    transform states (and, mid-accumulation-window, its gradients) are gathered to rank 0,
-    which writes; the others wait for it. An existing checkpoint at ``path`` is replaced
-    only once the new one is complete, so a crash at any instant leaves the old or the new.
+    A collective in a multi-process world: call it on every rank, not inside ``if
+    backend.is_main_process:``. Every rank's RNG and transform states (and,
+    mid-accumulation-window, its gradients) are gathered to rank 0, which writes; the
+    others wait for it. The ranks first check that all of them arrived, waiting a tenth of
+    the collective timeout (60 s by default, ``accelfn launch --timeout-s``): a save called
+    on rank 0 alone then fails with an error saying so, instead of hanging. An existing
+    checkpoint at ``path`` is replaced only once the new one is complete, so a crash at any
+    instant leaves the old or the new.
 
     Args:
         state: the state to save (nothing in it changes).
@@ -73,8 +78,11 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     Raises:
         TypeError: ``state`` is not a TrainState, or ``path`` not a path.
         CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
-            (nothing is ever deleted that accelfn did not write), or rank 0 failed to write.
-        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+            (nothing is ever deleted that accelfn did not write), rank 0 failed to write, or
+            some rank did not call ``save`` (rank 0 names it).
+        ValueError: the optimizer updates a tensor that is not a parameter of the model;
+            ``path`` is a file or lies under one (checked before anything is gathered).
+        PermissionError: ``path`` cannot be created by this process.
         OSError: the file system refused (full disk, permissions); ``path`` is untouched.
 
     Example:
@@ -85,13 +93,22 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
         >>> af.load(path, into=state).step
         0
     """
-    return save_checkpoint(state, to_path(path, "save"), backend, transforms=None)
+    checked = to_path(path, "save")
+    check_directory(checked, f"save(path={str(path)!r})")
+    return save_checkpoint(state, checked, backend, transforms=None, what="af.save")
 
 
-def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | None, transforms: Any) -> Path:
+def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | None, transforms: Any,
+                    what: str = "Checkpoints.save") -> Path:
+    """``save`` without checking ``path``; ``what`` is the API named when a rank does not call it."""
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a TrainState first, got {type(state).__name__}")
     backend = default_context(backend)
+    if backend.world_size > 1:
+        try:
+            collectives.arrive(what)
+        except collectives.ArrivalError as e:
+            raise CheckpointError(str(e)) from None
     snap = _snapshot.capture(state, copy=False)
     part = _serialize.rank_part(snap)
     world_size = backend.world_size
@@ -165,6 +182,22 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
           position: ResumePosition | None = None) -> tuple[TrainState, _manifest.Manifest]:
     if not isinstance(into, TrainState):
         raise TypeError(f"load(into=...) takes a TrainState, got {type(into).__name__}")
+    snap, manifest = read_fitting(path, into, backend)
+    if position is not None:
+        counters = snap.counters
+        start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
+        snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
+    return _restore.put(into, snap, copy=False), manifest
+
+
+def read_fitting(path: Path, into: TrainState,
+                 backend: ProcessContext | None) -> tuple[_snapshot.Snapshot, _manifest.Manifest]:
+    """The checkpoint at ``path`` as this rank's snapshot, verified and checked against
+    ``into``, which does not change (``load`` without putting anything in place).
+
+    Raises:
+        CheckpointError: as ``load``.
+    """
     backend = default_context(backend)
     rank, world_size = backend.rank, backend.world_size
     directory = _atomic.resolve(path)
@@ -177,8 +210,4 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
         _restore.verify(into, snap, source=_manifest.MANIFEST, names=names)
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
-    if position is not None:
-        counters = snap.counters
-        start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
-        snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
-    return _restore.put(into, snap, copy=False), manifest
+    return snap, manifest

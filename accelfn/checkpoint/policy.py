@@ -16,7 +16,7 @@ import attrs
 from accelfn.checkpoint import _atomic
 from accelfn.checkpoint._context import ProcessContext, default_context
 from accelfn.checkpoint.io import save_checkpoint, to_path
-from accelfn.errors import count_at_least_one, finite_positive
+from accelfn.errors import check_directory, count_at_least_one, finite_positive
 from accelfn.state import TrainState
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -24,6 +24,10 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 def _directory(value: Any) -> Path:
     return to_path(value, "Checkpoints")
+
+
+def _writable(instance: Any, attribute: Any, value: Path) -> None:
+    check_directory(value, f"Checkpoints({str(value)!r})")
 
 
 @attrs.frozen(repr=False)
@@ -45,7 +49,10 @@ class Checkpoints:
 
     Raises:
         TypeError: a directory that is not a path, or counts of the wrong type.
-        ValueError: ``every_steps`` or ``keep`` below 1, ``every_seconds`` not > 0.
+        ValueError: ``every_steps`` or ``keep`` below 1, ``every_seconds`` not > 0;
+            ``directory`` (or the nearest of its parents that exists) is a file: checked
+            here and again when ``run`` starts, not at the first save.
+        PermissionError: ``directory`` cannot be written by this process.
 
     Example:
         >>> import tempfile, accelfn as af
@@ -54,7 +61,7 @@ class Checkpoints:
         'step_00001500'
     """
 
-    directory: Path = attrs.field(converter=_directory)
+    directory: Path = attrs.field(converter=_directory, validator=_writable)
     every_steps: int | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(count_at_least_one))
     every_seconds: float | None = attrs.field(

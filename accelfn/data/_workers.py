@@ -16,21 +16,33 @@ import torch
 from torch.utils.data import DataLoader
 
 
+def worker_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
+    """The generator a rank's DataLoader draws its workers' base seed from in ``epoch``.
+
+    Seeded from ``(seed, epoch, rank)`` (``numpy.random.SeedSequence``): the workers of every
+    rank and epoch draw their own random augmentations (as ``DistributedSampler`` with a
+    per-rank seed gives), and a resumed run, which rebuilds the same generator, draws the same.
+    """
+    state = np.random.SeedSequence([seed, epoch, rank]).generate_state(2)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
 class SeededFetch(torch.utils.data.Dataset):
-    """Fetches the samples of batch ``k`` of an epoch with the RNGs seeded from ``(seed, epoch, k)``.
+    """Fetches the samples of batch ``k`` of an epoch with the RNGs seeded from ``(seed, epoch, rank, k)``.
 
     In DataLoader workers, random augmentation otherwise depends on which worker fetches a
     batch and how many it fetched before, which a resumed run changes. Seeding torch,
     ``random`` and NumPy per batch (``numpy.random.SeedSequence``) makes every batch's random
-    draws a function of its place in the epoch, so a resumed run reads the same batches,
-    whatever the number of workers. Sampler keys are ``(batch number, dataset index)``.
+    draws a function of its place in the epoch and of the rank that reads it, so ranks draw
+    different augmentations and a resumed run reads the same batches, whatever the number of
+    workers. Sampler keys are ``(batch number, dataset index)``.
     """
 
-    def __init__(self, dataset: Any, seed: int, epoch: int):
-        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+    def __init__(self, dataset: Any, seed: int, epoch: int, rank: int):
+        self.dataset, self.seed, self.epoch, self.rank = dataset, seed, epoch, rank
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
-        state = np.random.SeedSequence([self.seed, self.epoch, keys[0][0]]).generate_state(2)
+        state = np.random.SeedSequence([self.seed, self.epoch, self.rank, keys[0][0]]).generate_state(2)
         torch.manual_seed(int(state[0]) << 32 | int(state[1]))
         random.seed(int(state[0]))
         np.random.seed(int(state[1]))

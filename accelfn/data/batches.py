@@ -4,8 +4,8 @@ Sharding follows ``torch.utils.data.DistributedSampler`` (DESIGN.md §7.1): ever
 the same permutation from ``seed + epoch``, pads it by wrapping to a multiple of the world
 size (or drops the tail), and takes every world-size-th index from its rank. A sharded
 DataLoader is rebuilt around that sampler with the user's batch size, collate function and
-workers; its own generator is seeded per epoch so that iterating never draws from the
-global RNG (which would make a resumed run diverge).
+workers; its own generator is seeded per epoch and rank so that iterating never draws from the
+global RNG (which would make a resumed run diverge) and ranks draw their own augmentations.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.data import (
 )
 
 from accelfn.data._tree import num_samples
-from accelfn.data._workers import SeededFetch, start_iterating
+from accelfn.data._workers import SeededFetch, start_iterating, worker_generator
 from accelfn.transforms import ShardData
 
 _NOTHING = object()
@@ -235,7 +235,7 @@ def epoch_batches(
         if _is_map_style(data):
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
         loader = _rebuild(data, dataset=ShardedIterable(cast(Iterable[Any], data.dataset), rank=rank, world_size=world_size),
-                          generator=torch.Generator().manual_seed(shard.seed + epoch))
+                          generator=worker_generator(shard.seed, epoch, rank))
         return EpochBatches(_LazySlice(loader, start), num_batches=None, start=start,
                             place=place, sync=sync if world_size > 1 else None)
     if isinstance(data, Sequence):
@@ -285,13 +285,13 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
     num_batches = full + (1 if partial and not loader.drop_last else 0)
     padded = shard.even_batches and not shard.drop_last and num_samples % world_size
     padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
-    generator = torch.Generator().manual_seed(shard.seed + epoch)
+    generator = worker_generator(shard.seed, epoch, rank)
     remaining = indices[start * batch_size:]
     if loader.num_workers == 0:
         rebuilt = _rebuild(loader, sampler=_IndexSampler(remaining), generator=generator)
-    else:  # a worker fetches each batch with its RNGs seeded by (seed, epoch, batch number)
+    else:  # a worker fetches each batch with its RNGs seeded by (seed, epoch, rank, batch number)
         keys = [(start + j // batch_size, i) for j, i in enumerate(remaining)]
-        rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch),
+        rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch, rank),
                            sampler=_IndexSampler(keys), generator=generator)
     return EpochBatches(rebuilt, num_batches=num_batches, start=start, place=place, padding_ranks=padding_ranks)
 

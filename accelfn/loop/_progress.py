@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,18 +54,49 @@ class Progress:
                 tracker.log(values, step)
 
     def _reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """The metrics as floats, averaged over ranks: one collective and one device read."""
+        """The metrics as floats, averaged over ranks: one collective and one device read
+        (two in a multi-process world, where the ranks first agree on the metric names).
+
+        Raises:
+            ValueError: on every rank, when the ranks' metric names differ (``loss_fn``
+                returned other metrics on some rank); the message lists each rank's.
+        """
         names = [k for k in metrics if k != "num_samples"]
         device = self._backend.collective_device
+        if self._backend.world_size > 1:  # reduced in sorted order: the same on every rank
+            names = sorted(names)
+            _check_same_names(self._backend, names)
         # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
         stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device).reshape(())
                                for k in names])
         if self._backend.world_size > 1:
             stacked = self._backend.reduce(stacked, "mean")
-        return dict(zip(names, stacked.tolist()))
+        values = dict(zip(names, stacked.tolist()))
+        return {k: values[k] for k in metrics if k != "num_samples"}  # in the order loss_fn gave them
 
     def close(self) -> None:
         """Closes the bar and flushes the trackers."""
         self._bar.close()
         for tracker in self._trackers:
             tracker.close()
+
+
+def _check_same_names(backend: Backend, names: list[str]) -> None:
+    """Raises on every rank unless every rank reduces the same metric names.
+
+    The all-reduce of the metrics pairs the ranks' tensors element by element: with other
+    names (or another number of them) on some rank it would average unrelated values or
+    wait forever for a tensor of another size. One all-reduce of a fingerprint of the names
+    finds out first; only when they differ are the names themselves gathered, for the message.
+    """
+    fingerprint = zlib.crc32("\0".join(names).encode())
+    t = torch.tensor([fingerprint, len(names), -fingerprint, -len(names)], dtype=torch.int64,
+                     device=backend.collective_device)
+    highest, longest, lowest, shortest = backend.reduce(t, "max").tolist()
+    if highest == -lowest and longest == -shortest:
+        return
+    each = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(backend.gather_object(names)))
+    raise ValueError(
+        f"loss_fn returned other metrics on some ranks ({each}); metrics are averaged over the "
+        "ranks name by name, so loss_fn must return the same metric names on every rank"
+    )

@@ -15,9 +15,10 @@ from accelfn.checkpoint.io import (
     is_checkpoint,
     load_with_manifest,
     not_found,
+    read_fitting,
     transforms_record,
 )
-from accelfn.errors import CheckpointError
+from accelfn.errors import CheckpointError, check_directory
 from accelfn.loop._schedule import Schedule
 from accelfn.state import TrainState
 from accelfn.step import Step
@@ -28,11 +29,15 @@ def check_run_arguments(checkpoints: Any, resume: Any) -> None:
 
     Raises:
         TypeError: ``checkpoints`` not a Checkpoints, ``resume`` neither a path nor "auto".
-        ValueError: ``resume="auto"`` without ``checkpoints``.
+        ValueError: ``resume="auto"`` without ``checkpoints``; a checkpoint directory that
+            is a file (it may have become one since ``Checkpoints(...)`` checked it).
+        PermissionError: a checkpoint directory this process cannot write.
         CheckpointError: ``resume`` names a path with no complete checkpoint.
     """
     if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
         raise TypeError(f"run(checkpoints=...) takes af.Checkpoints(directory, ...), got {checkpoints!r}")
+    if checkpoints is not None:
+        check_directory(checkpoints.directory, f"run(checkpoints={checkpoints!r})")
     if resume is None:
         return
     if isinstance(resume, str) and resume == "auto":
@@ -45,8 +50,10 @@ def check_run_arguments(checkpoints: Any, resume: Any) -> None:
     if not isinstance(resume, (str, os.PathLike)):
         raise TypeError(f"run(resume=...) takes 'auto' or the path of a checkpoint, got {resume!r}")
     if not is_checkpoint(Path(resume)):
+        instead = ("resume='auto'" if checkpoints is not None
+                   else "checkpoints=af.Checkpoints(directory) and resume='auto'")
         raise CheckpointError(f"run(resume={str(resume)!r}): {not_found(Path(resume))} (to resume from the "
-                              "latest checkpoint of checkpoints=..., if any, pass resume='auto')")
+                              f"latest checkpoint of a checkpoint directory, if any, pass {instead})")
 
 
 def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, backend: Backend,
@@ -60,7 +67,8 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
 
     Raises:
         CheckpointError: as ``load``; for ``resume="auto"``, the message also names the
-            previous complete checkpoint to resume from instead.
+            previous complete checkpoint to resume from instead if that one loads, or
+            says that it does not load either.
         ValueError: as ``position``.
     """
     if resume is None:
@@ -77,7 +85,7 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
     except CheckpointError as e:
         if schedule is None or resume != "auto":
             raise
-        raise CheckpointError(f"{e}\n{_fallback(schedule.policy, path)}") from None
+        raise CheckpointError(f"{e}\n{_fallback(schedule.policy, path, state, backend)}") from None
     if schedule is not None:
         schedule.last_step = state.step
     now = transforms_record(program)
@@ -90,11 +98,23 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
     return state
 
 
-def _fallback(checkpoints: Checkpoints, failed: Path) -> str:
-    """What to do when the latest checkpoint of ``checkpoints`` (``failed``) does not load."""
+def _fallback(checkpoints: Checkpoints, failed: Path, into: TrainState, backend: Backend) -> str:
+    """What to do when the latest checkpoint of ``checkpoints`` (``failed``) does not load
+    into ``into``: resume from the previous one only if that one does load; otherwise (the
+    same mismatch, as when the state is built unlike the one that wrote them) say so."""
     earlier = [step for step in checkpoints.steps() if checkpoints.path_for(step) != failed]
-    previous = (f"resume from the previous one with run(resume={str(checkpoints.path_for(earlier[-1]))!r}, ...) "
-                f"or move {failed} aside so that resume='auto' takes it" if earlier
-                else "start a fresh run (there is no earlier checkpoint)")
-    return (f"run(resume='auto'): the latest checkpoint, {failed}, failed to load; it is not skipped, since "
-            f"that could hide a bug. If it is damaged, {previous}")
+    head = (f"run(resume='auto'): the latest checkpoint, {failed}, failed to load; it is not skipped, since "
+            "that could hide a bug.")
+    if not earlier:
+        return f"{head} If it is damaged, start a fresh run (there is no earlier checkpoint)"
+    previous = checkpoints.path_for(earlier[-1])
+    try:
+        read_fitting(previous, into, backend)
+    except CheckpointError as e:
+        reason = str(e).removeprefix(f"{previous}: ").split("\n")[0].rstrip(":")
+        return (f"{head} The previous checkpoint, {previous}, does not load either ({reason}), so resuming from "
+                "it would not help: if the state is not built like the one that wrote them (model, optimizer, "
+                "scheduler, extra), build it the same way; to train this state from scratch, start a fresh run "
+                f"in another checkpoint directory than {checkpoints.directory}")
+    return (f"{head} If it is damaged, resume from the previous one with run(resume={str(previous)!r}, ...) "
+            f"or move {failed} aside so that resume='auto' takes it")

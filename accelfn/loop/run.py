@@ -108,6 +108,11 @@ def run(
         log_every: reduce metrics to Python floats, show and log them every this many
             optimizer updates (in between, the hot loop never waits for the device).
 
+    The model trains in the modes its submodules are in: a submodule the user put in eval
+    mode (a frozen backbone keeping its BatchNorm statistics) stays there. Only a model
+    whose root module is in eval mode, as ``model.eval()`` leaves it, is put in train mode
+    first, since a training loop trains.
+
     Returns:
         TrainState: the state after the last update.
 
@@ -115,10 +120,13 @@ def run(
         TypeError: an argument of the wrong type.
         ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
             without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
-            whose position in its epoch is beyond the data's micro-batches per epoch.
+            whose position in its epoch is beyond the data's micro-batches per epoch; a
+            checkpoint directory that is a file; on every rank, metrics whose names differ
+            across ranks.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
-            or is corrupted (with ``"auto"``, the message names the previous checkpoint).
+            or is corrupted (with ``"auto"``, the message names the previous checkpoint if
+            that one loads, or says that it does not).
 
     Warns:
         RuntimeWarning: ``epochs`` ran out before ``max_steps``; a mid-epoch resume on
@@ -140,7 +148,8 @@ def run(
     trackers = tuple(trackers)
     check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
-    state.model.train()  # a training loop trains, also after an evaluation put the model in eval()
+    if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation
+        state.model.train()
     schedule = Schedule(checkpoints, backend, transforms_record(step)) if checkpoints is not None else None
     state = resume_state(state, schedule, resume, backend, program=step,
                          position=functools.partial(_resume_position, backend, data, step))

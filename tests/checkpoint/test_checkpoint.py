@@ -261,8 +261,12 @@ def test_run_arguments_are_checked_before_the_state_is_touched(cpu, tmp_path) ->
     step = program(af.with_precision("fp16"))
     with pytest.raises(ValueError, match="resume='auto'.*checkpoints="):
         af.run(step, state, loader(), backend=cpu, resume="auto")
-    with pytest.raises(CheckpointError, match="no checkpoint at .*pass resume='auto'"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*pass checkpoints=af\.Checkpoints\(directory\) "
+                                              r"and resume='auto'\)$"):
         af.run(step, state, loader(), backend=cpu, resume=tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"no checkpoint at .*pass resume='auto'\)$"):
+        af.run(step, state, loader(), backend=cpu, resume=tmp_path / "nowhere",
+               checkpoints=af.Checkpoints(tmp_path / "ckpt"))
     with pytest.raises(TypeError, match="af.Checkpoints"):
         af.run(step, state, loader(), backend=cpu, checkpoints=str(tmp_path))
     with pytest.raises(TypeError, match="'auto' or the path"):

@@ -1,0 +1,58 @@
+"""What ranks must agree on, with 2 real processes: metric names, evaluate outputs, and calls
+like af.save that rank 0 makes alone; each fails on every rank (or rank 0) instead of hanging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.helpers import launch as _launch
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def mismatches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("mismatches")
+    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "30", script="rank_mismatches.py",
+                   script_args=("--out", out), cwd=out, timeout_s=120)
+    return {"ranks": _launch.read_ranks(out, 2), "out": out}
+
+
+def test_metric_names_that_differ_across_ranks_fail_on_every_rank(mismatches) -> None:
+    """loss_fn returning a metric on rank 1 only raises the same ValueError on both ranks (no hang)."""
+    expected = ("loss_fn returned other metrics on some ranks (rank 0: loss, lr; rank 1: extra, loss, lr); "
+                "metrics are averaged over the ranks name by name, so loss_fn must return the same metric "
+                "names on every rank")
+    assert [r["names"] for r in mismatches["ranks"]] == [expected, expected]
+    assert not (mismatches["out"] / "extra.jsonl").exists()
+
+
+def test_the_same_metric_names_in_another_order_are_averaged_name_by_name(mismatches) -> None:
+    """Rank 0 returns {a: 1, b: 2}, rank 1 {b: 20, a: 10}: every logged point has a 5.5, b 11."""
+    lines = [orjson.loads(line) for line in (mismatches["out"] / "reordered.jsonl").read_bytes().splitlines()]
+    assert [(line["step"], line["a"], line["b"]) for line in lines] == [(1, 5.5, 11.0), (2, 5.5, 11.0)]
+
+
+def test_evaluate_outputs_of_another_structure_fail_on_every_rank(mismatches) -> None:
+    """fn returning other dict keys on each rank raises the same ValueError on both ranks."""
+    expected = ("evaluate(): fn returned outputs of another structure on some ranks (rank 0: {'out0': "
+                "float32[*, 1]}; rank 1: {'out1': float32[*, 1]}); fn must return the same structure (the same "
+                "tensors, keys and trailing shapes) on every rank")
+    assert [r["evaluate_structure"] for r in mismatches["ranks"]] == [expected, expected]
+
+
+def test_save_and_evaluate_on_rank_zero_alone_fail_naming_the_call(mismatches) -> None:
+    """af.save and af.evaluate inside `if backend.is_main_process:` fail on rank 0 after a tenth of
+    the 30 s timeout, naming the call and the missing rank; no checkpoint is written, and a
+    save on every rank afterwards works."""
+    rank0, rank1 = mismatches["ranks"]
+    for what in ("af.save", "af.evaluate"):
+        assert rank0["alone"][what] == (
+            f"{what} was called on rank 0, but rank(s) 1 did not call it within 3 s: {what} is a collective, "
+            "call it on every rank (not inside `if backend.is_main_process:`)")
+    assert rank1["alone"] == {}
+    assert not (mismatches["out"] / "main_only").exists()
+    assert [r["saved"] for r in mismatches["ranks"]] == [["manifest.json", "manifest.sha256", "model.safetensors"]] * 2

@@ -1,0 +1,82 @@
+"""Worker for tests/loop/test_rank_mismatches.py: what differs across ranks, and calls some rank misses.
+
+Usage: accelfn launch --nproc-per-node 2 --timeout-s 30 rank_mismatches.py --out DIR
+Each rank writes DIR/rank{r}.json with the error each case raised on it: metric names that
+differ across ranks, evaluate outputs of another structure, af.save and af.evaluate called
+on rank 0 alone; and the files of a save on every rank afterwards. Rank 0 logs the same
+metric names in another order to DIR/reordered.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import accelfn as af
+
+
+def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
+    step = af.compose(af.shard_data(), af.replicate())(af.train_step(loss_fn))
+    af.run(step, state, data, backend=backend, trackers=[af.JSONL(jsonl)], progress=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    backend = af.backends.auto()
+    rank = backend.rank
+    result: dict[str, Any] = {}
+
+    def extra_on_rank_one(m: torch.nn.Module, b: Any) -> Any:  # the issue's case: a metric on rank 1 only
+        loss = F.mse_loss(m(b[0]), b[1])
+        return (loss, {"extra": loss.detach()}) if rank == 1 else loss
+
+    try:
+        run(backend, extra_on_rank_one, out / "extra.jsonl")
+    except ValueError as e:
+        result["names"] = str(e)
+
+    def reordered(m: torch.nn.Module, b: Any) -> Any:  # the same names, in another order on rank 1
+        metrics = {"a": 1.0 + 9 * rank, "b": 2.0 + 18 * rank}
+        return F.mse_loss(m(b[0]), b[1]), metrics if rank == 0 else dict(reversed(metrics.items()))
+
+    run(backend, reordered, out / "reordered.jsonl")
+
+    model = torch.nn.Linear(4, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:  # evaluate outputs whose keys differ across ranks
+        af.evaluate(lambda m, x: {f"out{rank}": m(x)}, state, [torch.randn(2, 4), torch.randn(3, 4)],
+                    backend=backend)
+    except ValueError as e:
+        result["evaluate_structure"] = str(e)
+
+    alone: dict[str, str] = {}  # calls inside `if backend.is_main_process:`, as with Accelerate
+    if backend.is_main_process:
+        try:
+            af.save(state, out / "main_only")
+        except af.CheckpointError as e:
+            alone["af.save"] = str(e)
+    backend.barrier()
+    if backend.is_main_process:
+        try:
+            af.evaluate(lambda m, x: m(x), state, [torch.randn(2, 4)], backend=backend)
+        except RuntimeError as e:
+            alone["af.evaluate"] = str(e)
+    backend.barrier()
+    result["alone"] = alone
+    result["saved"] = sorted(p.name for p in af.save(state, out / "every_rank", backend=backend).iterdir())
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
