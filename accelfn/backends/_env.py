@@ -8,6 +8,7 @@ accelfn reads the environment.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -89,8 +90,8 @@ class LaunchEnv:
         if precision is not None and precision not in POLICY_NAMES:
             raise LaunchError(f"ACCELFN_PRECISION={precision!r}: accepted values are {', '.join(POLICY_NAMES)}")
         timeout_s = _float(env, "ACCELFN_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-        if not timeout_s > 0:
-            raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a number of seconds > 0")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a finite number of seconds > 0")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,

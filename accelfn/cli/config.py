@@ -8,6 +8,7 @@ a file is an error rather than a silently ignored typo.
 
 from __future__ import annotations
 
+import math
 import os
 import typing
 from pathlib import Path
@@ -52,8 +53,8 @@ def _port(instance: object, attribute: attrs.Attribute, value: int | None) -> No
 
 
 def _positive_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"timeout_s={value!r}: must be a number of seconds > 0")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"timeout_s={value!r}: must be a finite number of seconds > 0")
 
 
 @attrs.frozen(kw_only=True)

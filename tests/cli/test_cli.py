@@ -131,6 +131,7 @@ def test_interactive_config_reads_answers_and_asks_again_after_a_bad_one(tmp_pat
     ("nproc_per_nodes: 2\n", "unknown launch option.*nproc_per_nodes"),
     ("backend: tpu\n", "backend='tpu': accepted values are cpu, cuda, xla"),
     ("nproc_per_node: 0\n", "nproc_per_node=0: must be >= 1"),
+    ("timeout_s: .inf\n", "timeout_s=inf: must be a finite number of seconds > 0"),
     ("- 1\n", "must hold a mapping"),
     ("a: [\n", "not valid YAML"),
     ("nproc_per_node: 2\nnproc_per_node: 3\n", "the key 'nproc_per_node' is given twice"),
@@ -223,7 +224,8 @@ def test_env_prints_versions_devices_backends_and_the_config(tmp_path: Path,
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3 must be in 1..WORLD_SIZE=2"),
     ({"ACCELFN_BACKEND": "tpu"}, "ACCELFN_BACKEND='tpu': accepted values are cpu, cuda, xla"),
     ({"ACCELFN_PRECISION": "fp12"}, "ACCELFN_PRECISION='fp12': accepted values"),
-    ({"ACCELFN_TIMEOUT_S": "0"}, "ACCELFN_TIMEOUT_S=0 must be a number of seconds > 0"),
+    ({"ACCELFN_TIMEOUT_S": "0"}, "ACCELFN_TIMEOUT_S=0 must be a finite number of seconds > 0"),
+    ({"ACCELFN_TIMEOUT_S": "inf"}, "ACCELFN_TIMEOUT_S=inf must be a finite number of seconds > 0"),
 ])
 def test_bad_launch_variables_raise_launch_error(environ: dict[str, str], message: str) -> None:
     """Missing or inconsistent launch variables raise LaunchError naming the variable."""

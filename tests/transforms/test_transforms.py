@@ -11,10 +11,7 @@ import torch.nn.functional as F
 
 import accelfn as af
 from tests.helpers.models import make_mlp
-
-
-def loss_fn(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
+from tests.helpers.programs import mse as loss_fn
 
 
 @pytest.mark.parametrize(
