@@ -10,8 +10,8 @@ import torch
 
 from accelfn import collectives
 from accelfn.backends.base import Backend
-from accelfn.data._tree import map_tensors
 from accelfn.data.batches import keyed_batches
+from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState
 from accelfn.step import Step
 

@@ -49,11 +49,14 @@ def test_mypy_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+PACKAGE_FILES = {"__init__.py", "__main__.py", "py.typed", "_version.py", "__pycache__"}
+
+
 def test_the_top_level_holds_one_entry_per_concept_and_no_module_is_long() -> None:
-    """accelfn/ has at most 16 entries (12 concepts and the package's own files), and no
-    module is over 420 lines."""
-    entries = sorted(p.name for p in (ROOT / "accelfn").iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 16, entries
+    """Besides the package's own files, accelfn/ has at most 13 entries, one per concept, and
+    no module is over 420 lines."""
+    entries = sorted(p.name for p in (ROOT / "accelfn").iterdir() if p.name not in PACKAGE_FILES)
+    assert len(entries) <= 13, entries
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "accelfn").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 420}
     assert not long, long

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends._interpreter import StepFn
 from accelfn.backends.auto import auto
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.cuda import CUDA
+from accelfn.backends.env import LaunchEnv
 
 __all__ = ["CPU", "CUDA", "XLA", "Backend", "LaunchEnv", "StepFn", "auto"]
 

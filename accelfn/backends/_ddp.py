@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from accelfn.backends._env import LaunchEnv
+from accelfn.backends.env import LaunchEnv
 from accelfn.errors import LaunchError
 from accelfn.transforms import Replicate
 

@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack
-from accelfn.data._tree import map_tensors, num_samples
+from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import Step
@@ -40,10 +40,9 @@ from accelfn.transforms import (
     SkipNonfinite,
     Window,
     WithPrecision,
-    _math,
+    numerics,
 )
 from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_policy
-
 
 
 class Primitives(Protocol):
@@ -231,16 +230,16 @@ class StepFn:
                 return 1.0
             local = torch.as_tensor(count, dtype=torch.float32, device=loss.device)
             mean_count = self._backend.all_reduce_sum(local) / self._world_size
-            return _math.window_reference(self._n, mean_count)
-        return _math.window_reference(self._n, count)
+            return numerics.window_reference(self._n, mean_count)
+        return numerics.window_reference(self._n, count)
 
     def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
         """``R * W / sum(C)``; an ``af.Loss``'s counts are summed over ranks (one all-reduce)."""
         if is_sum and self._replicated:
             global_count = self._backend.all_reduce_sum(
                 torch.as_tensor(count, dtype=torch.float64, device=loss.device))
-            return _math.window_correction(reference, self._world_size, global_count)
-        return _math.window_correction(reference, 1, count)
+            return numerics.window_correction(reference, self._world_size, global_count)
+        return numerics.window_correction(reference, 1, count)
 
     def _add_metrics(self, window: Window | None, metrics: Mapping[str, Any], count: Any) -> Mapping[str, Any]:
         if not metrics:
@@ -261,9 +260,9 @@ class StepFn:
 
         found_inf = None
         if self._guard:
-            found_inf = _math.unscale_and_check([p.grad for p in params if p.grad is not None], inv_scale)
+            found_inf = numerics.unscale_and_check([p.grad for p in params if p.grad is not None], inv_scale)
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            _math.scale_([p.grad for p in params if p.grad is not None], inv_scale)
+            numerics.scale_([p.grad for p in params if p.grad is not None], inv_scale)
 
         # this rank's window means, the lr this update uses, and the window's sample count
         metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from accelfn.data._tree import map_tensors
+from accelfn.data.tree import map_tensors
 
 
 def place_on(device: torch.device) -> Callable[[Any], Any]:

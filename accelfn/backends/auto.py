@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.cuda import CUDA
+from accelfn.backends.env import LaunchEnv
 
 
 def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True) -> Backend:

@@ -20,7 +20,6 @@ import torch
 from torch.utils.data import DataLoader
 
 from accelfn import collectives
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends._eval_batches import check_eval_loader
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
@@ -30,8 +29,9 @@ from accelfn.backends._placement import (
     rebind_optimizer,
     unchanged,
 )
-from accelfn.data._tree import map_tensors
+from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
+from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import Replicate, ShardData, WithPrecision, with_precision

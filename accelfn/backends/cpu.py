@@ -7,8 +7,8 @@ from typing import ClassVar
 import torch
 
 from accelfn.backends import _ddp
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
+from accelfn.backends.env import LaunchEnv
 from accelfn.transforms import Replicate
 
 

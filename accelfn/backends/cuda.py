@@ -7,9 +7,9 @@ from typing import ClassVar
 import torch
 
 from accelfn.backends import _ddp
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
+from accelfn.backends.env import LaunchEnv
 from accelfn.transforms import Policy, Replicate
 
 

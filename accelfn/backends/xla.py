@@ -20,11 +20,11 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from accelfn.backends._env import LaunchEnv
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
-from accelfn.data._tree import map_tensors
+from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches
+from accelfn.data.tree import map_tensors
 from accelfn.errors import LaunchError
 from accelfn.step import Step
 from accelfn.transforms import Replicate, ShardData

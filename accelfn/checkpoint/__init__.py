@@ -1,7 +1,7 @@
 """Checkpoints: the snapshot of a TrainState in memory and on disk.
 
 ``snapshot``/``restore`` take and put back a detached CPU copy of everything a run needs
-(``snapshot.py``, ``restore.py``); ``save``/``load`` write and read it as a directory
+(``snapshots.py``, ``restoring.py``); ``save``/``load`` write and read it as a directory
 (``io.py``): ``manifest.json`` (orjson via cattrs: format and library versions, counters,
 per-rank RNG and transform states, optimizer/scheduler skeletons, the program's transforms,
 a checksum of every tensor file), ``manifest.sha256`` (the manifest's own) and
@@ -14,7 +14,7 @@ often ``run`` saves.
 
 from accelfn.checkpoint.io import load, save
 from accelfn.checkpoint.policy import Checkpoints
-from accelfn.checkpoint.restore import restore
-from accelfn.checkpoint.snapshot import Snapshot, snapshot
+from accelfn.checkpoint.restoring import restore
+from accelfn.checkpoint.snapshots import Snapshot, snapshot
 
 __all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "snapshot"]

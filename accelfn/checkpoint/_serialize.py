@@ -27,7 +27,7 @@ from accelfn.checkpoint import _manifest, _tensorfiles
 from accelfn.checkpoint._codec import Encoder, decode, field_problems
 from accelfn.checkpoint._context import ProcessContext
 from accelfn.checkpoint._manifest import Manifest, RankEntry
-from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
+from accelfn.checkpoint.snapshots import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError
 
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]

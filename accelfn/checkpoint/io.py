@@ -21,8 +21,8 @@ import torch
 
 from accelfn import collectives
 from accelfn.checkpoint import _atomic, _manifest, _serialize
-from accelfn.checkpoint import restore as _restore
-from accelfn.checkpoint import snapshot as _snapshot
+from accelfn.checkpoint import restoring as _restore
+from accelfn.checkpoint import snapshots as _snapshot
 from accelfn.checkpoint._context import ProcessContext, default_context
 from accelfn.errors import CheckpointError, check_directory
 from accelfn.state import TrainState

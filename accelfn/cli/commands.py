@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.backends._env import BACKEND_NAMES, LaunchEnv, launcher_environment
+from accelfn.backends.env import BACKEND_NAMES, LaunchEnv, launcher_environment
 from accelfn.cli import config as _config
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES

@@ -18,7 +18,7 @@ import attrs
 import cattrs
 import yaml
 
-from accelfn.backends._env import BACKEND_NAMES, DEFAULT_TIMEOUT_S
+from accelfn.backends.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
 

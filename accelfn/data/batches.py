@@ -26,8 +26,8 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from accelfn.data._tree import num_samples
 from accelfn.data._workers import SeededFetch, start_iterating, worker_generator
+from accelfn.data.tree import num_samples
 from accelfn.transforms import ShardData
 
 _NOTHING = object()

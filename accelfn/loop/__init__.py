@@ -1,6 +1,6 @@
 """The training loop: ``run`` (epochs, totals, resume, checkpoint schedule, preemption,
 metrics reduction and progress)."""
 
-from accelfn.loop.run import run
+from accelfn.loop.epochs import run
 
 __all__ = ["run"]

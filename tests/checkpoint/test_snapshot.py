@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import accelfn as af
-from accelfn.transforms import Window
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.checkpoint.snapshot import COUNTERS
+from accelfn.checkpoint.snapshots import COUNTERS
 from accelfn.errors import CheckpointError
+from accelfn.transforms import Window
 from accelfn.transforms.precision import LossScale, SkipCount
 from tests.helpers.states import assert_same_state, build, loader, program
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import accelfn as af
-from accelfn.transforms import _math
+from accelfn.transforms import numerics
 from accelfn.transforms.precision import LossScale, SkipCount
 from tests.helpers.models import classification_data, loss_fn, make_mlp
 
@@ -117,8 +117,8 @@ def test_fp16_accumulate_clip_equals_grad_scaler_loop(monkeypatch, cpu):
         expected_optimizer.zero_grad()
 
     calls = []
-    original = _math.unscale_and_check
-    monkeypatch.setattr(_math, "unscale_and_check", lambda *a: calls.append(1) or original(*a))
+    original = numerics.unscale_and_check
+    monkeypatch.setattr(numerics, "unscale_and_check", lambda *a: calls.append(1) or original(*a))
     model = make_mlp()
     state = af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     step = af.compose(af.with_precision("fp16", init_scale=2.0**10), af.accumulate(2), af.clip(0.5))(

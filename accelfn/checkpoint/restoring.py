@@ -1,6 +1,6 @@
 """Putting a snapshot back in place: ``af.restore``, and the two halves ``af.load`` uses.
 
-``verify`` runs every check of ``accelfn.checkpoint.snapshot`` and changes nothing; ``put`` then
+``verify`` runs every check of ``accelfn.checkpoint.snapshots`` and changes nothing; ``put`` then
 copies the snapshot into the state (tensors to its device), sets the counters, transform
 states and global RNG states, and returns the new record. Nothing is changed unless every
 check passed.
@@ -15,7 +15,7 @@ import torch
 
 from accelfn.checkpoint import _rng
 from accelfn.checkpoint._codec import copy_tree
-from accelfn.checkpoint.snapshot import (
+from accelfn.checkpoint.snapshots import (
     TRANSIENT,
     Snapshot,
     check,

@@ -4,7 +4,7 @@
 tensors, scheduler and ``extra`` states, the counters (the data position among them), each
 transform's state, the gradients accumulated so far in an open accumulation window, and
 the global RNG states. ``invalid_values`` and ``check`` say what in a snapshot no state
-could take, or this state cannot; ``accelfn.checkpoint.restore`` puts a snapshot back in place. A
+could take, or this state cannot; ``accelfn.checkpoint.restoring`` puts a snapshot back in place. A
 checkpoint (``af.save``) is a snapshot serialized.
 """
 
