@@ -27,7 +27,8 @@ from accelfn.data._tree import map_tensors
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Replicate, ShardData, WithPrecision, with_precision
+from accelfn.transforms import Accumulate, Compile, Replicate, ShardData, WithPrecision, accumulate, with_precision
+from accelfn.transforms import compile as compile_transform
 from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -109,9 +110,12 @@ class Backend(abc.ABC):
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:
         """Places the state on this backend's device and specializes ``step`` for it.
 
-        Moves the model (and any optimizer state) to ``self.device``, casts parameters for
-        a true low-precision policy, adds each transform's entry to ``transforms_state``,
-        wraps the model as ``replicate`` asks, and returns the step function.
+        Adds the transforms ``accelfn launch`` asked for (``--precision``, ``--accumulate``,
+        ``--compile``) where the program has none of their kind, moves the model (and any
+        optimizer state) to ``self.device``, casts parameters for a true low-precision
+        policy, adds each transform's entry to ``transforms_state``, wraps the model as
+        ``replicate`` asks, compiles it as ``compile`` asks, and returns the step function,
+        whose ``step`` attribute is the program it runs.
 
         Args:
             step: the program.
@@ -123,37 +127,58 @@ class Backend(abc.ABC):
 
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
-            NotImplementedError: this backend cannot run the program's precision policy.
+            NotImplementedError: this backend cannot run the program's precision policy, or
+                its ``compile``.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
         if not isinstance(state, TrainState):
             raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
-        step = self._with_launch_precision(step)
+        step = self._with_launch_defaults(step)
         precision = step.find(WithPrecision)
         policy = precision.policy if precision is not None else parse_policy("fp32")
         self.check_precision(policy)
+        compiled = step.find(Compile)
+        if compiled is not None:
+            self.check_compile(compiled)
         self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
+            model = self.compile_model(model, compiled)
         return state, step_function(self, step, state, model)
 
-    def _with_launch_precision(self, step: Step) -> Step:
-        requested = self.env.precision
-        if requested is None:
-            return step
-        present = step.find(WithPrecision)
-        if present is None:
-            return with_precision(requested)(step)
-        if present.policy.name != requested:
-            warnings.warn(
-                f"accelfn launch --precision {requested} is overridden by the script's "
-                f"with_precision({present.policy.name!r})",
-                stacklevel=3,
-            )
+    def _with_launch_defaults(self, step: Step) -> Step:
+        """``step`` with the transforms ``accelfn launch --precision/--accumulate/--compile``
+        asked for, added where the script set none of that kind. A script's own transform
+        wins, with a warning where it differs from the launch's."""
+        env = self.env
+        if env.precision is not None:
+            present = step.find(WithPrecision)
+            if present is None:
+                step = with_precision(env.precision)(step)
+            elif present.policy.name != env.precision:
+                _overridden(f"--precision {env.precision}", f"with_precision({present.policy.name!r})")
+        if env.accumulate is not None:
+            window = step.find(Accumulate)
+            if window is None:
+                step = accumulate(env.accumulate)(step)
+            elif window.num_micro_batches != env.accumulate:
+                _overridden(f"--accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+        if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
+            step = compile_transform()(step)
         return step
+
+    def check_compile(self, spec: Compile) -> None:
+        """Raises NotImplementedError if this backend cannot run ``compile`` (before anything
+        is placed)."""
+
+    def compile_model(self, model: torch.nn.Module, spec: Compile) -> torch.nn.Module:
+        """``model`` (already wrapped for ``replicate``) through ``torch.compile`` with
+        ``spec``'s options; the module itself is left as it is."""
+        return torch.compile(model, **spec.torch_compile_kwargs())  # type: ignore[return-value]
 
     def _place_state(self, state: TrainState, policy: Policy) -> None:
         model, optimizer = state.model, state.optimizer
@@ -304,6 +329,10 @@ class Backend(abc.ABC):
             return fn(*args, **kwargs) if condition else None
 
         return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
+
+
+def _overridden(launch: str, script: str) -> None:
+    warnings.warn(f"accelfn launch {launch} is overridden by the script's {script}", stacklevel=4)
 
 
 def _move_module(model: torch.nn.Module, device: torch.device,

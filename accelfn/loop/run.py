@@ -142,6 +142,7 @@ def run(
     trackers = tuple(trackers)
     check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
+    step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     state.model.train()  # a training loop trains, also after an evaluation put the model in eval()
     schedule = Schedule(checkpoints, backend, transforms_record(step)) if checkpoints is not None else None
     state = resume_state(state, schedule, resume, backend, program=step,
