@@ -70,6 +70,8 @@ def _launch_checks(config: _config.LaunchConfig, world_size: int, out: Path, fau
     env = {k: v for k, v in environ.items() if k not in _config.WORKER_ENV.values()}  # the file has them all
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), environ.get("PYTHONPATH")]))
     env.pop(_precedence.CONFIG_FILE_VARIABLE, None)
+    # the user's file is in the launch file already; read again, its keys would fill the file's nulls
+    env["XDG_CONFIG_HOME"] = str(out / "no-user-config")
     command = [sys.executable, "-m", "accelfn", "launch", "--config", str(launch_file),
                "-m", "accelfn.cli._selftest_worker", str(out), *(["--fault", fault] if fault else [])]
     try:

@@ -33,10 +33,15 @@ def status_of(output: str, name: str) -> list[str]:
 
 def test_every_check_passes_on_this_machine_with_the_configs_process_count(tmp_path: Path) -> None:
     """With --config naming 3 processes per node, `accelfn test` runs every check on 1 and on
-    3 gloo processes, prints PASS for each, SKIPs CUDA and XLA, and exits 0."""
+    3 gloo processes, prints PASS for each, SKIPs CUDA and XLA, and exits 0; the precision and
+    accumulate defaults of the user's config file stay out of the checks."""
     config = tmp_path / "three.yaml"
     config.write_text("nproc_per_node: 3\nbackend: cpu\n")
-    result = _launch.run("test", "--config", config, cwd=tmp_path, timeout_s=400)
+    user = tmp_path / "xdg" / "accelfn" / "config.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text("precision: fp16\naccumulate: 4\n")
+    result = _launch.run("test", "--config", config, cwd=tmp_path, timeout_s=400,
+                         env=_launch.environment(XDG_CONFIG_HOME=str(tmp_path / "xdg")))
     assert {name: status_of(result.stdout, name) for name in CHECKS} == {name: ["PASS"] for name in CHECKS}, \
         result.stdout
     assert status_of(result.stdout, "xla") == ["SKIP"]
