@@ -5,7 +5,8 @@ from accelfn._version import __version__
 from accelfn.checkpoint import Checkpoints, Snapshot, load, restore, save, snapshot
 from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
-from accelfn.loop import run
+from accelfn.loop import find_batch_size, run
+from accelfn.seed import set_seed
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
 from accelfn.tracking import JSONL, TensorBoard, Tracker
@@ -13,6 +14,7 @@ from accelfn.transforms import (
     Accumulate,
     Clip,
     ClipValue,
+    Compile,
     Replicate,
     ShardData,
     SkipNonfinite,
@@ -21,6 +23,7 @@ from accelfn.transforms import (
     accumulate,
     clip,
     clip_value,
+    compile,
     compose,
     replicate,
     shard_data,
@@ -35,6 +38,7 @@ __all__ = [
     "Checkpoints",
     "Clip",
     "ClipValue",
+    "Compile",
     "LaunchError",
     "Loss",
     "NonFiniteError",
@@ -54,13 +58,16 @@ __all__ = [
     "backends",
     "clip",
     "clip_value",
+    "compile",
     "compose",
     "evaluate",
+    "find_batch_size",
     "load",
     "replicate",
     "restore",
     "run",
     "save",
+    "set_seed",
     "shard_data",
     "skip_nonfinite",
     "snapshot",

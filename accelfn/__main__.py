@@ -1,4 +1,4 @@
-"""``python -m accelfn launch | config | env``: the same as the ``accelfn`` command."""
+"""``python -m accelfn launch | config | env | test``: the same as the ``accelfn`` command."""
 
 from accelfn.cli import main
 

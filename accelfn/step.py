@@ -144,7 +144,8 @@ class Step:
             TransformError: a transform of the same kind is already there, or the two conflict.
         """
         check_composition(self.transforms, transform)
-        ordered = sorted((*self.transforms, transform), key=lambda t: t.phase)
+        # two of one phase (replicate and compile) are listed by kind, so the order stays canonical
+        ordered = sorted((*self.transforms, transform), key=lambda t: (t.phase, t.kind))
         return attrs.evolve(self, transforms=tuple(ordered))
 
     def find(self, kind: type[T]) -> T | None:

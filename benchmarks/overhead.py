@@ -20,6 +20,9 @@ Every contestant reads the loss to the host once per round (accelfn: ``log_every
 round), so none pays a per-step host sync the others skip. Accelerate and Fabric run only
 when installed (``pip install -c constraints.txt accelerate lightning``).
 
+``accelfn_compile`` (accelfn with ``af.compile()``) runs only when named in ``--contestants``;
+it compiles in the warm-up round.
+
 Cases: ``tiny`` (framework overhead dominates), ``medium`` (compute dominates), and
 ``composed``: the tiny model with ``accumulate(2)`` and ``clip(1.0)`` in each framework's
 own form (``accelerator.accumulate`` + ``clip_grad_norm_``; Fabric's ``no_backward_sync`` +
@@ -104,7 +107,7 @@ def raw(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Rou
     return one_round
 
 
-def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Round:
+def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None, *, compiled: bool = False) -> Round:
     model = mlp(widths)
     holder = {"state": af.TrainState.create(model, optimizer(model))}
     transforms = []
@@ -112,6 +115,8 @@ def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None) ->
         transforms.append(af.accumulate(accumulate))
     if max_norm is not None:
         transforms.append(af.clip(max_norm))
+    if compiled:
+        transforms.append(af.compile())
     step = af.compose(*transforms)(af.train_step(loss_fn))
     backend = af.backends.CPU()
 
@@ -122,6 +127,11 @@ def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None) ->
                                  progress=False, log_every=log_every)
 
     return one_round
+
+
+def accelfn_compile(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Round:
+    """accelfn with ``af.compile()`` (inductor); compiling happens in the warm-up round."""
+    return accelfn(widths, accumulate, max_norm, compiled=True)
 
 
 def accelerate(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Round:
@@ -172,7 +182,7 @@ def fabric(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> 
 
 
 def contestants() -> dict[str, Callable[..., Round]]:
-    found: dict[str, Callable[..., Round]] = {"raw": raw, "accelfn": accelfn}
+    found: dict[str, Callable[..., Round]] = {"raw": raw, "accelfn": accelfn, "accelfn_compile": accelfn_compile}
     if importlib.util.find_spec("accelerate") is not None:
         found["accelerate"] = accelerate
     if importlib.util.find_spec("lightning") is not None:
@@ -228,9 +238,9 @@ def summarize(times: dict[str, list[tuple[float, float]]]) -> dict[str, dict[str
 
 def print_table(title: str, result: dict[str, dict[str, float]]) -> None:
     print(f"\n{title}")
-    print(f"{'':12} {'us/update':>10} {'x raw':>7} {'p25-p75':>13} {'x raw (wall)':>13}")
+    print(f"{'':16} {'us/update':>10} {'x raw':>7} {'p25-p75':>13} {'x raw (wall)':>13}")
     for name, row in result.items():
-        print(f"{name:12} {row['us']:10.1f} {row['ratio']:7.3f} {row['p25']:6.3f}-{row['p75']:.3f} "
+        print(f"{name:16} {row['us']:10.1f} {row['ratio']:7.3f} {row['p25']:6.3f}-{row['p75']:.3f} "
               f"{row['wall_ratio']:13.3f}")
 
 
@@ -262,10 +272,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated from tiny, medium, composed")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the updates per round")
     parser.add_argument("--contestants", default=None,
-                        help="comma-separated from raw, accelfn, accelerate, fabric (default: all installed)")
+                        help="comma-separated from raw, accelfn, accelfn_compile (af.compile(): only when named), "
+                        "accelerate, fabric (default: all installed)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    names = args.contestants.split(",") if args.contestants else list(contestants())
+    names = args.contestants.split(",") if args.contestants else [n for n in contestants() if n != "accelfn_compile"]
     if names[0] != "raw" or not set(names) <= set(contestants()):
         parser.error(f"--contestants must start with raw and name installed ones: {', '.join(contestants())}")
     print(f"torch {torch.__version__}, accelfn {af.__version__}, Python {platform.python_version()}, "

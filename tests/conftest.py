@@ -19,6 +19,15 @@ def _seed() -> None:
     np.random.seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_users_launch_config(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No test (nor a process it starts) reads the developer's own launch config
+    (~/.config/accelfn/config.yaml) or launch variables set in their shell."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "no-user-config"))
+    for name in ("ACCELFN_CONFIG_FILE", "ACCELFN_ACCUMULATE", "ACCELFN_COMPILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="session")
 def cpu() -> af.backends.CPU:
     """The one-process CPU backend."""

@@ -24,7 +24,6 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-import attrs
 import torch
 
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack

@@ -9,9 +9,7 @@ how the model is replicated and gradients reduced, and XLA's graph cut.
 from __future__ import annotations
 
 import abc
-import builtins
 import contextlib
-import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -20,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accelfn import collectives
+from accelfn.backends._context import ProcessContext
 from accelfn.backends._eval_batches import check_eval_loader
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
@@ -31,16 +30,24 @@ from accelfn.backends._placement import (
 )
 from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
-from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Replicate, ShardData, WithPrecision, with_precision
+from accelfn.transforms import (
+    Accumulate,
+    Compile,
+    Replicate,
+    ShardData,
+    WithPrecision,
+    accumulate,
+    with_precision,
+)
+from accelfn.transforms import compile as compile_transform
 from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Backend(abc.ABC):
+class Backend(ProcessContext, abc.ABC):
     """An interpreter of Steps on one kind of hardware, and this process's place in the world.
 
     Attributes:
@@ -73,16 +80,6 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device})"
-
-    @property
-    def is_main_process(self) -> bool:
-        """True on global rank 0."""
-        return self.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """True on local rank 0 (one process per node)."""
-        return self.local_rank == 0
 
     # -- primitives a backend may override ---------------------------------------------
 
@@ -163,9 +160,12 @@ class Backend(abc.ABC):
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:
         """Places the state on this backend's device and specializes ``step`` for it.
 
-        Moves the model (and any optimizer state) to ``self.device``, casts parameters for
-        a true low-precision policy, adds each transform's entry to ``transforms_state``,
-        wraps the model as ``replicate`` asks, and returns the step function.
+        Adds the transforms ``accelfn launch`` asked for (``--precision``, ``--accumulate``,
+        ``--compile``) where the program has none of their kind, moves the model (and any
+        optimizer state) to ``self.device``, casts parameters for a true low-precision
+        policy, adds each transform's entry to ``transforms_state``, wraps the model as
+        ``replicate`` asks, compiles it as ``compile`` asks, and returns the step function,
+        whose ``step`` attribute is the program it runs.
 
         Args:
             step: the program.
@@ -177,36 +177,57 @@ class Backend(abc.ABC):
 
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
-            NotImplementedError: this backend cannot run the program's precision policy.
+            NotImplementedError: this backend cannot run the program's precision policy, or
+                its ``compile``.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
         if not isinstance(state, TrainState):
             raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
-        step = self._with_launch_precision(step)
+        step = self._with_launch_defaults(step)
         policy = self.precision(step)
         self.check_precision(policy)
+        compiled = step.find(Compile)
+        if compiled is not None:
+            self.check_compile(compiled)
         self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
+            model = self.compile_model(model, compiled)
         return state, step_function(self, step, state, model)
 
-    def _with_launch_precision(self, step: Step) -> Step:
-        requested = self.env.precision
-        if requested is None:
-            return step
-        present = step.find(WithPrecision)
-        if present is None:
-            return with_precision(requested)(step)
-        if present.policy.name != requested:
-            warnings.warn(
-                f"accelfn launch --precision {requested} is overridden by the script's "
-                f"with_precision({present.policy.name!r})",
-                stacklevel=3,
-            )
+    def _with_launch_defaults(self, step: Step) -> Step:
+        """``step`` with the transforms ``accelfn launch --precision/--accumulate/--compile``
+        asked for, added where the script set none of that kind. A script's own transform
+        wins, with a warning where it differs from the launch's."""
+        env = self.env
+        if env.precision is not None:
+            present = step.find(WithPrecision)
+            if present is None:
+                step = with_precision(env.precision)(step)
+            elif present.policy.name != env.precision:
+                _overridden(f"--precision {env.precision}", f"with_precision({present.policy.name!r})")
+        if env.accumulate is not None:
+            window = step.find(Accumulate)
+            if window is None:
+                step = accumulate(env.accumulate)(step)
+            elif window.num_micro_batches != env.accumulate:
+                _overridden(f"--accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+        if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
+            step = compile_transform()(step)
         return step
+
+    def check_compile(self, spec: Compile) -> None:
+        """Raises NotImplementedError if this backend cannot run ``compile`` (before anything
+        is placed)."""
+
+    def compile_model(self, model: torch.nn.Module, spec: Compile) -> torch.nn.Module:
+        """``model`` (already wrapped for ``replicate``) through ``torch.compile`` with
+        ``spec``'s options; the module itself is left as it is."""
+        return torch.compile(model, **spec.torch_compile_kwargs())  # type: ignore[return-value]
 
     def _place_state(self, state: TrainState, policy: Policy) -> None:
         model, optimizer = state.model, state.optimizer
@@ -315,93 +336,6 @@ class Backend(abc.ABC):
         """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
 
-    # -- collectives -----------------------------------------------------------------------
 
-    def barrier(self) -> None:
-        """Waits until every rank reaches this call."""
-        collectives.barrier()
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0 in rank order (sizes may differ)."""
-        return collectives.gather(tensor.to(self.collective_device))
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order."""
-        return collectives.gather_object(obj)
-
-    def gather_for_metrics(self, tree: Any) -> Any:
-        """``gather`` for evaluation: drops the samples ``shard_data`` added to even out the
-        epoch's last batch, so metrics count every sample exactly once.
-
-        The result is in rank order (rank 0's batch, then rank 1's, ...), as Accelerate's is:
-        with ``shard_data`` each rank reads every world-size-th sample, so that is not the
-        dataset's order. ``af.evaluate`` returns outputs in dataset order.
-
-        Args:
-            tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,
-                computed from the batch most recently read from the iterable the last
-                ``backend.batches(...)`` or ``backend.eval_batches(...)`` call returned (the
-                contract: that iterable's position says whether this is the epoch's last batch
-                and which ranks padded it).
-        """
-        active = self._active
-        drop = active.padding_ranks if active is not None and active.is_last else frozenset()
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            gathered = self.gather(t)
-            if not drop or t.ndim == 0:
-                return gathered
-            per_rank = t.shape[0]
-            keep = [gathered[r * per_rank:(r + 1) * per_rank - (1 if r in drop else 0)]
-                    for r in range(self.world_size)]
-            return torch.cat(keep)
-
-        return map_tensors(one, tree)
-
-    def reduce(self, tensor: torch.Tensor, op: collectives.ReduceOp = "mean") -> torch.Tensor:
-        """``tensor`` reduced over ranks with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``."""
-        return collectives.reduce(tensor.to(self.collective_device), op)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank ``src``'s ``tensor`` on every rank."""
-        return collectives.broadcast(tensor.to(self.collective_device), src)
-
-    def pad_across_processes(self, tensor: torch.Tensor, *, dim: int = 0, pad_index: float = 0,
-                             pad_first: bool = False) -> torch.Tensor:
-        """``tensor`` padded along ``dim`` to the largest size over ranks."""
-        return collectives.pad_across_processes(tensor.to(self.collective_device), dim=dim,
-                                                pad_index=pad_index, pad_first=pad_first)
-
-    def split_between_processes(self, inputs: Any) -> Any:
-        """This rank's contiguous part of a sequence, tensor or dict of them."""
-        return collectives.split_between_processes(inputs, rank_=self.rank, world_size_=self.world_size)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            builtins.print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Runs the block on the main process first, then on the others (downloads, caches)."""
-        if not self.is_main_process:
-            self.barrier()
-        yield
-        if self.is_main_process:
-            self.barrier()
-
-    def on_main_process(self, fn: F) -> F:
-        """Decorator: ``fn`` runs on the main process only (returns None elsewhere)."""
-        return self._only_if(fn, self.is_main_process)
-
-    def on_local_main_process(self, fn: F) -> F:
-        """Decorator: ``fn`` runs on each node's local main process only."""
-        return self._only_if(fn, self.is_local_main_process)
-
-    @staticmethod
-    def _only_if(fn: F, condition: bool) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **kwargs) if condition else None
-
-        return wrapper  # type: ignore[return-value]  # functools.wraps keeps fn's signature
+def _overridden(launch: str, script: str) -> None:
+    warnings.warn(f"accelfn launch {launch} is overridden by the script's {script}", stacklevel=4)

@@ -2,7 +2,8 @@
 
 ``torchrun`` (and so ``accelfn launch``) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``accelfn launch`` also sets
-``ACCELFN_BACKEND``, ``ACCELFN_PRECISION`` and ``ACCELFN_TIMEOUT_S``. Nothing else in
+``ACCELFN_BACKEND``, ``ACCELFN_PRECISION``, ``ACCELFN_ACCUMULATE``, ``ACCELFN_COMPILE`` and
+``ACCELFN_TIMEOUT_S``. Nothing else in
 accelfn reads the environment.
 """
 
@@ -33,6 +34,9 @@ class LaunchEnv:
         master_addr, master_port: the rendezvous address of rank 0 (None in one process).
         backend: the backend requested by ``accelfn launch --backend`` (None: choose).
         precision: the policy requested by ``accelfn launch --precision`` (None: the script's).
+        accumulate: the micro-batches per update requested by ``accelfn launch --accumulate``
+            (None: the script's).
+        compile: ``accelfn launch --compile``: add ``af.compile()`` when the script has none.
         timeout_s: collective timeout in seconds (process groups never wait forever).
     """
 
@@ -44,6 +48,8 @@ class LaunchEnv:
     master_port: int | None = None
     backend: str | None = None
     precision: str | None = None
+    accumulate: int | None = None
+    compile: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     @classmethod
@@ -53,7 +59,8 @@ class LaunchEnv:
         Raises:
             LaunchError: a variable that is not a number, ``RANK`` without ``WORLD_SIZE``
                 (or the reverse), a rank outside the world, a multi-process world without
-                ``MASTER_ADDR``/``MASTER_PORT``, an unknown backend or precision name, or a
+                ``MASTER_ADDR``/``MASTER_PORT``, an unknown backend or precision name, an
+                accumulation count below 1, a compile flag other than 1/0/true/false, or a
                 timeout that is not > 0; the message names the variable and how the process
                 should be started.
         """
@@ -89,13 +96,20 @@ class LaunchEnv:
         precision = env.get("ACCELFN_PRECISION") or None
         if precision is not None and precision not in POLICY_NAMES:
             raise LaunchError(f"ACCELFN_PRECISION={precision!r}: accepted values are {', '.join(POLICY_NAMES)}")
+        accumulate = _int(env, "ACCELFN_ACCUMULATE", 0) if env.get("ACCELFN_ACCUMULATE") else None
+        if accumulate is not None and accumulate < 1:
+            raise LaunchError(f"ACCELFN_ACCUMULATE={accumulate} must be >= 1 micro-batches per update")
+        compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
+        if compile_flag not in ("", "0", "1", "true", "false"):
+            raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
         timeout_s = _float(env, "ACCELFN_TIMEOUT_S", DEFAULT_TIMEOUT_S)
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a finite number of seconds > 0")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
-            backend=backend, precision=precision, timeout_s=timeout_s,
+            backend=backend, precision=precision, accumulate=accumulate,
+            compile=compile_flag in ("1", "true"), timeout_s=timeout_s,
         )
 
 

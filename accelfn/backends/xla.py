@@ -27,7 +27,7 @@ from accelfn.data.batches import EpochBatches, epoch_batches
 from accelfn.data.tree import map_tensors
 from accelfn.errors import LaunchError
 from accelfn.step import Step
-from accelfn.transforms import Replicate, ShardData
+from accelfn.transforms import Compile, Replicate, ShardData
 from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
@@ -130,6 +130,14 @@ class XLA(Backend):
         if self.world_size > 1:
             self._xm.broadcast_master_param(model)
         return model
+
+    def check_compile(self, spec: Compile) -> None:
+        """XLA has no ``compile``: torch_xla traces every step into an XLA graph and compiles
+        it already (one cached graph per micro-batch shape)."""
+        raise NotImplementedError(
+            f"the xla backend does not support {spec!r}: torch_xla already compiles each step into an "
+            "XLA graph; remove af.compile() (or accelfn launch --compile) for XLA"
+        )
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Averages gradients over ranks in place: one ``xm.all_reduce`` in the graph."""

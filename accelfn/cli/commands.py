@@ -1,9 +1,9 @@
-"""The ``accelfn`` command: ``accelfn launch | config | env``.
+"""The ``accelfn`` command: ``accelfn launch | config | env | test``.
 
 ``launch`` drives ``torch.distributed.run`` (torchrun): it turns the launch config and
 flags into torchrun's arguments and runs it in this process; torchrun starts the workers,
 runs the rendezvous and restarts. ``config`` writes a YAML launch config, ``env`` prints
-what a bug report needs.
+what a bug report needs, ``test`` checks the machine end to end (``_selftest.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ import torch
 from accelfn._version import __version__
 from accelfn.backends.env import BACKEND_NAMES, LaunchEnv, launcher_environment
 from accelfn.cli import config as _config
+from accelfn.cli import precedence as _precedence
+from accelfn.cli._environment import availability, devices, package_versions
+from accelfn.cli._selftest import FAULTS, self_test
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
 
@@ -66,6 +69,13 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         help="backend af.backends.auto() picks in the workers (default: CUDA if a GPU is seen, else CPU)")
     add("--precision", choices=POLICY_NAMES,
         help="precision policy for scripts that set none with af.with_precision (default: fp32)")
+    add("--accumulate", type=int, metavar="N",
+        help="micro-batches per optimizer update for scripts that set none with af.accumulate (default: 1)")
+    add("--compile", action=argparse.BooleanOptionalAction,
+        help="add af.compile() (torch.compile) to scripts that set none (default: no)")
+    add("--gpu-ids", "--gpu_ids", metavar="IDS",
+        help="the GPUs the workers use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); all: every GPU (default: as the "
+        "environment has it)")
     add("--timeout-s", "--timeout_s", type=float, metavar="SECONDS",
         help=f"how long a collective may wait for a rank before failing (default {d.timeout_s:g})")
 
@@ -75,32 +85,29 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def _active_config(path: str | None, *, stderr: TextIO | None = None) -> tuple[_config.LaunchConfig, Path | None]:
-    """The config file named by ``--config``, else ``./accelfn.yaml`` if present, else defaults."""
-    if path is not None:
-        return _config.load(path), Path(path)
-    if _config.DEFAULT_CONFIG_FILE.is_file():
-        if stderr is not None:
-            print(f"accelfn: using the launch config {_config.DEFAULT_CONFIG_FILE} (pass --config to choose another)",
-                  file=stderr)
-        return _config.load(_config.DEFAULT_CONFIG_FILE), _config.DEFAULT_CONFIG_FILE
-    return _DEFAULTS, None
+def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None) -> _precedence.Resolved:
+    """The launch config in effect for ``args`` (flags, environment, files, defaults; see
+    ``accelfn.cli.config.resolve``); the files read are announced on ``stderr``."""
+    resolved = _precedence.resolve(_given(args), config_file=args.config)
+    if stderr is not None and resolved.files and args.config is None:
+        print(f"accelfn: using the launch config {', '.join(map(str, resolved.files))} (pass --config to "
+              "choose another)", file=stderr)
+    return resolved
 
 
 # -- accelfn launch -------------------------------------------------------------------------
 
 def _launch(args: argparse.Namespace) -> int:
-    base, _ = _active_config(args.config, stderr=sys.stderr)
-    given = _given(args)
-    config = _config.merge(base, **given)
+    config = _active_config(args, stderr=sys.stderr).config
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
-    # torchrun's workers inherit this process's environment; a flag overrides a variable
-    # already set there, a config file's value or a default does not
-    flags = {_config.WORKER_ENV[name] for name in given if name in _config.WORKER_ENV}
+    # torchrun's workers inherit this process's environment (the config already holds the
+    # variables set there, below the flags)
     for name, value in config.worker_env().items():
-        if name in flags or name not in os.environ:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
             os.environ[name] = value
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
@@ -153,15 +160,20 @@ def _ask(name: str, current: Any, stdin: TextIO, stdout: TextIO) -> str | None:
 
 
 def _parse_answer(field: attrs.Attribute, answer: str) -> Any:
-    """An answer in the field's type: ``int``, ``float``, or a string; ``null`` for None.
+    """An answer in the field's type: ``int``, ``float``, ``bool``, or a string; ``null`` for None.
 
     Raises:
-        LaunchError: not a number where one is needed.
+        LaunchError: not a number where one is needed, not true/false where a bool is.
     """
     kind = attrs.fields_dict(attrs.resolve_types(_config.LaunchConfig))[field.name].type
     options = typing.get_args(kind) or (kind,)  # int | None -> (int, NoneType)
     if answer.lower() in ("null", "none") and type(None) in options:
         return None
+    if bool in options:
+        truth = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(answer.lower())
+        if truth is None:
+            raise LaunchError(f"{field.name}={answer!r}: must be true or false")
+        return truth
     number = next((t for t in options if t in (int, float)), None)
     if number is None:
         return answer
@@ -209,7 +221,7 @@ def _write_config(args: argparse.Namespace, *, stdin: TextIO | None = None, stdo
     config = _config.merge(_DEFAULTS, **given)
     if args.interactive:
         config = _interactive(config, given, stdin, stdout)
-    path = _config.save(config, args.output)
+    path = _config.save(config, _precedence.user_config_file() if args.user else args.output)
     stdout.write(f"wrote the launch config {path}:\n{_config.to_yaml(config)}")
     try:
         config.check()
@@ -221,58 +233,6 @@ def _write_config(args: argparse.Namespace, *, stdin: TextIO | None = None, stdo
 
 # -- accelfn env ----------------------------------------------------------------------------
 
-def _availability() -> list[tuple[str, str]]:
-    """Each distributed backend and device type, and whether this installation can use it."""
-    import importlib.metadata
-    import importlib.util
-
-    import torch
-    import torch.distributed as dist
-
-    def yes(flag: bool) -> str:
-        return "yes" if flag else "no"
-
-    distributed = dist.is_available()
-    rows = [
-        ("torch.distributed", yes(distributed)),
-        ("gloo (CPU processes)", yes(distributed and dist.is_gloo_available())),
-        ("nccl (CUDA processes)", yes(distributed and dist.is_nccl_available())),
-        ("cuda", f"yes, {torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "no"),
-    ]
-    if importlib.util.find_spec("torch_xla") is None:
-        rows.append(("torch_xla", "not installed"))
-    else:
-        rows.append(("torch_xla", f"installed, {importlib.metadata.version('torch_xla')}"))
-    return rows
-
-
-_PACKAGES = ("numpy", "attrs", "cattrs", "toolz", "safetensors", "tensorboardX", "orjson", "PyYAML", "tqdm")
-
-
-def _package_versions() -> str:
-    import importlib.metadata
-
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    return ", ".join(f"{name} {version(name)}" for name in _PACKAGES)
-
-
-def _devices() -> list[str]:
-    import torch
-
-    lines = [f"cpu: {os.cpu_count()} logical cores, {torch.get_num_threads()} torch threads"]
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(i)
-            lines.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                         f"compute capability {props.major}.{props.minor}")
-    return lines
-
-
 def _report(args: argparse.Namespace) -> int:
     out = sys.stdout
     out.write(f"accelfn: {__version__}\n")
@@ -280,21 +240,30 @@ def _report(args: argparse.Namespace) -> int:
               f"{torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None})\n")
     out.write(f"python: {platform.python_version()} ({platform.python_implementation()}, {sys.executable})\n")
     out.write(f"platform: {platform.platform()}\n")
-    out.write(f"packages: {_package_versions()}\n")
-    out.write("devices:\n" + "".join(f"  {line}\n" for line in _devices()))
-    out.write("backends:\n" + "".join(f"  {name}: {value}\n" for name, value in _availability()))
+    out.write(f"packages: {package_versions()}\n")
+    out.write("devices:\n" + "".join(f"  {line}\n" for line in devices()))
+    out.write("backends:\n" + "".join(f"  {name}: {value}\n" for name, value in availability()))
     try:
         env = LaunchEnv.from_env()
         out.write(f"launch environment: rank {env.rank} of world size {env.world_size} "
                   f"(local rank {env.local_rank} of {env.local_world_size}), backend {env.backend}, "
-                  f"precision {env.precision}, timeout {env.timeout_s:g} s\n")
+                  f"precision {env.precision}, accumulate {env.accumulate}, compile {'yes' if env.compile else 'no'}, "
+                  f"timeout {env.timeout_s:g} s\n")
     except LaunchError as e:
         out.write(f"launch environment: invalid: {e}\n")
-    config, path = _active_config(args.config)
-    source = str(path) if path is not None else "none found, the defaults"
+    resolved = _active_config(args)
+    source = ", ".join(map(str, resolved.files)) or "none found, the defaults"
     out.write(f"launch config ({source}):\n")
-    out.write("".join(f"  {line}\n" for line in _config.to_yaml(config).splitlines()))
+    for line in _config.to_yaml(resolved.config).splitlines():
+        origin = resolved.sources.get(line.partition(":")[0])
+        out.write(f"  {line}{f'  # from {origin}' if origin else ''}\n")
     return 0
+
+
+# -- accelfn test ---------------------------------------------------------------------------
+
+def _test(args: argparse.Namespace) -> int:
+    return self_test(_active_config(args, stderr=sys.stderr).config, fault=args.fault)
 
 
 # -- the parser -----------------------------------------------------------------------------
@@ -304,20 +273,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,config,env}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,config,env,test}")
 
     launch = commands.add_parser(
         "launch", help="run a script on N processes per node (drives torch.distributed.run)",
         description="Runs SCRIPT on --nproc-per-node processes on each of --nnodes nodes through "
         "torch.distributed.run (torchrun). Workers get RANK, LOCAL_RANK, WORLD_SIZE, "
         "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and ACCELFN_BACKEND, ACCELFN_PRECISION, "
-        "ACCELFN_TIMEOUT_S for af.backends.auto(). Options come from the defaults, then the "
-        f"config file (--config, or ./{_config.DEFAULT_CONFIG_FILE} if present), then the flags.",
+        "ACCELFN_ACCUMULATE, ACCELFN_COMPILE, ACCELFN_TIMEOUT_S for af.backends.auto(). Each option "
+        "comes from the first of: its flag; its variable in the environment (ACCELFN_PRECISION, ..., "
+        "CUDA_VISIBLE_DEVICES for --gpu-ids); the config file (--config FILE, else $ACCELFN_CONFIG_FILE, "
+        f"else ./{_config.DEFAULT_CONFIG_FILE} if present); the user's config file "
+        "($XDG_CONFIG_HOME/accelfn/config.yaml, ~/.config/accelfn/config.yaml); the defaults.",
         epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     launch.add_argument("--config", metavar="FILE",
-                        help=f"YAML launch config written by `accelfn config` (default ./{_config.DEFAULT_CONFIG_FILE} "
-                        "if it exists)")
+                        help="YAML launch config written by `accelfn config` (default $ACCELFN_CONFIG_FILE, else "
+                        f"./{_config.DEFAULT_CONFIG_FILE} if it exists), over the user's config file")
     _add_launch_options(launch)
     launch.add_argument("-m", "--module", action="store_true",
                         help="SCRIPT is a module name, run as `python -m SCRIPT`")
@@ -335,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.add_argument("-o", "--output", metavar="FILE", default=str(_config.DEFAULT_CONFIG_FILE),
                         help=f"where to write it (default ./{_config.DEFAULT_CONFIG_FILE})")
+    config.add_argument("--user", action="store_true",
+                        help="write the user's default config instead, $XDG_CONFIG_HOME/accelfn/config.yaml "
+                        "(~/.config/accelfn/config.yaml), which every launch reads below ./accelfn.yaml")
     config.add_argument("--interactive", action="store_true",
                         help="ask for every option not given as a flag (an empty answer keeps the default)")
     _add_launch_options(config)
@@ -347,8 +322,28 @@ def build_parser() -> argparse.ArgumentParser:
         "active launch config.",
     )
     env.add_argument("--config", metavar="FILE",
-                     help=f"the launch config to show (default ./{_config.DEFAULT_CONFIG_FILE} if it exists)")
+                     help="the launch config to show (default $ACCELFN_CONFIG_FILE, else "
+                     f"./{_config.DEFAULT_CONFIG_FILE} if it exists), over the user's config file")
     env.set_defaults(run=_report, parser=env)
+
+    test = commands.add_parser(
+        "test", help="check this machine end to end: training, backends, precisions, checkpoints, collectives",
+        description="Trains a tiny model on 1 process and on --nproc-per-node processes (2 when the "
+        "config says 1) with the launch config in effect, and prints one line per check: PASS, FAIL or "
+        "SKIP. Checks: shard_data + replicate + accumulate + clip equals 1 process on the whole batch; "
+        "each available backend and precision lowers the loss; a checkpoint saves and loads bitwise; "
+        "gather joins tensors of unequal sizes. The config's precision, accumulate and compile defaults "
+        "are left out (the checks set their own). Exits 1 when a check fails.",
+    )
+    test.add_argument("--config", metavar="FILE",
+                      help="YAML launch config (default $ACCELFN_CONFIG_FILE, else "
+                      f"./{_config.DEFAULT_CONFIG_FILE} if it exists), over the user's config file")
+    _add_launch_options(test)
+    test.add_argument("--fault", choices=FAULTS,
+                      help="test hook: break one check on purpose to see it FAIL (no-allreduce: the "
+                      "multi-process training runs without replicate(); corrupt-checkpoint: a byte of "
+                      "the saved checkpoint is flipped before it is loaded)")
+    test.set_defaults(run=_test, parser=test)
     return parser
 
 

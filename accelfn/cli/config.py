@@ -1,15 +1,17 @@
 """The launch configuration of ``accelfn launch``: a frozen record, stored as YAML.
 
-``accelfn config`` writes it, ``accelfn launch --config FILE`` reads it (flags override
-the file), ``accelfn env`` shows it. The record is (de)structured by one private cattrs
-converter, so a new field cannot be forgotten in the file format, and an unknown key in
-a file is an error rather than a silently ignored typo.
+``accelfn config`` writes it, ``accelfn launch`` and ``accelfn test`` read it, ``accelfn
+env`` shows it; ``precedence.py`` merges the flags, the environment and the files into the
+config in effect. The record is (de)structured by one private cattrs converter, so a new
+field cannot be forgotten in the file format, and an unknown key in a file is an error
+rather than a silently ignored typo.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,24 @@ def _port(instance: object, attribute: attrs.Attribute, value: int | None) -> No
         raise ValueError(f"master_port={value!r}: must be a TCP port, an int in 1..65535")
 
 
+def _gpu_ids(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"gpu_ids must be a string such as \"0,1\" or \"all\", got {value!r}")
+    if not _GPU_IDS.fullmatch(value):
+        raise ValueError(f"gpu_ids={value!r}: must be \"all\" or GPU ids separated by commas, such as \"0,1\" "
+                         "(CUDA_VISIBLE_DEVICES's syntax: indices or GPU-/MIG- UUIDs, no spaces)")
+
+
+_GPU_IDS = re.compile(r"all|(?:[A-Za-z0-9-]+(?:,[A-Za-z0-9-]+)*)?")  # "" hides every GPU
+
+
+def _boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be true or false, got {value!r}")
+
+
 def _positive_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"timeout_s={value!r}: must be a finite number of seconds > 0")
@@ -73,6 +93,12 @@ class LaunchConfig:
         max_restarts: restarts of the whole worker group after a failure.
         backend: ``"cpu"``, ``"cuda"`` or ``"xla"`` for ``af.backends.auto()``; None: choose.
         precision: a policy name (``"bf16"``, ...) added when the script sets none; None: the script's.
+        accumulate: micro-batches per optimizer update, ``af.accumulate(n)`` added when the
+            script sets none; None: the script's.
+        compile: add ``af.compile()`` (``torch.compile`` with its defaults) when the script
+            sets none.
+        gpu_ids: the GPUs the workers may use, ``"0,1"`` (set as ``CUDA_VISIBLE_DEVICES``),
+            or ``"all"`` (``CUDA_VISIBLE_DEVICES`` removed); None: the environment's.
         timeout_s: seconds a collective (and process group creation) may wait for a rank.
     """
 
@@ -87,6 +113,9 @@ class LaunchConfig:
     max_restarts: int = attrs.field(default=0, validator=_at_least(0))
     backend: str | None = attrs.field(default=None, validator=_one_of(BACKEND_NAMES))
     precision: str | None = attrs.field(default=None, validator=_one_of(POLICY_NAMES))
+    accumulate: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
+    compile: bool = attrs.field(default=False, validator=_boolean)
+    gpu_ids: str | None = attrs.field(default=None, validator=_gpu_ids)
     timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S, validator=_positive_seconds)
 
     def check(self) -> None:
@@ -140,19 +169,25 @@ class LaunchConfig:
         return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),
                 "--node-rank", str(self.node_rank)]
 
-    def worker_env(self) -> dict[str, str]:
-        """The variables ``accelfn launch`` adds for ``LaunchEnv.from_env`` in each worker
-        (names in ``WORKER_ENV``)."""
-        env = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}"}
-        if self.backend is not None:
-            env[WORKER_ENV["backend"]] = self.backend
-        if self.precision is not None:
-            env[WORKER_ENV["precision"]] = self.precision
+    def worker_env(self) -> dict[str, str | None]:
+        """The variables ``accelfn launch`` sets for the workers (names in ``WORKER_ENV``):
+        ``LaunchEnv.from_env`` reads the ``ACCELFN_*`` ones, CUDA the GPU list. A value of
+        None removes the variable (``gpu_ids="all"``); a field that is None sets nothing."""
+        env: dict[str, str | None] = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}",
+                                      WORKER_ENV["compile"]: "1" if self.compile else "0"}
+        for name in ("backend", "precision", "accumulate"):
+            value = getattr(self, name)
+            if value is not None:
+                env[WORKER_ENV[name]] = str(value)
+        if self.gpu_ids is not None:
+            env[WORKER_ENV["gpu_ids"]] = None if self.gpu_ids == "all" else self.gpu_ids
         return env
 
 
-#: the launch options passed to the workers as environment variables, by field
-WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION"}
+#: the launch options passed to the workers as environment variables, by field; the same
+#: variables, set in the environment of ``accelfn launch``, override the config files
+WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION",
+              "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES"}
 
 
 def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
@@ -161,7 +196,7 @@ def _strict(kind: type, accepted: tuple[type, ...]) -> Any:
     ValueError that names no key); ``float`` fields take ints too."""
 
     def structure(value: Any, _: type) -> Any:
-        if isinstance(value, bool) or not isinstance(value, accepted):
+        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, accepted):
             raise TypeError(_kind_name(value))
         return kind(value)
 
@@ -177,7 +212,7 @@ def _kind_name(value: Any) -> str:
 
 def _expected(kind: Any) -> str:
     """What a field of type ``kind`` takes, in words: ``int | None`` -> "an int or null"."""
-    words = {int: "an int", float: "a number", str: "a string", type(None): "null"}
+    words = {int: "an int", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
     options = typing.get_args(kind) or (kind,)
     return " or ".join(words.get(option, getattr(option, "__name__", str(option))) for option in options)
 
@@ -186,6 +221,7 @@ _converter = cattrs.Converter(forbid_extra_keys=True)
 _converter.register_structure_hook(int, _strict(int, (int,)))
 _converter.register_structure_hook(float, _strict(float, (int, float)))
 _converter.register_structure_hook(str, _strict(str, (str,)))
+_converter.register_structure_hook(bool, _strict(bool, (bool,)))
 
 
 def to_yaml(config: LaunchConfig) -> str:
@@ -194,7 +230,16 @@ def to_yaml(config: LaunchConfig) -> str:
 
 
 def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
-    """Parses a YAML launch config; missing keys take their defaults.
+    """Parses a YAML launch config; missing keys take their defaults (see :func:`_parse`).
+
+    Raises:
+        LaunchError: see :func:`_parse`.
+    """
+    return _parse(text, source=source)[0]
+
+
+def _parse(text: str, *, source: str = "<string>") -> tuple[LaunchConfig, frozenset[str]]:
+    """Parses a YAML launch config and the keys it sets; missing keys take their defaults.
 
     Values are not coerced: ``nproc_per_node: 2.5``, ``true`` or ``two`` is an error, as is
     ``rdzv_id: 7`` (quote it: ``"7"``); an int is taken where a number of seconds is asked.
@@ -217,7 +262,7 @@ def from_yaml(text: str, *, source: str = "<string>") -> LaunchConfig:
     if unknown:
         raise LaunchError(f"{source}: unknown launch option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     try:
-        return _converter.structure(data, LaunchConfig)
+        return _converter.structure(data, LaunchConfig), frozenset(map(str, data))
     except (ValueError, TypeError) as e:  # a validator of LaunchConfig: it names the key
         raise LaunchError(f"{source}: {e}") from None
     except cattrs.ClassValidationError as e:  # a value of the wrong type (see _strict)
@@ -265,14 +310,17 @@ def load(path: str | os.PathLike[str]) -> LaunchConfig:
     Raises:
         LaunchError: the file is missing or invalid (see :func:`from_yaml`).
     """
-    path = Path(path)
+    return from_yaml(_read(Path(path)), source=str(path))
+
+
+def _read(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise LaunchError(
             f"cannot read the launch config {path}: {e.strerror}; write one with `accelfn config`"
         ) from None
-    return from_yaml(text, source=str(path))
+    return text
 
 
 def save(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:

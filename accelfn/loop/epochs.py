@@ -148,6 +148,7 @@ def run(
     trackers = tuple(trackers)
     check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
+    step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation
         state.model.train()
     schedule = Schedule(checkpoints, backend, transforms_record(step)) if checkpoints is not None else None

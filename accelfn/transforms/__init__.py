@@ -18,6 +18,7 @@ backend interprets them.
 
 from accelfn.transforms.accumulate import Accumulate, Window, accumulate
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
+from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
 from accelfn.transforms.precision import (
@@ -39,6 +40,7 @@ __all__ = [
     "Accumulate",
     "Clip",
     "ClipValue",
+    "Compile",
     "DynamicScaling",
     "LossScale",
     "Policy",
@@ -52,6 +54,7 @@ __all__ = [
     "accumulate",
     "clip",
     "clip_value",
+    "compile",
     "compose",
     "parse_policy",
     "replicate",

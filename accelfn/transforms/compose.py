@@ -10,6 +10,7 @@ import toolz
 from accelfn.step import TransformBase
 from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.clip import Clip, ClipValue
+from accelfn.transforms.compile import Compile
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.precision import WithPrecision
 from accelfn.transforms.replicate import Replicate
@@ -18,9 +19,9 @@ from accelfn.transforms.skip_nonfinite import SkipNonfinite
 if TYPE_CHECKING:
     from accelfn.step import Step
 
-Transform = Union[ShardData, Replicate, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite]
+Transform = Union[ShardData, Replicate, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
-    ShardData, Replicate, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
+    ShardData, Replicate, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

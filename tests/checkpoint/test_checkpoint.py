@@ -160,6 +160,8 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path) -> N
         time.sleep(float(ready[1]) * fraction * jitter.uniform(0.8, 1.2))
         child.send_signal(signal.SIGKILL)
         child.wait()
+        child.stdin.close()
+        child.stdout.close()
         state = af.load(path, into=target)
         values = {float(v) for p in state.model.parameters() for v in p.detach().unique()}
         assert (values, state.step) in (({1.0}, 1), ({2.0}, 2)), (fraction, values, state.step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -31,7 +32,9 @@ def main() -> None:
         "rank": backend.rank, "world_size": backend.world_size, "local_rank": backend.local_rank,
         "local_world_size": backend.local_world_size, "master_port": env.master_port,
         "backend": backend.name, "requested_backend": env.backend, "precision": env.precision,
-        "timeout_s": env.timeout_s, "stray_local_rank": args.local_rank, "tag": args.tag,
+        "timeout_s": env.timeout_s, "accumulate": env.accumulate, "compile": env.compile,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "stray_local_rank": args.local_rank,
+        "tag": args.tag,
         "sum_of_ranks_plus_one": total,
     }
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(record))

@@ -1,0 +1,157 @@
+"""Where each launch option comes from, the first that sets it winning.
+
+::
+
+    1  a flag on the command line                 --precision bf16
+    2  the environment                            ACCELFN_PRECISION=bf16 (WORKER_ENV)
+    3  the chosen config file: --config FILE, else $ACCELFN_CONFIG_FILE, else ./accelfn.yaml
+    4  the user's config file                     $XDG_CONFIG_HOME/accelfn/config.yaml
+                                                  (~/.config/accelfn/config.yaml)
+    5  the defaults of LaunchConfig
+
+A file sets only the keys it holds with a value other than ``null``, so a user file with
+``precision: bf16`` still applies under a project file that names only ``nproc_per_node``
+(or ``precision: null``, as ``accelfn config`` writes an option it was not given).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from accelfn.cli.config import (
+    DEFAULT_CONFIG_FILE,
+    WORKER_ENV,
+    LaunchConfig,
+    _expected,
+    _parse,
+    _read,
+    merge,
+)
+from accelfn.errors import LaunchError
+
+#: the variable naming the config file to use instead of ./accelfn.yaml
+CONFIG_FILE_VARIABLE = "ACCELFN_CONFIG_FILE"
+
+
+@attrs.frozen
+class Resolved:
+    """The launch config in effect and where each of its options came from.
+
+    Attributes:
+        config: the merged, validated launch config.
+        sources: for each field set by something other than the defaults, what set it: a
+            flag (``--precision``), a variable (``ACCELFN_PRECISION``) or a file's path.
+        files: the config files read, lowest precedence first.
+    """
+
+    config: LaunchConfig
+    sources: Mapping[str, str]
+    files: tuple[Path, ...]
+
+
+def user_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's default launch config: ``$XDG_CONFIG_HOME/accelfn/config.yaml``, or
+    ``~/.config/accelfn/config.yaml`` when ``XDG_CONFIG_HOME`` is unset, empty or relative
+    (as the XDG Base Directory Specification says)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CONFIG_HOME") or ""
+    root = Path(base) if os.path.isabs(base) else Path(env.get("HOME") or Path.home()) / ".config"
+    return root / "accelfn" / "config.yaml"
+
+
+def chosen_config_file(path: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None,
+                       cwd: Path | None = None) -> Path | None:
+    """The config file above the user's: ``path`` (``--config``), else ``$ACCELFN_CONFIG_FILE``,
+    else ``./accelfn.yaml`` if it exists (in ``cwd``, by default the working directory), else None.
+
+    A file named by ``--config`` or the variable must exist (``resolve`` raises otherwise).
+    """
+    env = os.environ if environ is None else environ
+    if path is not None:
+        return Path(path)
+    named = env.get(CONFIG_FILE_VARIABLE)
+    if named:
+        return Path(named)
+    local = DEFAULT_CONFIG_FILE if cwd is None else cwd / DEFAULT_CONFIG_FILE
+    return local if local.is_file() else None
+
+
+def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The options set by variables of ``WORKER_ENV`` in ``environ``, parsed and checked.
+
+    Raises:
+        LaunchError: a value that does not parse, or that the field refuses.
+    """
+    kinds = attrs.fields_dict(attrs.resolve_types(LaunchConfig))
+    found = {}
+    for name, variable in WORKER_ENV.items():
+        text = environ.get(variable)
+        if text is None or (text == "" and name != "gpu_ids"):
+            continue
+        options = typing.get_args(kinds[name].type) or (kinds[name].type,)
+        try:
+            if bool in options:
+                value: Any = {"1": True, "true": True, "0": False, "false": False}[text.strip().lower()]
+            elif int in options:
+                value = int(text)
+            elif float in options:
+                value = float(text)
+            else:
+                value = text
+        except (KeyError, ValueError):
+            expected = "1, 0, true or false" if bool in options else _expected(kinds[name].type).replace(" or null", "")
+            raise LaunchError(f"{variable}={text!r}: must be {expected}") from None
+        try:
+            found[name] = getattr(attrs.evolve(LaunchConfig(), **{name: value}), name)  # validated
+        except (ValueError, TypeError) as e:
+            raise LaunchError(f"{variable}={text!r}: {e}") from None
+    return found
+
+
+def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.PathLike[str] | None = None,
+            environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> Resolved:
+    """The launch config in effect: flags over the environment over the chosen config file
+    over the user's config file over the defaults (see this module's docstring).
+
+    Args:
+        flags: options given on the command line, by field name (None values ignored).
+        config_file: the file named by ``--config``, or None.
+        environ: the environment (default ``os.environ``): ``ACCELFN_CONFIG_FILE``,
+            ``XDG_CONFIG_HOME``, ``HOME`` and the variables of ``WORKER_ENV``.
+        cwd: the working directory, where ``accelfn.yaml`` is looked for.
+
+    Returns:
+        Resolved: the config and the source of each option.
+
+    Raises:
+        LaunchError: a file named by ``--config`` or ``ACCELFN_CONFIG_FILE`` that cannot be
+            read; an invalid file or variable (the message names it); options that are
+            valid alone but not together are left to :meth:`LaunchConfig.check`.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    files: list[Path] = []
+    user = user_config_file(env)
+    chosen = chosen_config_file(config_file, env, cwd)
+    for path in (user if user.is_file() else None, chosen):
+        if path is None:
+            continue
+        config, named = _parse(_read(path), source=str(path))
+        keys = [key for key in named if getattr(config, key) is not None]  # null: no opinion
+        values.update({key: getattr(config, key) for key in keys})
+        sources.update(dict.fromkeys(keys, str(path)))
+        files.append(path)
+    from_env = _environment(env)
+    values.update(from_env)
+    sources.update({name: WORKER_ENV[name] for name in from_env})
+    given = {name: value for name, value in (flags or {}).items() if value is not None}
+    values.update(given)
+    sources.update({name: "--" + name.replace("_", "-") for name in given})
+    return Resolved(merge(LaunchConfig(), **values), sources, tuple(files))
