@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from accelfn.data.tree import map_tensors
+from accelfn.errors import wrong_type
 
 
 def place_on(device: torch.device) -> Callable[[Any], Any]:
@@ -39,11 +40,11 @@ def place_on(device: torch.device) -> Callable[[Any], Any]:
     return place
 
 
-def check_placement(*, place_model: Any, place_batches: Any) -> None:
-    """Raises TypeError unless both placement options are bools."""
+def check_placement(call: str, *, place_model: Any, place_batches: Any) -> None:
+    """Raises TypeError unless both placement options of ``call`` (``"CPU"``, ``"auto"``) are bools."""
     for name, value in (("place_model", place_model), ("place_batches", place_batches)):
         if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+            raise wrong_type(call, name, "True or False", value)
 
 
 def unchanged(batch: Any) -> Any:

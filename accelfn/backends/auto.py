@@ -36,7 +36,7 @@ def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batche
         >>> backend.world_size >= 1
         True
     """
-    check_placement(place_model=place_model, place_batches=place_batches)
+    check_placement("auto", place_model=place_model, place_batches=place_batches)
     env = LaunchEnv.from_env() if env is None else env
     name = env.backend or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda":

@@ -64,7 +64,7 @@ class Backend(ProcessContext, abc.ABC):
 
     def __init__(self, env: LaunchEnv, device: torch.device, *, place_model: bool = True,
                  place_batches: bool = True):
-        check_placement(place_model=place_model, place_batches=place_batches)
+        check_placement(type(self).__name__, place_model=place_model, place_batches=place_batches)
         #: whether ``prepare`` moves the model to ``device`` (False: left where it is)
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)

@@ -94,7 +94,7 @@ class XLA(Backend):
     supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
 
     def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
-        check_placement(place_model=place_model, place_batches=place_batches)  # before any state changes
+        check_placement("XLA", place_model=place_model, place_batches=place_batches)  # before any state changes
         env = LaunchEnv.from_env() if env is None else env
         torch_xla, xm = _torch_xla()
         if env.world_size > 1:

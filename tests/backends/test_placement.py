@@ -86,9 +86,9 @@ def test_run_without_placement_trains_on_the_users_model_and_batches_as_they_are
 
 def test_placement_options_must_be_bools() -> None:
     """place_model="no" is a TypeError naming the option, before any process group exists."""
-    with pytest.raises(TypeError, match=r"place_model must be True or False, got 'no'"):
+    with pytest.raises(TypeError, match=r"CPU\(place_model=...\) must be True or False, got 'no'"):
         af.backends.CPU(ENV, place_model="no")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"place_batches must be True or False, got 0"):
+    with pytest.raises(TypeError, match=r"auto\(place_batches=...\) must be True or False, got 0"):
         af.backends.auto(ENV, place_batches=0)  # type: ignore[arg-type]
 
 

@@ -97,7 +97,7 @@ def test_options_are_passed_to_torch_compile_and_the_record_stays_hashable() -> 
     ({"options": [1, 2]}, TypeError, r"compile\(options=...\) must be a mapping of option names to values"),
     ({"options": {"a": [1]}}, TypeError, r"maps option names to str/int/float/bool values, got 'a': \[1\]"),
     ({"backend": ""}, TypeError, r"compile\(backend=...\) must be the name of a TorchDynamo backend"),
-    ({"fullgraph": 1}, TypeError, r"fullgraph must be True or False, got 1"),
+    ({"fullgraph": 1}, TypeError, r"compile\(fullgraph=...\) must be True or False, got 1"),
 ])
 def test_bad_options_are_refused_when_the_transform_is_built(kwargs: dict, error: type, message: str) -> None:
     """compile(...) checks its arguments at once, naming the argument and what it accepts."""
