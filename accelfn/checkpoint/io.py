@@ -181,4 +181,4 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
         counters = snap.counters
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
-    return _restore.put(into, snap, copy=False), manifest
+    return _restore.put(into, snap, copy=True), manifest  # its tensors are mapped to the files
