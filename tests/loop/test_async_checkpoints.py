@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import accelfn as af
 from accelfn.errors import CheckpointError
-from tests.helpers.launch import environment
+from tests.helpers.launch import environment, launch
 from tests.helpers.states import assert_same_state, build, loader, loss_fn, program
 from tests.workers import async_saves
 
@@ -157,3 +158,30 @@ def test_sigterm_during_a_background_save_exits_143_with_the_newest_checkpoint_r
                      progress=False)
     assert resumed.step == stopped + 1
     assert torch.equal(resumed.model[0], torch.full_like(resumed.model[0], stopped + 1.0))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_saving_in_the_background_match_synchronous_saves(tmp_path) -> None:
+    """With 2 processes (gloo), background saves (rank 0 writes; the gather stays in the
+    training thread) give every rank the parameters of synchronous saves, and the same
+    checkpoints, byte for byte in their manifests (RNG states of both ranks included)."""
+    launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="async_ranks.py",
+           script_args=(tmp_path,))
+    for rank in range(2):
+        synchronous = load_file(tmp_path / f"rank{rank}-sync.safetensors")
+        asynchronous = load_file(tmp_path / f"rank{rank}-async.safetensors")
+        assert all(torch.equal(asynchronous[k], synchronous[k]) for k in synchronous)
+    steps = af.Checkpoints(tmp_path / "sync").steps()
+    assert af.Checkpoints(tmp_path / "async").steps() == steps and len(steps) >= 3
+    for step in steps:
+        name = f"step_{step:08d}/manifest.json"
+        assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
+
+
+def test_asynchronous_must_be_a_bool_and_shows_in_the_repr(tmp_path) -> None:
+    """Checkpoints(asynchronous=...) takes True or False, refusing anything else with the
+    value it got; the record's repr shows it."""
+    with pytest.raises(TypeError, match=r"^Checkpoints\(asynchronous=...\) must be True or False, got 'yes'$"):
+        af.Checkpoints(tmp_path, asynchronous="yes")
+    assert repr(af.Checkpoints("runs", every_steps=5, asynchronous=True)) == (
+        "Checkpoints('runs', every_steps=5, every_seconds=None, keep=None, asynchronous=True)")
