@@ -31,6 +31,8 @@ background thread, and the collective that commits the manifest stays in trainin
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -40,6 +42,10 @@ import torch
 
 from accelfn.checkpoint._context import ProcessContext
 from accelfn.errors import CheckpointError
+
+
+#: how much lower the writing threads' scheduling priority is than training's (Linux nice)
+BACKGROUND_NICENESS = 10
 
 
 class HostBuffers:
@@ -110,6 +116,10 @@ class BackgroundSaves:
         self._thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:
+        # Linux schedules threads by their own nice value (inherited by the threads this one
+        # starts): the write yields the CPU to training where both compete for it
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
         try:
             write()
         except BaseException as e:  # kept, and raised in the training thread
