@@ -164,7 +164,8 @@ def test_sigterm_during_a_background_save_exits_143_with_the_newest_checkpoint_r
 def test_two_processes_saving_in_the_background_match_synchronous_saves(tmp_path) -> None:
     """With 2 processes (gloo), background saves (rank 0 writes; the gather stays in the
     training thread) give every rank the parameters of synchronous saves, and the same
-    checkpoints, byte for byte in their manifests (RNG states of both ranks included)."""
+    checkpoints, byte for byte in their manifests (RNG states of both ranks included); when
+    rank 0's background write fails, both ranks raise (rank 0 with the path and cause)."""
     launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="async_ranks.py",
            script_args=(tmp_path,))
     for rank in range(2):
@@ -185,3 +186,9 @@ def test_asynchronous_must_be_a_bool_and_shows_in_the_repr(tmp_path) -> None:
         af.Checkpoints(tmp_path, asynchronous="yes")
     assert repr(af.Checkpoints("runs", every_steps=5, asynchronous=True)) == (
         "Checkpoints('runs', every_steps=5, every_seconds=None, keep=None, asynchronous=True)")
+    failed = tmp_path / "failing" / "step_00000002"
+    errors = [(tmp_path / f"rank{rank}-error.txt").read_text() for rank in range(2)]
+    assert errors[0].startswith(f"writing the checkpoint {failed} in the background failed: OSError: "
+                                "[Errno 27] File too large"), errors[0]
+    assert errors[1] == "rank 0 failed to write the checkpoint of step 2 in the background; its error says why"
+    assert af.Checkpoints(tmp_path / "failing").steps() == []
