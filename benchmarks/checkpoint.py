@@ -1,9 +1,11 @@
 """Checkpoint costs for ~96 MiB and ~1 GiB TrainStates: synchronous, verified and asynchronous.
 
 The state is an MLP of 1024 x 1024 layers with AdamW moments after one update (parameters
-plus two moments: 3 x the model's bytes). Each figure is the median wall time of
-``--repeats`` runs (saves each into a fresh path; loads of one checkpoint written once
-before, its pages in the page cache, as when resuming soon after a save):
+plus two moments: 3 x the model's bytes). Saves and loads run in ``--repeats`` rounds, the
+contestants' order rotating; each row gives the median wall time and the median over rounds
+of the ratio to the first row of its group in the same round (saves each into a fresh path;
+loads of one checkpoint written once before, its pages in the page cache, as when resuming
+soon after a save):
 
 * save: ``safetensors.save_file`` of the same tensors in one file; ``+ fsync``: the same
   with the fsyncs ``af.save`` makes (the file, and the directory it is in); ``af.save``:
@@ -85,24 +87,31 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def median_ms(fn: Callable[[Path], None], root: Path, repeats: int, *,
-              prepare: Callable[[Path], None] | None = None) -> float:
-    """Median wall time of ``fn(path)``: saves each into a fresh path; loads of one path
-    written once by ``prepare``."""
-    times = []
-    path = root / "prepared"
-    if prepare is not None:
-        prepare(path)
-    for i in range(repeats):
-        if prepare is None:
-            path = root / f"run{i}"
-        start = time.perf_counter()
-        fn(path)
-        times.append(time.perf_counter() - start)
-        if prepare is None:
-            _remove(path)
-    _remove(root / "prepared")
-    return statistics.median(times) * 1e3
+def paired(contestants: dict[str, Callable[[Path], None]], root: Path, rounds: int, *,
+           prepare: dict[str, Callable[[Path], None]] | None = None) -> dict[str, tuple[float, float]]:
+    """Each contestant's median wall time (ms) and median ratio to the first contestant's
+    time in the same round (the order rotates from round to round, so a busy moment of the
+    shared machine hits all of them alike). Saves go each into a fresh path; a load reads
+    the path its ``prepare`` wrote once before the rounds (its pages in the page cache, as
+    when resuming soon after a save)."""
+    names = list(contestants)
+    paths = {name: root / f"prepared-{i}" for i, name in enumerate(names)}
+    for name, make in (prepare or {}).items():
+        make(paths[name])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            path = paths[name] if prepare else root / f"run-{r}-{names.index(name)}"
+            start = time.perf_counter()
+            contestants[name](path)
+            times[name].append(time.perf_counter() - start)
+            if not prepare:
+                _remove(path)
+    for path in paths.values():
+        _remove(path)
+    base = times[names[0]]
+    return {name: (statistics.median(t) * 1e3, statistics.median(x / b for x, b in zip(t, base)))
+            for name, t in times.items()}
 
 
 def _remove(path: Path) -> None:
@@ -169,23 +178,19 @@ def report(total_mb: float, root: Path, repeats: int) -> None:
         fsync(p)
         fsync(p.parent)
 
-    rows = [
-        ("save  safetensors.save_file", median_ms(bare_save, root, repeats)),
-        ("save  safetensors.save_file + fsync (file, directory)", median_ms(bare_save_fsync, root, repeats)),
-        ("save  af.save", median_ms(lambda p: af.save(state, p), root, repeats)),
-        ("load  safetensors.load_file + copy", median_ms(lambda p: copy_into(state, safetensors.torch.load_file(p)),
-                                                         root, repeats, prepare=bare_save)),
-        ("load  af.load (verified)", median_ms(lambda p: af.load(p, into=state), root, repeats,
-                                               prepare=lambda p: af.save(state, p))),
-    ]
+    saves = paired({"save  safetensors.save_file + fsync (file, directory)": bare_save_fsync,
+                    "save  safetensors.save_file (no fsync)": bare_save,
+                    "save  af.save": lambda p: af.save(state, p)}, root, repeats)
+    loads = paired({"load  safetensors.load_file + copy": lambda p: copy_into(state, safetensors.torch.load_file(p)),
+                    "load  af.load (verified)": lambda p: af.load(p, into=state)}, root, repeats,
+                   prepare={"load  safetensors.load_file + copy": bare_save,
+                            "load  af.load (verified)": lambda p: af.save(state, p)})
     copy_ms = host_copy_ms(state, repeats)
     first, blocked, alone, during = asynchronous_ms(state, root, repeats)
     print(f"\nstate: {total / 2**20:.1f} MiB in {len(tensors)} tensors; {os.cpu_count()} CPUs; median of {repeats}")
     print(f"{'':56s} {'ms':>9s} {'ratio':>7s}")
-    for name, ms in rows:
-        base = dict(rows)["save  safetensors.save_file + fsync (file, directory)" if name.startswith("save")
-                          else "load  safetensors.load_file + copy"]
-        print(f"{name:56s} {ms:9.1f} {ms / base:7.2f}")
+    for name, (ms, ratio) in (saves | loads).items():
+        print(f"{name:56s} {ms:9.1f} {ratio:7.2f}")
     print(f"{'async host copy alone (existing buffers)':56s} {copy_ms:9.1f} {1.0:7.2f}")
     print(f"{'async run blocked per checkpoint (after the first)':56s} {blocked:9.1f} {blocked / copy_ms:7.2f}")
     print(f"{'async run blocked, first checkpoint (allocates)':56s} {first:9.1f} {first / copy_ms:7.2f}")
