@@ -1,32 +1,37 @@
 """Checkpoints written in the background while training goes on.
 
 The design follows orbax's ``AsyncCheckpointer`` and torchtitan's asynchronous mode: the
-training thread only copies the state to host memory; a background thread writes it.
+training thread only copies the state to host memory; a background thread writes it. The
+loop's schedule (``accelfn.loop._schedule``) drives it:
 
-* **In the training thread** (``BackgroundSaves.start``): wait for the previous save (so at
+* **In the training thread**: wait for the previous save (``BackgroundSaves.wait``; so at
   most one host copy is in flight, and saves complete in order), copy every tensor of the
   state into host buffers (``HostBuffers``: allocated at the first save and reused after,
   pinned on CUDA so the device-to-host copies run asynchronously, then synchronized), and
-  in a multi-process world gather every rank's own part to rank 0. The gather is a
-  collective, so it stays here: the background thread runs no collective, and no
-  collective of it can interleave with training's.
-* **In the background thread** (rank 0 only): the files are written and hashed, fsynced,
-  the manifest written last, the directory renamed into place, old checkpoints deleted
-  (``Checkpoints.write``), exactly as a synchronous save does, so a crash at any instant
-  leaves the previous checkpoint or the new one, and ``latest()`` never sees a partial one.
-* **Errors are never lost**: a failed write is kept and raised in the training thread by
-  ``check`` (after the next optimizer update), by the next ``start`` or by ``wait`` (end of
-  ``run``), naming the checkpoint and the cause. In a multi-process world, ``wait`` tells
-  every rank (a broadcast), so all ranks raise together.
+  in a multi-process world gather every rank's own part to rank 0 (``io.collect``). The
+  gather is a collective, so it stays here: the background thread runs no collective, and
+  none of its work can interleave with training's collectives.
+* **In the background thread** (``BackgroundSaves.start``, rank 0 only): the files are
+  written and hashed, fsynced, the manifest written last, the directory renamed into
+  place, old checkpoints deleted (``Checkpoints.write``), exactly as a synchronous save
+  does, so a crash at any instant leaves the previous checkpoint or the new one, and
+  ``latest()`` never sees a partial one. The thread runs at a lower scheduling priority
+  (Linux), so that where it competes with training for CPU cores, training wins.
+* **Errors are never lost**: a failed write is kept and raised in the training thread
+  after the next optimizer update (``failed``; in a multi-process world the ranks agree on
+  it, one update late, without blocking, and all raise at the same update), by the next
+  save, or when ``run`` ends (``wait``), naming the checkpoint and the cause.
 * **Exit**: ``run`` waits for the save in flight when it ends, before a preemption's final
   checkpoint, and when an error ends it; the thread is not a daemon, so the interpreter
   also waits for it at exit. A process killed outright abandons the save; the atomic write
   leaves the previous checkpoint intact.
 
-Sharded states (``shard_params``, DCP) follow the same design: the training thread stages
-each rank's shards to host memory, every rank then writes its own files in its own
-background thread, and the collective that commits the manifest stays in training's thread
-(``torch.distributed.checkpoint.async_save`` with a staging step works this way).
+Sharded states (``shard_params``, DCP) take the same design: every rank stages its own
+shards to host memory in the training thread (``torch.distributed.checkpoint``'s
+``async_save`` does this with its stager), then writes its own files in the background.
+Unlike the consolidated path, DCP's save plans with collectives, so its background part
+needs a process group of its own (gloo), never the training group; the commit of the
+metadata (the manifest's counterpart) and the agreement on errors stay as here.
 """
 
 from __future__ import annotations
