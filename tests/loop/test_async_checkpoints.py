@@ -177,6 +177,12 @@ def test_two_processes_saving_in_the_background_match_synchronous_saves(tmp_path
     for step in steps:
         name = f"step_{step:08d}/manifest.json"
         assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
+    failed = tmp_path / "failing" / "step_00000002"
+    errors = [(tmp_path / f"rank{rank}-error.txt").read_text() for rank in range(2)]
+    assert errors[0].startswith(f"writing the checkpoint {failed} in the background failed: OSError: "
+                                "[Errno 27] File too large"), errors[0]
+    assert errors[1] == "rank 0 failed to write the checkpoint of step 2 in the background; its error says why"
+    assert af.Checkpoints(tmp_path / "failing").steps() == []
 
 
 def test_asynchronous_must_be_a_bool_and_shows_in_the_repr(tmp_path) -> None:
@@ -186,9 +192,3 @@ def test_asynchronous_must_be_a_bool_and_shows_in_the_repr(tmp_path) -> None:
         af.Checkpoints(tmp_path, asynchronous="yes")
     assert repr(af.Checkpoints("runs", every_steps=5, asynchronous=True)) == (
         "Checkpoints('runs', every_steps=5, every_seconds=None, keep=None, asynchronous=True)")
-    failed = tmp_path / "failing" / "step_00000002"
-    errors = [(tmp_path / f"rank{rank}-error.txt").read_text() for rank in range(2)]
-    assert errors[0].startswith(f"writing the checkpoint {failed} in the background failed: OSError: "
-                                "[Errno 27] File too large"), errors[0]
-    assert errors[1] == "rank 0 failed to write the checkpoint of step 2 in the background; its error says why"
-    assert af.Checkpoints(tmp_path / "failing").steps() == []
