@@ -1,24 +1,31 @@
-"""Save and load a ~100 MB TrainState: ``af.save``/``af.load`` against bare safetensors and torch.save.
+"""Checkpoint costs for ~96 MiB and ~1 GiB TrainStates: synchronous, verified and asynchronous.
 
 The state is an MLP of 1024 x 1024 layers with AdamW moments after one update (parameters
-plus two moments: 3 x the model's bytes). Each row is the median wall time of ``--repeats``
-runs, each into a fresh path, with its ratio to bare safetensors on the same tensors:
+plus two moments: 3 x the model's bytes). Saves and loads run in ``--repeats`` rounds, the
+contestants' order rotating; each row gives the median wall time and the median over rounds
+of the ratio to the first row of its group in the same round (saves each into a fresh path;
+loads of one checkpoint written once before, its pages in the page cache, as when resuming
+soon after a save):
 
-* ``af.save``: snapshot view, safetensors files, fsync of every file and directory, sha256
-  of every file, manifest, atomic rename. ``safetensors.save_file``: the same tensors in
-  one file, no fsync, no hash; ``+ fsync``: the same with the file fsynced.
-* ``af.load``: sha256 verification of every file, then every tensor copied into the live
-  state (the model, the optimizer moments, the RNG). ``load_file + copy``: the same tensors
-  read (memory-mapped) and copied into the live tensors, unverified. Loads read a file
-  written once before the timed repeats (warm page cache).
+* save: ``safetensors.save_file`` of the same tensors in one file; ``+ fsync``: the same
+  with the fsyncs ``af.save`` makes (the file, and the directory it is in); ``af.save``:
+  snapshot view, files written and hashed in one pass (xxh3-128), fsynced, the manifest,
+  the atomic rename.
+* load: ``safetensors.load_file`` + copying every tensor into the live state, unverified;
+  ``af.load``: every file's checksum verified while it is read, the manifest's values and
+  the fit to the state checked, every tensor copied into the live state.
+* asynchronous saves (``Checkpoints(asynchronous=True)``): the time ``run`` is blocked per
+  checkpoint (after the first, which also allocates the host buffers) against the time of
+  copying the state's tensors into existing host buffers alone; and the time of one
+  training update (a batch of 16 through the MLP, AdamW) while a checkpoint is written in
+  the background, against the same update without.
 
-Run: ``PYTHONPATH=. python benchmarks/checkpoint.py [--mb 100] [--repeats 5] [--dir DIR]``
+Run: ``PYTHONPATH=. python benchmarks/checkpoint.py [--mb 96 1024] [--repeats 5] [--dir DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -31,6 +38,9 @@ import safetensors.torch
 import torch
 
 import accelfn as af
+from accelfn.checkpoint.background import HostBuffers
+from accelfn.checkpoint.snapshots import capture
+from accelfn.loop._schedule import Schedule
 
 
 def build_state(total_mb: float) -> af.TrainState:
@@ -39,10 +49,15 @@ def build_state(total_mb: float) -> af.TrainState:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(layers)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 1024)).sum().backward()
+    update(model, optimizer)
+    return af.TrainState.create(model, optimizer)
+
+
+def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One training update on a batch of 16."""
+    model(torch.randn(16, 1024)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return af.TrainState.create(model, optimizer)
 
 
 def flat_tensors(state: af.TrainState) -> dict[str, torch.Tensor]:
@@ -64,29 +79,39 @@ def copy_into(state: af.TrainState, loaded: dict[str, torch.Tensor]) -> None:
                 value.copy_(loaded[f"optimizer.{i}.{key}"])
 
 
-def fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def median_ms(fn: Callable[[Path], None], root: Path, repeats: int, *,
-              prepare: Callable[[Path], None] | None = None) -> float:
-    """Median wall time of ``fn(path)``: each save into a fresh path; each load of one file
-    written once by ``prepare`` (its pages in the page cache, as when resuming soon after a save)."""
-    times = []
-    path = root / "prepared"
-    if prepare is not None:
-        prepare(path)
-    for i in range(repeats):
-        if prepare is None:
-            path = root / f"run{i}"
-        start = time.perf_counter()
-        fn(path)
-        times.append(time.perf_counter() - start)
-        if prepare is None:
-            _remove(path)
-    _remove(root / "prepared")
-    return statistics.median(times) * 1e3
+def paired(contestants: dict[str, Callable[[Path], None]], root: Path, rounds: int, *,
+           prepare: dict[str, Callable[[Path], None]] | None = None) -> dict[str, tuple[float, float]]:
+    """Each contestant's median wall time (ms) and median ratio to the first contestant's
+    time in the same round (the order rotates from round to round, so a busy moment of the
+    shared machine hits all of them alike). Saves go each into a fresh path; a load reads
+    the path its ``prepare`` wrote once before the rounds (its pages in the page cache, as
+    when resuming soon after a save)."""
+    names = list(contestants)
+    paths = {name: root / f"prepared-{i}" for i, name in enumerate(names)}
+    for name, make in (prepare or {}).items():
+        make(paths[name])
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            path = paths[name] if prepare else root / f"run-{r}-{names.index(name)}"
+            start = time.perf_counter()
+            contestants[name](path)
+            times[name].append(time.perf_counter() - start)
+            if not prepare:
+                _remove(path)
+    for path in paths.values():
+        _remove(path)
+    base = times[names[0]]
+    return {name: (statistics.median(t) * 1e3, statistics.median(x / b for x, b in zip(t, base)))
+            for name, t in times.items()}
 
 
 def _remove(path: Path) -> None:
@@ -96,63 +121,96 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=float, default=100.0, help="state size in MiB (default 100)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
-    args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(dir=args.dir))
-    state = build_state(args.mb)
+def host_copy_ms(state: af.TrainState, repeats: int) -> float:
+    """Copying every tensor of the state into host buffers that already exist."""
+    buffers = HostBuffers()
+    tensors = list(flat_tensors(state).values())
+    for t in tensors:
+        buffers(t)
+    times = []
+    for _ in range(repeats):
+        buffers.begin()
+        start = time.perf_counter()
+        for t in tensors:
+            buffers(t)
+        buffers.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def asynchronous_ms(state: af.TrainState, root: Path, repeats: int) -> tuple[float, float, float, float]:
+    """Blocked time of the first and of later background saves; one update's time without
+    and with a background save in flight (medians, ms)."""
+    schedule = Schedule(af.Checkpoints(root / "async", every_steps=1, keep=1, asynchronous=True),
+                        af.backends.CPU(), None)
+    blocked, during, alone = [], [], []
+    for i in range(repeats + 1):
+        state = state.replace(step=i + 1)
+        start = time.perf_counter()
+        schedule.maybe_save(state)
+        blocked.append(time.perf_counter() - start)
+        background = schedule._background
+        assert background is not None
+        while background.in_flight():
+            start = time.perf_counter()
+            update(state.model, state.optimizer)
+            during.append(time.perf_counter() - start)
+        schedule.close(ok=True)
+        for _ in range(3):
+            start = time.perf_counter()
+            update(state.model, state.optimizer)
+            alone.append(time.perf_counter() - start)
+    shutil.rmtree(root / "async", ignore_errors=True)
+    return (blocked[0] * 1e3, statistics.median(blocked[1:]) * 1e3, statistics.median(alone) * 1e3,
+            statistics.median(during) * 1e3 if during else float("nan"))
+
+
+def report(total_mb: float, root: Path, repeats: int) -> None:
+    state = build_state(total_mb)
     tensors = flat_tensors(state)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    sample = safetensors.torch.save(tensors)
-    start = time.perf_counter()
-    hashlib.sha256(sample).hexdigest()
-    sha_gb_s = len(sample) / (time.perf_counter() - start) / 1e9
-    del sample
-
-    rows: list[tuple[str, float, float | None]] = []
 
     def bare_save(p: Path) -> None:
         safetensors.torch.save_file(tensors, p)
 
     def bare_save_fsync(p: Path) -> None:
         safetensors.torch.save_file(tensors, p)
-        fsync_file(p)
+        fsync(p)
+        fsync(p.parent)
 
-    base_save = median_ms(bare_save, root, args.repeats)
-    rows.append(("save  safetensors.save_file", base_save, 1.0))
-    rows.append(("save  safetensors.save_file + fsync", median_ms(bare_save_fsync, root, args.repeats), None))
-    rows.append(("save  torch.save (state dicts)", median_ms(lambda p: _torch_save(state, p), root, args.repeats), None))
-    rows.append(("save  af.save", median_ms(lambda p: af.save(state, p), root, args.repeats), None))
-
-    base_load = median_ms(lambda p: copy_into(state, safetensors.torch.load_file(p)), root, args.repeats,
-                          prepare=bare_save)
-    rows.append(("load  safetensors.load_file + copy", base_load, 1.0))
-    rows.append(("load  torch.load(weights_only=True) + load_state_dict",
-                 median_ms(lambda p: _torch_load(state, p), root, args.repeats,
-                           prepare=lambda p: _torch_save(state, p)), None))
-    rows.append(("load  af.load", median_ms(lambda p: af.load(p, into=state), root, args.repeats,
-                                            prepare=lambda p: af.save(state, p)), None))
-    shutil.rmtree(root, ignore_errors=True)
-
-    print(f"state: {total / 2**20:.1f} MiB in {len(tensors)} tensors; {os.cpu_count()} CPUs; median of "
-          f"{args.repeats}; sha256 of those bytes on one core: {total / sha_gb_s / 1e6:.1f} ms ({sha_gb_s:.2f} GB/s)")
-    print(f"{'':54s} {'ms':>9s} {'x safetensors':>14s}")
-    for name, ms, _ in rows:
-        base = base_save if name.startswith("save") else base_load
-        print(f"{name:54s} {ms:9.1f} {ms / base:14.2f}")
+    saves = paired({"save  safetensors.save_file + fsync (file, directory)": bare_save_fsync,
+                    "save  safetensors.save_file (no fsync)": bare_save,
+                    "save  af.save": lambda p: af.save(state, p)}, root, repeats)
+    loads = paired({"load  safetensors.load_file + copy": lambda p: copy_into(state, safetensors.torch.load_file(p)),
+                    "load  af.load (verified)": lambda p: af.load(p, into=state)}, root, repeats,
+                   prepare={"load  safetensors.load_file + copy": bare_save,
+                            "load  af.load (verified)": lambda p: af.save(state, p)})
+    copy_ms = host_copy_ms(state, repeats)
+    first, blocked, alone, during = asynchronous_ms(state, root, repeats)
+    print(f"\nstate: {total / 2**20:.1f} MiB in {len(tensors)} tensors; {os.cpu_count()} CPUs; median of {repeats}")
+    print(f"{'':56s} {'ms':>9s} {'ratio':>7s}")
+    for name, (ms, ratio) in (saves | loads).items():
+        print(f"{name:56s} {ms:9.1f} {ratio:7.2f}")
+    print(f"{'async host copy alone (existing buffers)':56s} {copy_ms:9.1f} {1.0:7.2f}")
+    print(f"{'async run blocked per checkpoint (after the first)':56s} {blocked:9.1f} {blocked / copy_ms:7.2f}")
+    print(f"{'async run blocked, first checkpoint (allocates)':56s} {first:9.1f} {first / copy_ms:7.2f}")
+    print(f"{'update alone':56s} {alone:9.1f} {1.0:7.2f}")
+    print(f"{'update while a checkpoint is written in the background':56s} {during:9.1f} {during / alone:7.2f}")
 
 
-def _torch_save(state: af.TrainState, path: Path) -> None:
-    torch.save({"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}, path)
-
-
-def _torch_load(state: af.TrainState, path: Path) -> None:
-    loaded = torch.load(path, weights_only=True)
-    state.model.load_state_dict(loaded["model"])
-    state.optimizer.load_state_dict(loaded["optimizer"])
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, nargs="+", default=[96.0, 1024.0], help="state sizes in MiB")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(dir=args.dir))
+    try:
+        for mb in args.mb:
+            report(mb, root, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ a checksum of every tensor file), ``manifest.sha256`` (the manifest's own) and
 without unpickling anything (``_codec.py``: records by stable tags, ``_tags.py``), verified
 against its checksums, and checked value by value against the state it is loaded into
 before anything in that state changes. ``Checkpoints`` (``policy.py``) is where and how
-often ``run`` saves.
+often ``run`` saves, and whether in the background (``background.py``). Tensor files are
+written and read with their XXH3-128 checksums in one pass (``_hashed_io.py``,
+``_checksums.py``).
 """
 
 from accelfn.checkpoint.io import load, save

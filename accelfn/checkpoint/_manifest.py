@@ -3,8 +3,9 @@
 The manifest is written last (a checkpoint without one is incomplete) and holds everything
 but the tensors: versions, the world size, counters, each rank's RNG states and transform
 states as plain data, the optimizer/scheduler/``extra`` skeletons whose tensors are
-references into the ``.safetensors`` files, the program's transforms, and the sha256 of
-every tensor file. Tensors live in the files; nothing in a checkpoint is a pickle.
+references into the ``.safetensors`` files, the program's transforms, and the checksum of
+every tensor file (xxh3-128 from format version 4, sha256 before; ``_checksums``). Tensors
+live in the files; nothing in a checkpoint is a pickle.
 
 The manifest's own sha256 is in ``manifest.sha256`` (one line as ``sha256sum`` writes it,
 so ``sha256sum -c manifest.sha256`` checks it too), written just before the manifest and
@@ -24,13 +25,16 @@ import attrs
 import cattrs
 import orjson
 import torch
+from cattrs.gen import make_dict_unstructure_fn
 from cattrs.preconf.orjson import make_converter
 
+from accelfn.checkpoint._checksums import ALGORITHMS
 from accelfn.errors import CheckpointError
 
-#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths
-#: (versions 1 and 2 still load)
-FORMAT_VERSION = 3
+#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths;
+#: 4: tensor files checked with xxh3_128, each file entry naming its algorithm (sha256 when
+#: ``xxhash`` is not installed) (versions 1 to 3 still load)
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest.sha256"
 _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
@@ -43,16 +47,28 @@ class FileEntry:
     Attributes:
         group: the tensor table it belongs to: ``"model"``, ``"state"`` (optimizer,
             scheduler, ``extra``) or ``"rank_00001"`` (one rank's own tensors).
-        sha256: hex digest of the whole file.
         num_bytes: its size in bytes.
         rank: the rank whose own tensors (gradients of an open window) it holds, or None
             for a file every rank reads.
+        xxh3_128: hex XXH3-128 of the whole file (format version 4 on), or None.
+        sha256: hex sha256 of the whole file (format versions up to 3, and 4 without
+            ``xxhash``), or None. Exactly one of the two is set.
     """
 
     group: str
-    sha256: str
     num_bytes: int
     rank: int | None = None
+    xxh3_128: str | None = None
+    sha256: str | None = None
+
+    @property
+    def checksum(self) -> tuple[str, str]:
+        """``(algorithm, hex digest)`` of the file."""
+        for algorithm in ALGORITHMS:
+            digest = getattr(self, algorithm)
+            if digest is not None:
+                return algorithm, digest
+        raise AssertionError("a FileEntry without a checksum passed _check")
 
 
 @attrs.frozen
@@ -92,6 +108,8 @@ class Manifest:
 
 _converter = make_converter()
 _converter.register_unstructure_hook(torch.dtype, str)
+# a file entry names only the checksum it has
+_converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
 
 
 def unstructure(value: Any) -> Any:
@@ -155,6 +173,9 @@ def _check(path: Path, manifest: Manifest) -> None:
         raise CheckpointError(f"{path}: world_size {manifest.world_size} with {len(manifest.ranks)} rank "
                               "entries; the manifest is inconsistent")
     for name, entry in manifest.files.items():
+        if sum(getattr(entry, algorithm) is not None for algorithm in ALGORITHMS) != 1:
+            raise CheckpointError(f"{path}: files.{name} must have exactly one checksum "
+                                  f"({' or '.join(ALGORITHMS)}); the manifest is inconsistent")
         if entry.rank is not None and not 0 <= entry.rank < manifest.world_size:
             raise CheckpointError(f"{path}: files.{name}.rank is {entry.rank}, outside the world of "
                                   f"{manifest.world_size}")

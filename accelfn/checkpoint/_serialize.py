@@ -161,9 +161,9 @@ def read(directory: Path, manifest: Manifest, *, rank: int, world_size: int) -> 
         )
     own_section = section(manifest, rank)
     files = {name: e for name, e in manifest.files.items() if e.rank is None or e.rank == own_section}
-    # the model's tensors are copied straight into the parameters; the others are kept, so
-    # they get memory of their own instead of pages of files that may be deleted later
-    tables = _tensorfiles.read(directory, files, copy=frozenset({"state", _rank_group(own_section)}))
+    # the tensors stay mapped to the files: the snapshot is put in place by copying
+    # (``restore.put(copy=True)``), into the state's own tensors where it has them
+    tables = _tensorfiles.read(directory, files)
     own = tables.get(_rank_group(own_section), {})
     entry = manifest.ranks[own_section]
     paths = field_names(own_section)

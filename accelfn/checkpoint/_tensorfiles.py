@@ -1,29 +1,28 @@
-"""Tensor files of a checkpoint: ``.safetensors`` written, fsynced and hashed; read verified.
+"""Tensor files of a checkpoint: ``.safetensors`` written hashed and fsynced; read verified.
 
 Each group of tensors (the model's, the optimizer's and other states', each rank's own) is
-written with ``safetensors`` in shards of at most ``SHARD_BYTES``. While the next shard is
-written, worker threads fsync and sha256 the previous ones (``hashlib`` and the file
-system release the GIL). Loading verifies every file's size and sha256 in parallel before
-any tensor is used. sha256 runs at about 1.5-2 GB/s per core: it is most of what a
-checkpoint costs beyond the bare write, and the reason files are sharded.
+written in shards of at most ``MAX_SHARD_BYTES``, one shard per worker thread at a time:
+each file is hashed while it is written and fsynced (``_hashed_io``; writing, hashing and
+fsync release the GIL). Loading reads every file in parallel, hashing it as its pages are
+first read, and returns its tensors only once its size and checksum match the manifest.
+The checksum is XXH3-128 (``_checksums``), which runs at memory speed; sha256 files of
+format versions up to 3 are still verified.
 """
 
 from __future__ import annotations
 
-import hashlib
-import mmap
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
+from accelfn.checkpoint import _checksums, _hashed_io
 from accelfn.checkpoint._manifest import FileEntry
 from accelfn.errors import CheckpointError
 
-#: shard sizes: at most MAX_SHARD_BYTES, and small enough for every core to hash one
+#: shard sizes: at most MAX_SHARD_BYTES, and small enough for every core to write one
 #: (but not below MIN_SHARD_BYTES, where fsyncs of many files cost more than they save)
 MAX_SHARD_BYTES = 256 << 20
 MIN_SHARD_BYTES = 16 << 20
@@ -32,21 +31,6 @@ SUFFIX = ".safetensors"
 
 def _workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of the file at ``path`` (read through a memory map)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                digest.update(m)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -70,80 +54,62 @@ def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, t
     return shards
 
 
-def write(directory: Path, groups: Mapping[str, tuple[Mapping[str, torch.Tensor], int | None]]) -> dict[str, FileEntry]:
+def write(directory: Path, groups: Mapping[str, tuple[Mapping[str, torch.Tensor], int | None]],
+          algorithm: str | None = None) -> dict[str, FileEntry]:
     """Writes each group ``name -> (tensors, rank)`` as ``name.safetensors`` (or
-    ``name-00000.safetensors``, ... when larger than a shard), fsynced and hashed.
+    ``name-00000.safetensors``, ... when larger than a shard), hashed and fsynced.
 
-    Each file is hashed (CPU threads) and fsynced (I/O threads) while the next is written.
-    Empty groups write no file. Tensors are moved to the CPU one shard at a time.
+    Files are written in parallel threads, each hashed as it is written. Empty groups
+    write no file. Tensors are moved to the CPU (in the calling thread) one shard at a time.
+
+    Args:
+        directory: where to write.
+        groups: the tensors of each group, and the rank whose own they are (or None).
+        algorithm: the checksum (``_checksums.ALGORITHMS``); by default ``_checksums.default()``.
 
     Returns:
         dict: file name -> its FileEntry.
+
+    Raises:
+        OSError: the file system refused (the first failure, in file order).
     """
-    written = []
+    algorithm = algorithm or _checksums.default()
+    jobs: list[tuple[str, str, int | None, Future[tuple[str, int]]]] = []
     limit = shard_bytes(sum(_nbytes(t) for tensors, _ in groups.values() for t in tensors.values()))
-    with ThreadPoolExecutor(max_workers=_workers()) as hashing, ThreadPoolExecutor(max_workers=8) as syncing:
+    with ThreadPoolExecutor(max_workers=_workers()) as pool:
         for name, (tensors, rank) in groups.items():
             if not tensors:
                 continue
             shards = _shards(tensors, limit)
             for i, shard in enumerate(shards):
                 filename = name + SUFFIX if len(shards) == 1 else f"{name}-{i:05d}{SUFFIX}"
-                path = directory / filename
-                safetensors.torch.save_file({k: t.to("cpu") for k, t in shard.items()}, path)
-                written.append((filename, name, rank, hashing.submit(sha256_file, path), syncing.submit(_fsync, path)))
+                on_cpu = {k: t.to("cpu") for k, t in shard.items()}
+                jobs.append((filename, name, rank, pool.submit(_hashed_io.write, directory / filename, on_cpu, algorithm)))
         entries = {}
-        for filename, group, rank, digest, synced in written:
-            synced.result()
-            entries[filename] = FileEntry(group=group, sha256=digest.result(),
-                                          num_bytes=(directory / filename).stat().st_size, rank=rank)
+        for filename, group, rank, job in jobs:
+            digest, num_bytes = job.result()
+            entries[filename] = FileEntry(group=group, num_bytes=num_bytes, rank=rank, **{algorithm: digest})
         return entries
 
 
-def _verify(path: Path, entry: FileEntry) -> None:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: the tensor file is missing; the checkpoint is incomplete") from None
-    if size != entry.num_bytes:
-        raise CheckpointError(
-            f"{path}: {size} bytes, but the manifest says {entry.num_bytes}; the file is "
-            "truncated or was changed after the checkpoint was written"
-        )
-    digest = sha256_file(path)
-    if digest != entry.sha256:
-        raise CheckpointError(
-            f"{path}: sha256 {digest} does not match the manifest's {entry.sha256}; the file "
-            "is corrupted or was changed after the checkpoint was written"
-        )
+def read(directory: Path, files: Mapping[str, FileEntry]) -> dict[str, dict[str, torch.Tensor]]:
+    """The tensors of ``files`` by group, every file's size and checksum verified.
 
-
-def read(directory: Path, files: Mapping[str, FileEntry], *, copy: frozenset[str] = frozenset()
-         ) -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors of ``files`` by group, once every file's size and sha256 is verified.
-
-    Tensors of the groups in ``copy`` are copied into memory of their own (while the files
-    are being verified); the others stay memory-mapped (copy-on-write), to be copied before
-    the files may go away.
+    The tensors stay mapped to their files (copy-on-write, their pages already read): copy
+    them before the files may go away.
 
     Raises:
-        CheckpointError: a missing, truncated or corrupted file (the message names it), or
-            two files of a group holding the same tensor.
+        CheckpointError: a missing, truncated or corrupted file (the message names it; the
+            first in the manifest's order), or two files of a group holding the same tensor.
     """
     groups: dict[str, dict[str, torch.Tensor]] = {}
     with ThreadPoolExecutor(max_workers=_workers()) as pool:
-        checks = [pool.submit(_verify, directory / name, entry) for name, entry in files.items()]
-        try:
-            for name, entry in files.items():
-                table = groups.setdefault(entry.group, {})
-                for key, t in safetensors.torch.load_file(directory / name).items():
-                    if key in table:
-                        raise CheckpointError(f"{directory / name}: tensor {key!r} is also in another file")
-                    table[key] = t.clone() if entry.group in copy else t
-        except Exception:
-            for check in checks:
-                check.result()  # a verification error explains a failure to parse
-            raise
-        for check in checks:
-            check.result()
+        jobs = {name: pool.submit(_hashed_io.read, directory / name, *entry.checksum, entry.num_bytes)
+                for name, entry in files.items()}
+        for name, entry in files.items():
+            table = groups.setdefault(entry.group, {})
+            for key, t in jobs[name].result().items():
+                if key in table:
+                    raise CheckpointError(f"{directory / name}: tensor {key!r} is also in another file")
+                table[key] = t
     return groups

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 __all__ = [
-    "ResumePosition", "is_checkpoint", "load", "load_with_manifest", "not_found", "read_fitting", "save",
-    "save_checkpoint", "to_path", "transforms_record",
+    "Collected", "ResumePosition", "collect", "is_checkpoint", "load", "load_with_manifest", "not_found",
+    "read_fitting", "save", "save_checkpoint", "to_path", "transforms_record", "write_collected",
 ]
 
 #: ``run``'s say in where a resumed epoch continues: called with the checkpoint's epoch,
@@ -98,25 +98,71 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     return save_checkpoint(state, checked, backend, transforms=None, what="af.save")
 
 
-def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | None, transforms: Any,
-                    what: str = "Checkpoints.save") -> Path:
-    """``save`` without checking ``path``; ``what`` is the API named when a rank does not call it."""
+@attrs.frozen
+class Collected:
+    """What rank 0 writes of a checkpoint: its snapshot, every rank's part, the program's
+    transforms as plain data."""
+
+    snap: _snapshot.Snapshot
+    parts: list[_serialize.RankPart]
+    transforms: Any
+
+
+def collect(state: TrainState, backend: ProcessContext, transforms: Any, *,
+            to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            what: str = "Checkpoints.save") -> Collected | None:
+    """The training thread's half of a save (a collective): this rank's snapshot, and every
+    rank's own part gathered to rank 0. Returns what rank 0 writes (None on other ranks).
+
+    Args:
+        state: the state to save.
+        backend: the process context.
+        transforms: the program's transforms as plain data (``transforms_record``), or None.
+        to_host: copies each tensor to host memory (``background.HostBuffers``), so that
+            the result no longer depends on ``state``; None leaves tensors aliasing the live
+            ones, to be written at once.
+        what: the API named when a rank does not call it (``collectives.arrive``).
+
+    Raises:
+        TypeError: ``state`` is not a TrainState.
+        ValueError: the optimizer updates a tensor that is not a parameter of the model.
+        CheckpointError: some rank did not call the save (it is a collective).
+    """
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a TrainState first, got {type(state).__name__}")
-    backend = default_context(backend)
     if backend.world_size > 1:
         try:
             collectives.arrive(what)
         except collectives.ArrivalError as e:
             raise CheckpointError(str(e)) from None
-    snap = _snapshot.capture(state, copy=False)
+    if to_host is None:
+        snap = _snapshot.capture(state, copy=False)
+    else:
+        snap = _snapshot.capture(state, copy=True, to_host=to_host)
     part = _serialize.rank_part(snap)
+    parts = [part] if backend.world_size == 1 else _serialize.gather_parts(backend, part)
+    return Collected(snap, parts, transforms) if backend.is_main_process else None
+
+
+def write_collected(path: Path, collected: Collected) -> None:
+    """Rank 0's half of a save: writes ``collected`` as the checkpoint ``path``, atomically.
+
+    Raises:
+        CheckpointError, OSError: as ``save``.
+    """
+    _atomic.write_directory(path, lambda d: _serialize.write(d, collected.snap, collected.parts, collected.transforms))
+
+
+def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | None, transforms: Any,
+                    what: str = "Checkpoints.save") -> Path:
+    """``save`` without checking ``path``; ``what`` is the API named when a rank does not call it."""
+    backend = default_context(backend)
+    collected = collect(state, backend, transforms, what=what)
     world_size = backend.world_size
-    parts = [part] if world_size == 1 else _serialize.gather_parts(backend, part)
     failure: BaseException | None = None
-    if backend.is_main_process:
+    if collected is not None:
         try:
-            _atomic.write_directory(path, lambda d: _serialize.write(d, snap, parts, transforms))
+            write_collected(path, collected)
         except BaseException as e:  # re-raised below, after telling the other ranks
             failure = e
     if world_size > 1:
@@ -187,7 +233,7 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
         counters = snap.counters
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
-    return _restore.put(into, snap, copy=False), manifest
+    return _restore.put(into, snap, copy=True), manifest  # its tensors are mapped to the files
 
 
 def read_fitting(path: Path, into: TrainState,

@@ -15,8 +15,8 @@ import attrs
 
 from accelfn.checkpoint import _atomic
 from accelfn.checkpoint._context import ProcessContext, default_context
-from accelfn.checkpoint.io import save_checkpoint, to_path
-from accelfn.errors import check_directory, count_at_least_one, finite_positive
+from accelfn.checkpoint.io import Collected, save_checkpoint, to_path, write_collected
+from accelfn.errors import boolean, check_directory, count_at_least_one, finite_positive
 from accelfn.state import TrainState
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -41,14 +41,32 @@ class Checkpoints:
     complete, the oldest beyond ``keep`` are deleted. ``run(resume="auto")`` resumes from
     ``latest()``. The record is frozen: ``run`` keeps its schedule's clock itself.
 
+    With ``asynchronous=True``, ``run`` is blocked per checkpoint only while the state is
+    copied to host memory (buffers allocated at the first checkpoint and reused, pinned on
+    CUDA) and, in a multi-process world, each rank's own part is gathered; the files are
+    written, fsynced, renamed into place and old checkpoints deleted in a background thread
+    while training goes on (``accelfn.checkpoint.background``). A checkpoint waits for the
+    previous one, so at most one host copy of the state exists. A failed background write
+    is raised by ``run`` after the next optimizer update (on every rank), or when ``run``
+    ends; ``run`` waits for the checkpoint in flight when it ends, on SIGTERM/SIGINT (then
+    writes its last checkpoint synchronously) and when an error ends it, and so does the
+    interpreter at exit. A process killed outright leaves the previous checkpoint intact.
+    It is off by default: it holds a second copy of the state in host memory for the whole
+    run, and on a CPU-only machine the background write competes with training for the
+    same cores; switch it on where checkpoints are large and host memory is ample (on GPUs,
+    especially).
+
     Args:
         directory: the directory holding the checkpoints (created when needed).
         every_steps: save every this many optimizer updates, or None.
         every_seconds: save at most once per this many seconds of training, or None.
         keep: how many checkpoints to keep (the newest by step), or None for all.
+        asynchronous: write ``run``'s checkpoints in the background (``save`` itself is
+            always synchronous).
 
     Raises:
-        TypeError: a directory that is not a path, or counts of the wrong type.
+        TypeError: a directory that is not a path, counts of the wrong type, or an
+            ``asynchronous`` that is not a bool.
         ValueError: ``every_steps`` or ``keep`` below 1, ``every_seconds`` not > 0;
             ``directory`` (or the nearest of its parents that exists) is a file: checked
             here and again when ``run`` starts, not at the first save.
@@ -68,10 +86,11 @@ class Checkpoints:
         default=None, kw_only=True, validator=attrs.validators.optional(finite_positive))
     keep: int | None = attrs.field(
         default=None, kw_only=True, validator=attrs.validators.optional(count_at_least_one))
+    asynchronous: bool = attrs.field(default=False, kw_only=True, validator=boolean)
 
     def __repr__(self) -> str:
         return (f"Checkpoints({str(self.directory)!r}, every_steps={self.every_steps}, "
-                f"every_seconds={self.every_seconds}, keep={self.keep})")
+                f"every_seconds={self.every_seconds}, keep={self.keep}, asynchronous={self.asynchronous})")
 
     def path_for(self, step: int) -> Path:
         """The directory of the checkpoint at optimizer step ``step``."""
@@ -107,11 +126,30 @@ class Checkpoints:
         path = self.path_for(state.step)
         backend = default_context(backend)
         if backend.is_main_process:
-            for name in {n for n, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(n)}:
-                _atomic.recover(self.directory / name)
+            self._recover()
         save_checkpoint(state, path, backend, transforms)
-        if backend.is_main_process and self.keep is not None:
-            for step in self.steps()[:-self.keep]:
-                if step != state.step:
-                    _atomic.remove(self.path_for(step))
+        if backend.is_main_process:
+            self._retain(state.step)
         return path
+
+    def write(self, path: Path, collected: Collected) -> None:
+        """Rank 0's half of ``save`` (``run`` calls it in a background thread): finishes or
+        removes leftovers of interrupted writes, writes ``collected`` as ``path``
+        atomically, then applies ``keep``.
+
+        Raises:
+            CheckpointError, OSError: as ``af.save``.
+        """
+        self._recover()
+        write_collected(path, collected)
+        self._retain(int(path.name.removeprefix("step_")))
+
+    def _recover(self) -> None:
+        for name in {n for n, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(n)}:
+            _atomic.recover(self.directory / name)
+
+    def _retain(self, step: int) -> None:
+        if self.keep is not None:
+            for old in self.steps()[:-self.keep]:
+                if old != step:
+                    _atomic.remove(self.path_for(old))

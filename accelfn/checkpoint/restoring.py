@@ -8,8 +8,9 @@ check passed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -70,7 +71,11 @@ def verify(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
 def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
     """Puts a verified ``snap`` in place; ``copy=False`` lets the state take ownership of
     the snapshot's tensors (the snapshot must not be used again). Cannot fail but in a
-    user's ``extra`` object, whose ``load_state_dict`` therefore runs first."""
+    user's ``extra`` object, whose ``load_state_dict`` therefore runs first.
+
+    Parameters and buffers are copied into the model's own tensors; so are optimizer
+    states where the optimizer already holds a tensor of the same shape, dtype and key
+    (no fresh memory); any other tensor is copied (``copy``) or taken over."""
     model = unwrap(state.model)
     device = _device(model)
 
@@ -80,8 +85,8 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
     for name, obj in state.extra.items():
         obj.load_state_dict(copy_tree(snap.extra[name], own))
     keys = {clean_name(k): k for k in model.state_dict()}
-    model.load_state_dict({keys[k]: copy_tree(v, own) for k, v in snap.model.items()})
-    state.optimizer.load_state_dict(copy_tree(snap.optimizer, own))
+    model.load_state_dict({keys[k]: v for k, v in snap.model.items()})  # copies into the parameters
+    state.optimizer.load_state_dict(_into_live(state.optimizer, snap.optimizer, own))
     if state.scheduler is not None:
         state.scheduler.load_state_dict(copy_tree(snap.scheduler, own))
     _restore_grads(model, snap.grads, copy)
@@ -91,6 +96,29 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
             restored[key] = value
     _rng.restore(snap.rng)
     return state.replace(transforms_state=restored, **snap.counters)
+
+
+def _into_live(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
+               own: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
+    """``saved`` (an optimizer's state dict) with each state tensor copied into the
+    optimizer's own tensor of the same parameter and key when that has the same shape and
+    dtype (``load_state_dict`` then keeps it), and the others passed through ``own``."""
+    live = optimizer.state_dict()["state"]
+
+    def into(index: Any, key: Any, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return copy_tree(value, own)
+        target = live.get(index, {}).get(key)
+        if (isinstance(target, torch.Tensor) and target is not value and target.shape == value.shape
+                and target.dtype == value.dtype):
+            with torch.no_grad():
+                target.copy_(value)
+            return target
+        return own(value)
+
+    state = {index: {key: into(index, key, value) for key, value in entry.items()}
+             for index, entry in saved["state"].items()}
+    return {**copy_tree({k: v for k, v in saved.items() if k != "state"}, own), "state": state}
 
 
 def _restore_grads(model: torch.nn.Module, grads: Mapping[str, torch.Tensor], copy: bool) -> None:

@@ -11,7 +11,7 @@ checkpoint (``af.save``) is a snapshot serialized.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -112,11 +112,17 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     return tuple(groups)
 
 
-class _Copier:
-    """Detaches tensors (``copy=False``) or copies them to the CPU once per view (``copy=True``)."""
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", copy=True)
 
-    def __init__(self, copy: bool):
+
+class _Copier:
+    """Detaches tensors (``copy=False``) or copies them to the CPU with ``to_host`` once per
+    view (``copy=True``)."""
+
+    def __init__(self, copy: bool, to_host: Callable[[torch.Tensor], torch.Tensor]):
         self._copy = copy
+        self._to_host = to_host
         self._done: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -125,15 +131,18 @@ class _Copier:
             return t
         key = view_key(t)
         if key is None:
-            return t.to("cpu", copy=True)
+            return self._to_host(t)
         if key not in self._done:
-            self._done[key] = t.to("cpu", copy=True)
+            self._done[key] = self._to_host(t)
         return self._done[key]
 
 
-def capture(state: TrainState, *, copy: bool) -> Snapshot:
+def capture(state: TrainState, *, copy: bool,
+            to_host: Callable[[torch.Tensor], torch.Tensor] = _to_cpu) -> Snapshot:
     """The snapshot of ``state``; with ``copy=False`` its tensors alias the live ones (for
-    writing them out at once), with ``copy=True`` they are independent CPU copies.
+    writing them out at once), with ``copy=True`` they are independent CPU copies made by
+    ``to_host`` (a fresh copy by default; reused host buffers for background saves),
+    called once per tensor in the same order for states of the same structure.
 
     Raises:
         ValueError: the optimizer updates a tensor that is not a parameter of the model.
@@ -141,7 +150,7 @@ def capture(state: TrainState, *, copy: bool) -> Snapshot:
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"snapshot() takes a TrainState, got {type(state).__name__}")
-    to_cpu = _Copier(copy)
+    to_cpu = _Copier(copy, to_host)
     model = unwrap(state.model)
     return Snapshot(
         model={clean_name(k): copy_tree(v, to_cpu) for k, v in model.state_dict().items()},

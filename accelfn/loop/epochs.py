@@ -126,7 +126,9 @@ def run(
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
             or is corrupted (with ``"auto"``, the message names the previous checkpoint if
-            that one loads, or says that it does not).
+            that one loads, or says that it does not); or a checkpoint written in the
+            background (``Checkpoints(asynchronous=True)``) failed, raised after the next
+            optimizer update or when ``run`` ends, naming the checkpoint and the cause.
 
     Warns:
         RuntimeWarning: ``epochs`` ran out before ``max_steps``; a mid-epoch resume on
@@ -157,13 +159,19 @@ def run(
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
     preemption = Preemption(backend) if schedule is not None else None
+    ended = False
     try:
         with preemption or contextlib.nullcontext():
             state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, schedule, bar, preemption)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
+        ended = True
     finally:
-        bar.close()
+        try:
+            if schedule is not None:  # waits for a checkpoint written in the background
+                schedule.close(ok=ended)
+        finally:
+            bar.close()
     return state
 
 

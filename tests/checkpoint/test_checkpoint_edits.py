@@ -169,7 +169,7 @@ def test_a_missing_or_garbled_checksum_file_is_refused(saved) -> None:
     (path / "manifest.sha256").write_text("0123  manifest.json\n")
     _refused(path, build(99, extra=True), "manifest.sha256: not a sha256 line for manifest.json")
     (path / "manifest.sha256").unlink()
-    _refused(path, build(99, extra=True), "manifest.sha256 is missing: a checkpoint of format version 3 has the "
+    _refused(path, build(99, extra=True), "manifest.sha256 is missing: a checkpoint of format version 4 has the "
                                           "sha256 of its manifest.json in it")
 
 

@@ -87,14 +87,14 @@ def test_a_format_2_checkpoint_written_by_the_old_layout_loads_and_continues_bit
 
 
 def test_a_saved_record_is_written_under_its_tag(cpu, tmp_path) -> None:
-    """A new checkpoint (format 3) names its records by tag and never by a module path."""
+    """A new checkpoint (format 4; tags since format 3) names its records by tag and never by a module path."""
     state, step, loader = _fixture_job()
     state, step_fn = cpu.prepare(step, state)
     batches = iter(cpu.batches(loader, step, 0))
     state, _ = step_fn(state, next(batches)[0], flush=False)
     af.save(state, tmp_path / "ckpt")
     text = (tmp_path / "ckpt" / "manifest.json").read_text()
-    assert orjson.loads(text)["format_version"] == 3
+    assert orjson.loads(text)["format_version"] == 4
     for tag in ("loss_scale", "skip_count", "accumulation_window", "rng_state"):
         assert f'"__record__":"{tag}"' in text
     assert '"__record__":"accelfn.' not in text

@@ -185,7 +185,7 @@ def test_auto_resume_from_a_corrupted_checkpoint_names_it_and_the_previous_one(c
     with pytest.raises(af.CheckpointError) as error:
         af.run(step, build(99), data, backend=cpu, epochs=1, checkpoints=checkpoints, resume="auto", progress=False)
     message = str(error.value)
-    assert message.startswith(f"{tensors}: sha256 ")
+    assert message.startswith(f"{tensors}: xxh3_128 ")
     assert message.endswith(
         f"\nrun(resume='auto'): the latest checkpoint, {checkpoints.path_for(4)}, failed to load; it is not skipped, "
         f"since that could hide a bug. If it is damaged, resume from the previous one with "
