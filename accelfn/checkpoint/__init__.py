@@ -12,9 +12,10 @@ before anything in that state changes. ``Checkpoints`` (``policy.py``) is where 
 often ``run`` saves.
 """
 
+from accelfn.checkpoint.export import save_model
 from accelfn.checkpoint.io import load, save
 from accelfn.checkpoint.policy import Checkpoints
 from accelfn.checkpoint.restore import restore
 from accelfn.checkpoint.snapshot import Snapshot, snapshot
 
-__all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "snapshot"]
+__all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "save_model", "snapshot"]

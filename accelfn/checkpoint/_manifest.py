@@ -28,9 +28,9 @@ from cattrs.preconf.orjson import make_converter
 
 from accelfn.errors import CheckpointError
 
-#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths
-#: (versions 1 and 2 still load)
-FORMAT_VERSION = 3
+#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths;
+#: 4: sharded checkpoints (``sharded``, DCP files in ``dcp/``) (versions 1 to 3 still load)
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest.sha256"
 _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
@@ -65,12 +65,39 @@ class RankEntry:
 
 
 @attrs.frozen
+class ShardedTensor:
+    """One tensor in a sharded checkpoint's DCP files: its global shape and dtype name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@attrs.frozen
+class ShardedTables:
+    """Where the tensors in a sharded checkpoint's ``dcp/`` files belong (``_sharded``).
+
+    Attributes:
+        model: model ``state_dict`` name -> its tensor, stored under that name.
+        aliases: a tied weight's other names -> the name it is stored under.
+        optimizer: parameter name -> optimizer state key (``"exp_avg"``) -> its tensor,
+            stored as ``optimizer/<parameter>/<key>``.
+        grads: parameter name -> its open-window gradient, stored as ``grad/<parameter>``.
+    """
+
+    model: dict[str, ShardedTensor]
+    aliases: dict[str, str]
+    optimizer: dict[str, dict[str, ShardedTensor]]
+    grads: dict[str, ShardedTensor]
+
+
+@attrs.frozen
 class Manifest:
     """Everything in a checkpoint but the tensors.
 
     After the format fields come the Snapshot's shared fields as trees encoded by
     ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
-    the tensor files with their checksums.
+    the tensor files with their checksums; a sharded checkpoint's ``sharded`` table says
+    where the tensors in its DCP files belong (None in an unsharded one).
     """
 
     format_version: int
@@ -88,6 +115,7 @@ class Manifest:
     extra: Any
     ranks: tuple[RankEntry, ...]
     files: dict[str, FileEntry]
+    sharded: ShardedTables | None = None
 
 
 _converter = make_converter()

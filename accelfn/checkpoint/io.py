@@ -19,7 +19,7 @@ import attrs
 import orjson
 import torch
 
-from accelfn.checkpoint import _atomic, _manifest, _serialize
+from accelfn.checkpoint import _atomic, _manifest, _serialize, _sharded
 from accelfn.checkpoint import restore as _restore
 from accelfn.checkpoint import snapshot as _snapshot
 from accelfn.checkpoint._context import ProcessContext, default_context
@@ -92,6 +92,8 @@ def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | Non
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a TrainState first, got {type(state).__name__}")
     backend = default_context(backend)
+    if _sharded.is_sharded(state):
+        return _sharded.save(state, path, backend, transforms)
     snap = _snapshot.capture(state, copy=False)
     part = _serialize.rank_part(snap)
     world_size = backend.world_size
@@ -171,6 +173,8 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
     if directory is None:
         raise CheckpointError(not_found(path))
     manifest = _manifest.read(directory)
+    if manifest.sharded is not None:
+        return _sharded.load(directory, manifest, into, backend, position), manifest
     snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
     try:
         names = _serialize.field_names(_serialize.section(manifest, rank))
@@ -181,4 +185,6 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
         counters = snap.counters
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
+    if _sharded.is_sharded(into):
+        snap = _sharded.localize(into, snap)
     return _restore.put(into, snap, copy=False), manifest

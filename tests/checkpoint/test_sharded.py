@@ -1,0 +1,159 @@
+"""Sharded (FSDP2) checkpoints: DCP files in safetensors, bitwise resume, resharding, no pickle.
+
+The sharded runs are real ``accelfn launch`` jobs on 2 (and 3) gloo processes; their states
+are built by ``tests.helpers.sharding`` (``shard`` is FSDP2 ``fully_shard`` per block, then
+the root). One module fixture runs the jobs the tests share.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import accelfn as af
+from tests.helpers import launch as _launch
+from tests.helpers.sharding import assert_same, build, full_state, loader, program
+
+pytestmark = pytest.mark.multiprocess
+WORKER = "sharded_ckpt.py"
+SHARDS = ("dcp/shard-00001-model-00001-of-00001.safetensors", "dcp/shard-00002-model-00001-of-00001.safetensors")
+
+
+def _launch_worker(nproc: int, *args: object) -> None:
+    _launch.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 sharded processes: ``full.safetensors`` of 10 uninterrupted updates (2 epochs);
+    ``stopped.safetensors`` of a run stopped after 3 updates (mid-epoch), with its checkpoint
+    ``checkpoints/step_00000003``; ``resumed.safetensors`` of that run resumed to the end,
+    saving every 3 updates and keeping 2."""
+    out = tmp_path_factory.mktemp("sharded")
+    _launch_worker(2, "train", "--out", out / "full.safetensors")
+    common = ("--checkpoints", out / "checkpoints", "--every-steps", 3, "--keep", 2)
+    _launch_worker(2, "train", "--out", out / "stopped.safetensors", "--max-steps", 3, *common)
+    shutil.copytree(out / "checkpoints" / "step_00000003", out / "step3")
+    _launch_worker(2, "train", "--out", out / "resumed.safetensors", "--resume", "auto", *common)
+    return out
+
+
+def _refuse_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("something was unpickled while loading a checkpoint")
+
+    for name in ("load", "loads"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+
+
+def test_a_sharded_run_resumed_on_two_processes_is_bitwise_the_uninterrupted_run(runs: Path) -> None:
+    """Saved mid-epoch by 2 sharded processes and resumed by 2, a run ends with bitwise the
+    parameters, optimizer state and counters of the uninterrupted run; keep=2 leaves the last two."""
+    resumed = safetensors.torch.load_file(runs / "resumed.safetensors")
+    assert_same(resumed, safetensors.torch.load_file(runs / "full.safetensors"))
+    assert resumed["counters"].tolist() == [10, 10, 2, 0]
+    assert af.Checkpoints(runs / "checkpoints").steps() == [6, 9]
+
+
+def test_each_rank_writes_its_own_safetensors_file_and_no_file_is_a_pickle(runs: Path) -> None:
+    """A sharded checkpoint is a JSON manifest, its sha256 line and one DCP safetensors file per
+    rank: every file parses as JSON, a sha256 line or safetensors, none starts as a pickle or
+    a torch.save archive does, and DCP's pickled ``.metadata`` is absent."""
+    files = sorted(str(p.relative_to(runs / "step3")) for p in (runs / "step3").rglob("*") if p.is_file())
+    assert files == [*SHARDS, "manifest.json", "manifest.sha256"]
+    for name in files:
+        data = (runs / "step3" / name).read_bytes()
+        assert not data.startswith(b"\x80") and not data.startswith(b"PK\x03\x04"), name  # pickle PROTO, zip
+        if name.endswith(".json"):
+            manifest = json.loads(data)
+        elif name.endswith(".sha256"):
+            assert data.decode().endswith("  manifest.json\n")
+        else:
+            (length,) = struct.unpack("<Q", data[:8])
+            header = json.loads(data[8:8 + length])
+            ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+            assert 8 + length + max(ends) == len(data), name  # nothing but the tensors after the header
+    assert manifest["world_size"] == 2 and manifest["format_version"] == 4
+    assert sorted(manifest["files"]) == list(SHARDS)
+    assert "blocks.0.weight" in manifest["sharded"]["model"]
+
+
+def test_a_sharded_checkpoint_loads_into_one_unsharded_process_with_the_same_full_state(
+        runs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loaded into one unsharded process (nothing unpickled), the checkpoint of 2 sharded
+    processes gives bitwise the full parameters, optimizer state and counters they saved."""
+    _refuse_unpickling(monkeypatch)
+    state = af.load(runs / "step3", into=build(sharded=False))
+    assert_same(full_state(state), safetensors.torch.load_file(runs / "stopped.safetensors"))
+    assert state.scheduler.last_epoch == 3
+
+
+def test_an_unsharded_checkpoint_loads_into_two_sharded_processes(tmp_path: Path) -> None:
+    """A checkpoint of one unsharded process loads into 2 sharded processes (pickle refused
+    there) with bitwise its full parameters, optimizer state and counters."""
+    state = af.run(program(), build(sharded=False), loader(), backend=af.backends.CPU(af.backends.LaunchEnv()),
+                   epochs=1, max_steps=4, progress=False)
+    af.save(state, tmp_path / "unsharded")
+    _launch_worker(2, "load", "--load", tmp_path / "unsharded", "--out", tmp_path / "loaded.safetensors")
+    assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"), full_state(state))
+
+
+def test_a_checkpoint_of_two_sharded_processes_loads_into_three(runs: Path, tmp_path: Path) -> None:
+    """Resharding: 3 sharded processes load the checkpoint 2 wrote (other shard boundaries,
+    an empty shard) with bitwise the full state saved, and save it again in 3 shards."""
+    _launch_worker(3, "load", "--load", runs / "step3", "--out", tmp_path / "loaded.safetensors",
+                   "--save", tmp_path / "again")
+    assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"),
+                safetensors.torch.load_file(runs / "stopped.safetensors"))
+    assert len(list((tmp_path / "again" / "dcp").iterdir())) == 3
+    assert_same(full_state(af.load(tmp_path / "again", into=build(sharded=False))),
+                safetensors.torch.load_file(runs / "stopped.safetensors"))
+
+
+def _flipped(source: Path, target: Path, name: str) -> Path:
+    shutil.copytree(source, target)
+    path = target / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_a_flipped_byte_in_any_shard_file_is_refused_naming_the_file(runs: Path, tmp_path: Path, name: str) -> None:
+    """One flipped bit in a rank's shard file: load refuses, naming the file and its
+    checksum mismatch, before anything in the state changed."""
+    path = _flipped(runs / "step3", tmp_path / "ckpt", name)
+    state = build(sharded=False)
+    before = full_state(state)
+    with pytest.raises(af.CheckpointError, match=rf"^{path}: sha256 [0-9a-f]{{64}} does not match the manifest's"):
+        af.load(tmp_path / "ckpt", into=state)
+    assert_same(full_state(state), before)
+
+
+def test_every_rank_refuses_a_shard_file_another_rank_verified(runs: Path, tmp_path: Path) -> None:
+    """The ranks split the checksum work; a corrupted file that rank 1 verified is refused by
+    both ranks, each naming it."""
+    path = _flipped(runs / "step3", tmp_path / "ckpt", SHARDS[1])
+    _launch_worker(2, "load", "--load", tmp_path / "ckpt", "--out", tmp_path / "loaded.safetensors")
+    for rank in (0, 1):
+        assert (tmp_path / f"error{rank}.txt").read_text().startswith(f"{path}: sha256 ")
+    assert not (tmp_path / "loaded.safetensors").exists()
+
+
+def test_a_file_in_dcp_the_manifest_does_not_list_is_refused(runs: Path, tmp_path: Path) -> None:
+    """DCP's reader reads every safetensors file in ``dcp/``, so one the manifest does not
+    list (a leftover, a planted file) is refused by name."""
+    shutil.copytree(runs / "step3", tmp_path / "ckpt")
+    shutil.copy(tmp_path / "ckpt" / SHARDS[0], tmp_path / "ckpt" / "dcp" / "shard-00003-model-00001-of-00001.safetensors")
+    with pytest.raises(af.CheckpointError, match=r"files the manifest does not list: "
+                                                 r"shard-00003-model-00001-of-00001\.safetensors;"):
+        af.load(tmp_path / "ckpt", into=build(sharded=False))

@@ -1,0 +1,70 @@
+"""Worker for tests/checkpoint/test_sharded.py: trains, saves, loads and exports sharded states.
+
+Usage: accelfn launch --nproc-per-node N sharded_ckpt.py MODE --out FILE [options]
+
+``train``: runs ``helpers.sharding.program`` for 2 epochs (``--max-steps`` fewer) with
+``--checkpoints DIR --every-steps K --keep N`` and ``--resume``. ``load``: loads ``--load
+CKPT`` with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise, then optionally
+saves it again to ``--save``; a CheckpointError is written to ``--out`` as ``error<rank>.txt``
+instead. ``export``: trains 2 updates of a tied model, then ``af.save_model`` to ``--export``.
+Rank 0 writes the full model and optimizer state it ends with to ``--out`` (safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+import accelfn as af
+from tests.helpers.sharding import build, full_state, loader, program
+
+
+def _refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("something was unpickled while loading a checkpoint")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "load", "export"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--unsharded", action="store_true")
+    parser.add_argument("--checkpoints", type=Path)
+    parser.add_argument("--every-steps", type=int)
+    parser.add_argument("--keep", type=int)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--resume")
+    parser.add_argument("--load", type=Path)
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--export", type=Path)
+    args = parser.parse_args()
+    backend = af.backends.auto()
+    state = build(sharded=not args.unsharded, tied=args.mode == "export")
+    if args.mode == "train":
+        checkpoints = (af.Checkpoints(args.checkpoints, every_steps=args.every_steps, keep=args.keep)
+                       if args.checkpoints else None)
+        state = af.run(program(), state, loader(), backend=backend, epochs=2, max_steps=args.max_steps,
+                       checkpoints=checkpoints, resume=args.resume, progress=False)
+    elif args.mode == "load":
+        pickle.load = pickle.loads = torch.load = _refuse  # type: ignore[assignment]
+        try:
+            state = af.load(args.load, into=state, backend=backend)
+        except af.CheckpointError as e:
+            (args.out.parent / f"error{backend.rank}.txt").write_text(str(e))
+            return
+        if args.save is not None:
+            af.save(state, args.save, backend=backend)
+    else:
+        state = af.run(program(), state, loader(), backend=backend, epochs=1, max_steps=2, progress=False)
+        af.save_model(state, args.export, max_shard_size=300, backend=backend)
+    tensors = full_state(state)
+    if backend.is_main_process:
+        safetensors.torch.save_file(tensors, args.out)
+
+
+if __name__ == "__main__":
+    main()
