@@ -24,13 +24,17 @@ import attrs
 import cattrs
 import orjson
 import torch
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.preconf.orjson import make_converter
 
 from accelfn.errors import CheckpointError
 
-#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths;
-#: 4: sharded checkpoints (``sharded``, DCP files in ``dcp/``) (versions 1 to 3 still load)
-FORMAT_VERSION = 4
+#: 2: manifest.sha256 added; 3: records named by stable tags (``_tags``), not module paths
+#: (versions 1 and 2 still load)
+FORMAT_VERSION = 3
+#: 4: a sharded checkpoint (a ``sharded`` table, DCP files in ``dcp/``); unsharded ones stay at
+#: FORMAT_VERSION, so that an older accelfn refuses only what it cannot read
+SHARDED_FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest.sha256"
 _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
@@ -120,6 +124,9 @@ class Manifest:
 
 _converter = make_converter()
 _converter.register_unstructure_hook(torch.dtype, str)
+# an unsharded checkpoint's manifest has no ``sharded`` key (it reads as None)
+_converter.register_unstructure_hook(
+    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True)))
 
 
 def unstructure(value: Any) -> Any:
@@ -212,10 +219,10 @@ def read(directory: Path) -> Manifest:
         version = orjson.loads(data).get("format_version")
     except (orjson.JSONDecodeError, AttributeError):
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
-    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
-            f"{FORMAT_VERSION} (upgrade accelfn to load it)"
+            f"{SHARDED_FORMAT_VERSION} (upgrade accelfn to load it)"
         )
     if expected is None and version >= 2:
         raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "

@@ -111,7 +111,7 @@ def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: An
         groups[_rank_group(rank)] = (tensors, rank)
     written = _tensorfiles.write(directory, groups)
     _manifest.write(directory, Manifest(
-        format_version=_manifest.FORMAT_VERSION,
+        format_version=_manifest.FORMAT_VERSION if sharded is None else _manifest.SHARDED_FORMAT_VERSION,
         accelfn_version=__version__,
         torch_version=torch.__version__,
         world_size=len(parts),
