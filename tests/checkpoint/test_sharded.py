@@ -45,6 +45,20 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_sigterm_saves_a_sharded_checkpoint_and_the_restarted_job_ends_bitwise(runs: Path, tmp_path: Path) -> None:
+    """SIGTERM to rank 1 mid-epoch (in its 4th micro-batch) makes both sharded processes save
+    one checkpoint and stop; restarted by accelfn launch --max-restarts 1, the job resumes from it and ends
+    bitwise like the uninterrupted run."""
+    done = _launch.launch("--nproc-per-node", "2", "--max-restarts", "1", script=WORKER, check=False, script_args=(
+        "train", "--out", tmp_path / "done.safetensors", "--checkpoints", tmp_path / "checkpoints",
+        "--every-steps", 100, "--resume", "auto", "--sigterm", "1:4"))
+    _launch.assert_ok(done)
+    assert "SIGTERM received; saved" in done.stderr
+    assert af.Checkpoints(tmp_path / "checkpoints").steps() == [5]  # the ranks agree one update later
+    assert_same(safetensors.torch.load_file(tmp_path / "done.safetensors"),
+                safetensors.torch.load_file(runs / "full.safetensors"))
+
+
 def _refuse_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("something was unpickled while loading a checkpoint")

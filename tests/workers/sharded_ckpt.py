@@ -3,7 +3,9 @@
 Usage: accelfn launch --nproc-per-node N sharded_ckpt.py MODE --out FILE [options]
 
 ``train``: runs ``helpers.sharding.program`` for 2 epochs (``--max-steps`` fewer) with
-``--checkpoints DIR --every-steps K --keep N`` and ``--resume``. ``load``: loads ``--load
+``--checkpoints DIR --every-steps K --keep N`` and ``--resume``; ``--sigterm RANK:CALL``
+makes rank RANK send itself SIGTERM in its CALL-th loss call, once (a marker file next to
+``--out`` remembers it across restarts). ``load``: loads ``--load
 CKPT`` with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise, then optionally
 saves it again to ``--save``; a CheckpointError is written to ``--out`` as ``error<rank>.txt``
 instead. ``export``: trains 2 updates of a tied model, then ``af.save_model`` to ``--export``.
@@ -13,7 +15,9 @@ Rank 0 writes the full model and optimizer state it ends with to ``--out`` (safe
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +25,27 @@ import safetensors.torch
 import torch
 
 import accelfn as af
-from tests.helpers.sharding import build, full_state, loader, program
+from tests.helpers.sharding import build, full_state, loader, loss_fn, program
 
 
 def _refuse(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("something was unpickled while loading a checkpoint")
+
+
+def _preempted(when: str, rank: int, marker: Path) -> Any:
+    """``loss_fn`` that sends SIGTERM to this process in rank ``R``'s ``C``-th call (``when``
+    is ``"R:C"``), unless ``marker`` exists (it is created then)."""
+    target_rank, target_call = map(int, when.split(":"))
+    calls = [0]
+
+    def preempted_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if (rank, calls[0]) == (target_rank, target_call) and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss_fn(model, batch)
+
+    return preempted_loss
 
 
 def main() -> None:
@@ -41,13 +61,17 @@ def main() -> None:
     parser.add_argument("--load", type=Path)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--export", type=Path)
+    parser.add_argument("--sigterm")
     args = parser.parse_args()
     backend = af.backends.auto()
     state = build(sharded=not args.unsharded, tied=args.mode == "export")
     if args.mode == "train":
         checkpoints = (af.Checkpoints(args.checkpoints, every_steps=args.every_steps, keep=args.keep)
                        if args.checkpoints else None)
-        state = af.run(program(), state, loader(), backend=backend, epochs=2, max_steps=args.max_steps,
+        step = program()
+        if args.sigterm:
+            step = af.Step(_preempted(args.sigterm, backend.rank, args.out.parent / "sigterm-sent"), step.transforms)
+        state = af.run(step, state, loader(), backend=backend, epochs=2, max_steps=args.max_steps,
                        checkpoints=checkpoints, resume=args.resume, progress=False)
     elif args.mode == "load":
         pickle.load = pickle.loads = torch.load = _refuse  # type: ignore[assignment]
