@@ -61,6 +61,11 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     which writes; the others wait for it. An existing checkpoint at ``path`` is replaced
     only once the new one is complete, so a crash at any instant leaves the old or the new.
 
+    A state whose model holds DTensor parameters (FSDP2, ``af.shard_params``) is saved
+    sharded instead: every rank writes its own shards of the model, optimizer state and
+    open-window gradients through ``torch.distributed.checkpoint``'s safetensors storage
+    into ``path/dcp/``, and rank 0 the rest and the manifest (``accelfn.checkpoint._sharded``).
+
     Args:
         state: the state to save (nothing in it changes).
         path: the checkpoint directory to write.
@@ -73,7 +78,9 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     Raises:
         TypeError: ``state`` is not a TrainState, or ``path`` not a path.
         CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
-            (nothing is ever deleted that accelfn did not write), or rank 0 failed to write.
+            (nothing is ever deleted that accelfn did not write), rank 0 (or, sharded, any
+            rank) failed to write, or a sharded state is saved while FSDP2 holds a window's
+            gradients unsharded (before the reduce-scatter of its last micro-batch).
         ValueError: the optimizer updates a tensor that is not a parameter of the model.
         OSError: the file system refused (full disk, permissions); ``path`` is untouched.
 
@@ -142,6 +149,11 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
     a str learning rate, is reported) before anything in ``into`` changes. Tensors are read
     to the CPU, then copied to the state's device. Each rank restores its own RNG and
     transform states (rank 0's when the checkpoint was written by fewer processes).
+
+    A sharded checkpoint (saved from DTensor parameters) loads at any world size into a
+    sharded or an unsharded state, each rank reading only the parts of the files its
+    tensors need; an unsharded checkpoint loads into a sharded state too (each rank cuts
+    its shards out of the full tensors).
 
     Args:
         path: a checkpoint directory written by ``af.save`` or ``af.Checkpoints``.
