@@ -24,7 +24,9 @@ dtypes, values; ``restore.verify``, on "meta" tensors of the recorded shapes), a
 reads: DCP loads into tensors laid out as the target's own, DTensors of its mesh and
 placements or plain full tensors, so a checkpoint saved by N ranks loads into M ranks
 sharded or into one unsharded process (resharding). An unsharded checkpoint loads into a
-sharded state through ``localize``, which cuts each rank's shard out of the full tensors.
+sharded state through ``put_unsharded``, which cuts each rank's shard out of the full tensors.
+Mid-window, the gradients FSDP2 holds unsharded between micro-batches that skip the
+reduce-scatter are each rank's own, kept with its RNG states (``_fsdp_window``).
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ from accelfn.checkpoint import restore as _restore
 from accelfn.checkpoint import snapshot as _snapshot
 from accelfn.checkpoint._context import ProcessContext
 from accelfn.checkpoint._exchange import exchange
+from accelfn.checkpoint._fsdp_window import hidden_gradients, put_hidden_gradients
 from accelfn.checkpoint._manifest import FileEntry, Manifest, ShardedTables, ShardedTensor
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, unwrap
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
 
-__all__ = ["DCP_DIR", "is_sharded", "load", "localize", "save"]
+__all__ = ["DCP_DIR", "is_sharded", "load", "put_unsharded", "save"]
 
 #: the folder of a checkpoint that holds DCP's files
 DCP_DIR = "dcp"
@@ -77,22 +80,6 @@ def _dtype(name: str, key: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{_manifest.MANIFEST}: sharded.{key}: unknown dtype {name!r}")
     return dtype
-
-
-def _hidden_gradients(model: torch.nn.Module) -> list[str]:
-    """Names of parameters whose gradients FSDP2 holds unsharded between micro-batches that
-    skip the reduce-scatter (``set_requires_gradient_sync(False)``), out of ``.grad``'s reach."""
-    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
-    found = []
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
-                    unsharded is not None and unsharded.grad is not None):
-                found.append(names.get(id(fsdp_param.sharded_param), "?"))
-    return found
 
 
 def _flat_names(snap: Snapshot) -> list[str]:
@@ -195,19 +182,14 @@ def save(state: TrainState, path: Path, backend: ProcessContext, transforms: Any
     manifest and renames the directory into place.
 
     Raises:
-        CheckpointError: FSDP2 holds gradients unsharded between micro-batches (save after
-            the window's last micro-batch), a rank failed to write its shards (the message
-            names the rank and its error), or as ``af.save``.
+        CheckpointError: a rank failed to write its shards (the message names the rank and
+            its error), or as ``af.save``.
         OSError: the file system refused; ``path`` is untouched.
     """
     model = unwrap(state.model)
-    hidden = _hidden_gradients(model)
-    if hidden:
-        raise CheckpointError(
-            f"cannot save a sharded state in the middle of an accumulation window: FSDP2 holds the gradients of "
-            f"{len(hidden)} parameters ({', '.join(hidden[:4])}) unsharded until the window's last micro-batch "
-            "reduce-scatters them; save after that micro-batch")
     shell, flat, tables = split(_snapshot.capture(state, copy=False), model)
+    # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
+    shell = attrs.evolve(shell, grads=hidden_gradients(model))
     part = _serialize.rank_part(shell)
     parts = [part] if backend.world_size == 1 else _serialize.gather_parts(backend, part)
     failure: BaseException | None = None
@@ -280,7 +262,8 @@ def _placeholder(meta: ShardedTensor, key: str) -> torch.Tensor:
 
 def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
     """``shell`` with the DCP tensors put back where ``split`` took them from, each made by
-    ``tensor(dcp_key, meta)`` (a placeholder of the recorded shape, or the loaded tensor)."""
+    ``tensor(dcp_key, meta)`` (a placeholder of the recorded shape, or the loaded tensor);
+    the shell's own gradients (FSDP2's unsharded window gradients, per rank) stay."""
     model = {name: tensor(name, meta) for name, meta in tables.model.items()}
     model |= {alias: model[name] for alias, name in tables.aliases.items() if name in model}
     index = {name: i for i, name in enumerate(_flat_names(shell))}
@@ -291,7 +274,7 @@ def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
                                   "optimizer_params")
         state.setdefault(index[name], {}).update(
             {key: tensor(f"optimizer/{name}/{key}", meta) for key, meta in entries.items()})
-    grads = {name: tensor(f"grad/{name}", meta) for name, meta in tables.grads.items()}
+    grads = {**shell.grads, **{name: tensor(f"grad/{name}", meta) for name, meta in tables.grads.items()}}
     return attrs.evolve(shell, model=model, optimizer={**shell.optimizer, "state": state}, grads=grads)
 
 
@@ -359,13 +342,19 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
     with _single_process_quiet():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory / DCP_DIR)),
                  no_dist=_no_dist(backend))
-    return _restore.put(into, joined(shell, tables, lambda key, meta: targets[key]), copy=False)
+    snap = joined(attrs.evolve(shell, grads={}), tables, lambda key, meta: targets[key])
+    if not is_sharded(into):  # a rank's unreduced window gradients are what DDP's .grad holds
+        return _restore.put(into, attrs.evolve(snap, grads={**snap.grads, **shell.grads}), copy=False)
+    state = _restore.put(into, snap, copy=False)
+    put_hidden_gradients(unwrap(into.model), shell.grads)
+    return state
 
 
-def localize(state: TrainState, snap: Snapshot) -> Snapshot:
-    """``snap`` (full tensors, from an unsharded checkpoint) with each tensor of a DTensor
-    parameter or buffer of ``state`` cut into this rank's shard of it (no communication:
-    every rank holds the full tensor), ready for ``restore.put``."""
+def put_unsharded(state: TrainState, snap: Snapshot) -> TrainState:
+    """Puts ``snap`` (full tensors, from an unsharded checkpoint, verified) into the sharded
+    ``state``: each tensor of a DTensor parameter or buffer is cut into this rank's shard
+    (no communication: every rank holds the full tensor), and the gradients of an open
+    window (each rank's own, unreduced, as DDP holds them) become FSDP2's window gradients."""
     model = unwrap(state.model)
     live = {clean_name(k): v for k, v in model.state_dict().items()}
     params = {clean_name(n): p for n, p in model.named_parameters()}
@@ -379,9 +368,12 @@ def localize(state: TrainState, snap: Snapshot) -> Snapshot:
     optimizer_state = {i: {k: local(params.get(names[i]), v) if isinstance(v, torch.Tensor) else v
                            for k, v in entries.items()}
                        for i, entries in snap.optimizer["state"].items()}
-    return attrs.evolve(
+    sharded = {k for k in snap.grads if isinstance(params.get(k), DTensor)}
+    state = _restore.put(state, attrs.evolve(
         snap,
         model={k: local(live.get(k), v) for k, v in snap.model.items()},
         optimizer={**snap.optimizer, "state": optimizer_state},
-        grads={k: local(params.get(k), v) for k, v in snap.grads.items()},
-    )
+        grads={k: v for k, v in snap.grads.items() if k not in sharded},
+    ), copy=False)
+    put_hidden_gradients(model, {k: v for k, v in snap.grads.items() if k in sharded})
+    return state

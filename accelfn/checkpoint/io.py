@@ -198,5 +198,5 @@ def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | N
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
     if _sharded.is_sharded(into):
-        snap = _sharded.localize(into, snap)
+        return _sharded.put_unsharded(into, snap), manifest
     return _restore.put(into, snap, copy=False), manifest

@@ -59,6 +59,22 @@ def test_sigterm_saves_a_sharded_checkpoint_and_the_restarted_job_ends_bitwise(r
                 safetensors.torch.load_file(runs / "full.safetensors"))
 
 
+def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(tmp_path: Path) -> None:
+    """Saved after a micro-batch that skipped FSDP2's reduce-scatter, each rank's unsharded
+    window gradients are kept in its own file; loaded into fresh sharded states, the window
+    ends bitwise like the uninterrupted one, and one process refuses the checkpoint."""
+    _launch_worker(2, "window", "--save", tmp_path / "mid", "--out", tmp_path / "window.safetensors")
+    tensors = safetensors.torch.load_file(tmp_path / "window.safetensors")
+    whole = {k.removeprefix("whole/"): v for k, v in tensors.items() if k.startswith("whole/")}
+    assert_same({k.removeprefix("resumed/"): v for k, v in tensors.items() if k.startswith("resumed/")}, whole)
+    manifest = json.loads((tmp_path / "mid" / "manifest.json").read_bytes())
+    used = sorted(set(build(sharded=False).model.state_dict()) - {"emb.weight"})  # the untied embedding is unused
+    assert [sorted(rank["grads"]) for rank in manifest["ranks"]] == [used, used]
+    assert sorted(manifest["files"]) == [*SHARDS, "rank_00000.safetensors", "rank_00001.safetensors"]
+    with pytest.raises(af.CheckpointError, match="saved by 2 processes in the middle of an accumulation window"):
+        af.load(tmp_path / "mid", into=build(sharded=False))
+
+
 def _refuse_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("something was unpickled while loading a checkpoint")

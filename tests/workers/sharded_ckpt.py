@@ -9,6 +9,10 @@ makes rank RANK send itself SIGTERM in its CALL-th loss call, once (a marker fil
 CKPT`` with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise, then optionally
 saves it again to ``--save``; a CheckpointError is written to ``--out`` as ``error<rank>.txt``
 instead. ``export``: trains 2 updates of a tied model, then ``af.save_model`` to ``--export``.
+``window``: a hand-written FSDP2 accumulation window of 2 micro-batches, the first without
+reduce-scatter (``set_requires_gradient_sync(False)``), then an update; run whole, and
+interrupted after the first micro-batch by ``af.save`` to ``--save`` and ``af.load`` into a
+freshly built state; rank 0 writes both full states, ``whole/...`` and ``resumed/...``.
 Rank 0 writes the full model and optimizer state it ends with to ``--out`` (safetensors).
 """
 
@@ -48,9 +52,38 @@ def _preempted(when: str, rank: int, marker: Path) -> Any:
     return preempted_loss
 
 
+def _micro_batch(state: af.TrainState, batch: Any, *, sync: bool) -> None:
+    state.model.set_requires_gradient_sync(sync)
+    loss_fn(state.model, batch).backward()
+
+
+def _update(state: af.TrainState) -> None:
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+
+
+def _window(path: Path, backend: Any) -> dict[str, torch.Tensor]:
+    """Full states after a 2-micro-batch window run whole and run with a save/load after
+    its first micro-batch (each rank reads its own batches)."""
+    batches = list(loader())
+    first, second = batches[backend.rank], batches[2 + backend.rank]
+    whole = build(sharded=True)
+    _micro_batch(whole, first, sync=False)
+    _micro_batch(whole, second, sync=True)
+    _update(whole)
+    interrupted = build(sharded=True)
+    _micro_batch(interrupted, first, sync=False)
+    af.save(interrupted, path, backend=backend)
+    resumed = af.load(path, into=build(sharded=True), backend=backend)
+    _micro_batch(resumed, second, sync=True)
+    _update(resumed)
+    return ({f"whole/{k}": v for k, v in full_state(whole).items()}
+            | {f"resumed/{k}": v for k, v in full_state(resumed).items()})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "load", "export"])
+    parser.add_argument("mode", choices=["train", "load", "export", "window"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--unsharded", action="store_true")
     parser.add_argument("--checkpoints", type=Path)
@@ -82,9 +115,14 @@ def main() -> None:
             return
         if args.save is not None:
             af.save(state, args.save, backend=backend)
-    else:
+    elif args.mode == "export":
         state = af.run(program(), state, loader(), backend=backend, epochs=1, max_steps=2, progress=False)
         af.save_model(state, args.export, max_shard_size=300, backend=backend)
+    else:
+        tensors = _window(args.save, backend)
+        if backend.is_main_process:
+            safetensors.torch.save_file(tensors, args.out)
+        return
     tensors = full_state(state)
     if backend.is_main_process:
         safetensors.torch.save_file(tensors, args.out)
