@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accelfn.checkpoint import _atomic, _manifest, _serialize, _tensorfiles
@@ -147,6 +148,13 @@ def _own_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
             for name, digest in zip(mine, digests)}
 
 
+def _failure(e: BaseException, rank: int) -> str:
+    """What went wrong, by rank: DCP's CheckpointException carries every failed rank's error."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(error).__name__}: {error}" for r, (error, _) in sorted(e.failures.items()))
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
 def _write_shards(backend: ProcessContext, directory: Path, flat: dict[str, torch.Tensor]
                   ) -> dict[str, FileEntry] | str:
     """Every rank writes its shards into ``directory/dcp``; the FileEntry of every rank's
@@ -158,8 +166,8 @@ def _write_shards(backend: ProcessContext, directory: Path, flat: dict[str, torc
             dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
                      no_dist=_no_dist(backend))
         report = {"files": _own_files(folder, backend.rank)}
-    except Exception as e:  # every rank reports, so that all of them agree on the outcome
-        report = {"error": f"rank {backend.rank}: {type(e).__name__}: {e}"}
+    except (Exception, CheckpointException) as e:  # every rank reports, so that all agree on the outcome
+        report = {"error": _failure(e, backend.rank)}
     reports = exchange(backend, report)
     errors = [r["error"] for r in reports if "error" in r]
     if errors:
@@ -310,8 +318,9 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
 
     Raises:
         CheckpointError: a missing, truncated or corrupted file (named), a file in ``dcp/``
-            the manifest does not list, a mismatch with ``into``, or a checkpoint saved
-            mid-accumulation-window loaded by another number of processes.
+            the manifest does not list, a mismatch with ``into``, a checkpoint saved
+            mid-accumulation-window loaded by another number of processes (all before
+            anything changes), or DCP failed reading the verified files (each rank's error).
     """
     tables = manifest.sharded
     assert tables is not None
@@ -339,9 +348,13 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         shell = attrs.evolve(shell, counters={**counters, "epoch_micro_step": start})
     targets = _targets(into, tables)
-    with _single_process_quiet():
-        dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory / DCP_DIR)),
-                 no_dist=_no_dist(backend))
+    try:
+        with _single_process_quiet():
+            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory / DCP_DIR)),
+                     no_dist=_no_dist(backend))
+    except CheckpointException as e:  # DCP's; it raises on every rank alike
+        raise CheckpointError(f"{directory / DCP_DIR}: reading the shards failed: {_failure(e, backend.rank)}; "
+                              "the state may be partly loaded, build it again before retrying") from None
     snap = joined(attrs.evolve(shell, grads={}), tables, lambda key, meta: targets[key])
     if not is_sharded(into):  # a rank's unreduced window gradients are what DDP's .grad holds
         return _restore.put(into, attrs.evolve(snap, grads={**snap.grads, **shell.grads}), copy=False)

@@ -75,6 +75,22 @@ def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(tmp_
         af.load(tmp_path / "mid", into=build(sharded=False))
 
 
+def test_a_rank_failing_to_write_its_shards_leaves_the_old_checkpoint(runs: Path, tmp_path: Path) -> None:
+    """When rank 1 cannot write its shards (disk full) while replacing a checkpoint, both
+    ranks raise a CheckpointError naming rank 1 and its error, the old checkpoint is
+    untouched and no temporary directory is left."""
+    shutil.copytree(runs / "step3", tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+    _launch_worker(2, "fail", "--load", tmp_path / "ckpt", "--out", tmp_path / "unused.safetensors")
+    for rank in (0, 1):
+        assert (tmp_path / f"error{rank}.txt").read_text() == (
+            f"{tmp_path / 'ckpt'}: a rank failed to write its shards: rank 1: OSError: [Errno 28] No space left "
+            "on device" if rank == 0 else
+            f"{tmp_path / 'ckpt'}: the checkpoint was not written: rank 1: OSError: [Errno 28] No space left on device")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "error0.txt", "error1.txt"]
+
+
 def _refuse_unpickling(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("something was unpickled while loading a checkpoint")

@@ -9,6 +9,9 @@ makes rank RANK send itself SIGTERM in its CALL-th loss call, once (a marker fil
 CKPT`` with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise, then optionally
 saves it again to ``--save``; a CheckpointError is written to ``--out`` as ``error<rank>.txt``
 instead. ``export``: trains 2 updates of a tied model, then ``af.save_model`` to ``--export``.
+``fail``: loads ``--load`` and saves it back over itself while rank 1's safetensors
+writer raises OSError("No space left on device"); each rank writes its CheckpointError to
+``error<rank>.txt`` next to ``--out``.
 ``window``: a hand-written FSDP2 accumulation window of 2 micro-batches, the first without
 reduce-scatter (``set_requires_gradient_sync(False)``), then an update; run whole, and
 interrupted after the first micro-batch by ``af.save`` to ``--save`` and ``af.load`` into a
@@ -52,6 +55,10 @@ def _preempted(when: str, rank: int, marker: Path) -> Any:
     return preempted_loss
 
 
+def _disk_full(*args: Any, **kwargs: Any) -> bytes:
+    raise OSError(28, "No space left on device")
+
+
 def _micro_batch(state: af.TrainState, batch: Any, *, sync: bool) -> None:
     state.model.set_requires_gradient_sync(sync)
     loss_fn(state.model, batch).backward()
@@ -83,7 +90,7 @@ def _window(path: Path, backend: Any) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "load", "export", "window"])
+    parser.add_argument("mode", choices=["train", "load", "export", "window", "fail"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--unsharded", action="store_true")
     parser.add_argument("--checkpoints", type=Path)
@@ -115,6 +122,15 @@ def main() -> None:
             return
         if args.save is not None:
             af.save(state, args.save, backend=backend)
+    elif args.mode == "fail":
+        state = af.load(args.load, into=state, backend=backend)
+        if backend.rank == 1:
+            safetensors.torch.save = _disk_full  # what DCP's safetensors writer calls
+        try:
+            af.save(state, args.load, backend=backend)
+        except af.CheckpointError as e:
+            (args.out.parent / f"error{backend.rank}.txt").write_text(str(e))
+        return
     elif args.mode == "export":
         state = af.run(program(), state, loader(), backend=backend, epochs=1, max_steps=2, progress=False)
         af.save_model(state, args.export, max_shard_size=300, backend=backend)
