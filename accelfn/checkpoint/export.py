@@ -106,13 +106,15 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     unwrapped model's ``state_dict`` names (no ``module.``/``_orig_mod.``); tied weights are
     written under each name. Each file is written to a temporary name, fsynced and renamed;
     the index comes last; files of an earlier export with other names are then removed. A
-    collective when the model is sharded (call it on every rank); rank 0 writes.
+    collective in a multi-process world (call it on every rank): rank 0 writes; sharded
+    (DTensor) tensors are gathered one at a time, so rank 0 holds at most one file's worth.
 
     Args:
         state: the state whose model to export (nothing in it changes).
         directory: the folder to write (created when needed).
         max_shard_size: the most bytes of tensors per file: an int, or a str such as
-            ``"5GB"`` (powers of 1000) or ``"4GiB"`` (powers of 1024); Accelerate's default.
+            ``"5GB"`` (powers of 1000) or ``"4GiB"`` (powers of 1024); the default is
+            Accelerate's ``save_model``'s.
         backend: the process context (as for ``af.save``).
 
     Returns:
