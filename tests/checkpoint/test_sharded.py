@@ -195,6 +195,22 @@ def test_every_rank_refuses_a_shard_file_another_rank_verified(runs: Path, tmp_p
     assert not (tmp_path / "loaded.safetensors").exists()
 
 
+def test_a_sharded_checkpoint_that_does_not_fit_the_state_is_refused_before_anything_changes(runs: Path) -> None:
+    """Checked against the manifest's record of global shapes before DCP reads anything: a
+    model with a wider first layer gets every differing shape named, and keeps its values."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"inp": torch.nn.Linear(7, 8)})
+    state = af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(af.CheckpointError) as refused:
+        af.load(runs / "step3", into=state)
+    message = str(refused.value)
+    assert message.startswith(f"{runs / 'step3'}: the checkpoint does not match the state it is loaded into:")
+    assert "model: unexpected in the checkpoint (11): blocks.0.weight, blocks.0.bias, blocks.1.weight" in message
+    assert "model 'inp.weight': shape (8, 6) in the checkpoint, (8, 7) here" in message
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
 def test_a_file_in_dcp_the_manifest_does_not_list_is_refused(runs: Path, tmp_path: Path) -> None:
     """DCP's reader reads every safetensors file in ``dcp/``, so one the manifest does not
     list (a leftover, a planted file) is refused by name."""
