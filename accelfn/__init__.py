@@ -2,7 +2,15 @@
 
 from accelfn import backends
 from accelfn._version import __version__
-from accelfn.checkpoint import Checkpoints, Snapshot, load, restore, save, snapshot
+from accelfn.checkpoint import (
+    Checkpoints,
+    Snapshot,
+    load,
+    restore,
+    save,
+    save_model,
+    snapshot,
+)
 from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
 from accelfn.loop import find_batch_size, run
@@ -67,6 +75,7 @@ __all__ = [
     "restore",
     "run",
     "save",
+    "save_model",
     "set_seed",
     "shard_data",
     "skip_nonfinite",

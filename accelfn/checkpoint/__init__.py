@@ -14,9 +14,10 @@ written and read with their XXH3-128 checksums in one pass (``_hashed_io.py``,
 ``_checksums.py``).
 """
 
+from accelfn.checkpoint.export import save_model
 from accelfn.checkpoint.io import load, save
 from accelfn.checkpoint.policy import Checkpoints
 from accelfn.checkpoint.restoring import restore
 from accelfn.checkpoint.snapshots import Snapshot, snapshot
 
-__all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "snapshot"]
+__all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "save_model", "snapshot"]

@@ -25,7 +25,7 @@ import attrs
 import cattrs
 import orjson
 import torch
-from cattrs.gen import make_dict_unstructure_fn
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.preconf.orjson import make_converter
 
 from accelfn.checkpoint._checksums import ALGORITHMS
@@ -35,6 +35,9 @@ from accelfn.errors import CheckpointError
 #: 4: tensor files checked with xxh3_128, each file entry naming its algorithm (sha256 when
 #: ``xxhash`` is not installed) (versions 1 to 3 still load)
 FORMAT_VERSION = 4
+#: 5: a sharded checkpoint (a ``sharded`` table, DCP files in ``dcp/``); unsharded ones stay at
+#: FORMAT_VERSION, so that an older accelfn refuses only what it cannot read
+SHARDED_FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest.sha256"
 _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
@@ -81,12 +84,39 @@ class RankEntry:
 
 
 @attrs.frozen
+class ShardedTensor:
+    """One tensor in a sharded checkpoint's DCP files: its global shape and dtype name."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@attrs.frozen
+class ShardedTables:
+    """Where the tensors in a sharded checkpoint's ``dcp/`` files belong (``_sharded``).
+
+    Attributes:
+        model: model ``state_dict`` name -> its tensor, stored under that name.
+        aliases: a tied weight's other names -> the name it is stored under.
+        optimizer: parameter name -> optimizer state key (``"exp_avg"``) -> its tensor,
+            stored as ``optimizer/<parameter>/<key>``.
+        grads: parameter name -> its open-window gradient, stored as ``grad/<parameter>``.
+    """
+
+    model: dict[str, ShardedTensor]
+    aliases: dict[str, str]
+    optimizer: dict[str, dict[str, ShardedTensor]]
+    grads: dict[str, ShardedTensor]
+
+
+@attrs.frozen
 class Manifest:
     """Everything in a checkpoint but the tensors.
 
     After the format fields come the Snapshot's shared fields as trees encoded by
     ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
-    the tensor files with their checksums.
+    the tensor files with their checksums; a sharded checkpoint's ``sharded`` table says
+    where the tensors in its DCP files belong (None in an unsharded one).
     """
 
     format_version: int
@@ -104,12 +134,16 @@ class Manifest:
     extra: Any
     ranks: tuple[RankEntry, ...]
     files: dict[str, FileEntry]
+    sharded: ShardedTables | None = None
 
 
 _converter = make_converter()
 _converter.register_unstructure_hook(torch.dtype, str)
-# a file entry names only the checksum it has
+# a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
+# ``sharded`` key (it reads as None)
 _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
+_converter.register_unstructure_hook(
+    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True)))
 
 
 def unstructure(value: Any) -> Any:
@@ -205,10 +239,10 @@ def read(directory: Path) -> Manifest:
         version = orjson.loads(data).get("format_version")
     except (orjson.JSONDecodeError, AttributeError):
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
-    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
-            f"{FORMAT_VERSION} (upgrade accelfn to load it)"
+            f"{SHARDED_FORMAT_VERSION} (upgrade accelfn to load it)"
         )
     if expected is None and version >= 2:
         raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "

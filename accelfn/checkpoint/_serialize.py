@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -26,7 +27,7 @@ from accelfn._version import __version__
 from accelfn.checkpoint import _manifest, _tensorfiles
 from accelfn.checkpoint._codec import Encoder, decode, field_problems
 from accelfn.checkpoint._context import ProcessContext
-from accelfn.checkpoint._manifest import Manifest, RankEntry
+from accelfn.checkpoint._manifest import FileEntry, Manifest, RankEntry, ShardedTables
 from accelfn.checkpoint.snapshots import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError
 
@@ -95,8 +96,11 @@ def gather_parts(backend: ProcessContext, part: RankPart) -> list[RankPart]:
     return parts
 
 
-def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: Any) -> None:
-    """Writes ``snap`` (with every rank's part) into ``directory``: tensor files, then the manifest."""
+def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: Any, *,
+          sharded: ShardedTables | None = None, files: Mapping[str, FileEntry] = MappingProxyType({})) -> None:
+    """Writes ``snap`` (with every rank's part) into ``directory``: tensor files, then the
+    manifest, which also lists ``files`` written already (a sharded checkpoint's DCP files,
+    whose tensors ``sharded`` places)."""
     encoders = {"model": Encoder(), "state": Encoder()}
     trees = {name: encoders[_table(name)].encode(getattr(snap, name), "" if name == "model" else name)
              for name in SHARED}
@@ -105,15 +109,16 @@ def write(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: An
     }
     for rank, (_, tensors) in enumerate(parts):
         groups[_rank_group(rank)] = (tensors, rank)
-    files = _tensorfiles.write(directory, groups)
+    written = _tensorfiles.write(directory, groups)
     _manifest.write(directory, Manifest(
-        format_version=_manifest.FORMAT_VERSION,
+        format_version=_manifest.FORMAT_VERSION if sharded is None else _manifest.SHARDED_FORMAT_VERSION,
         accelfn_version=__version__,
         torch_version=torch.__version__,
         world_size=len(parts),
         transforms=transforms,
         ranks=tuple(entry for entry, _ in parts),
-        files=files,
+        files={**files, **written},
+        sharded=sharded,
         **trees,
     ))
 

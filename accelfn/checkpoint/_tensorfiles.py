@@ -11,6 +11,7 @@ format versions up to 3 are still verified.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -113,3 +114,36 @@ def read(directory: Path, files: Mapping[str, FileEntry]) -> dict[str, dict[str,
                     raise CheckpointError(f"{directory / name}: tensor {key!r} is also in another file")
                 table[key] = t
     return groups
+
+
+def hash_file(path: Path, algorithm: str | None = None) -> tuple[str, str]:
+    """``(algorithm, hex digest)`` of the whole file at ``path``, read through a memory map:
+    for files another writer made (DCP's shard files), which cannot be hashed as written."""
+    algorithm = algorithm or _checksums.default()
+    hasher = _checksums.new(algorithm)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                hasher.update(memoryview(m))
+    return algorithm, hasher.hexdigest()
+
+
+def verify_file(path: Path, entry: FileEntry) -> None:
+    """Raises unless the file at ``path`` has the size and checksum ``entry`` records.
+
+    Raises:
+        CheckpointError: the file is missing, of another size, or of another checksum
+            (the message names the file).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: the tensor file is missing; the checkpoint is incomplete") from None
+    if size != entry.num_bytes:
+        raise CheckpointError(f"{path}: {size} bytes, but the manifest says {entry.num_bytes}; the file is "
+                              "truncated or was changed after the checkpoint was written")
+    algorithm, expected = entry.checksum
+    _, digest = hash_file(path, algorithm)
+    if digest != expected:
+        raise CheckpointError(f"{path}: {algorithm} {digest} does not match the manifest's {algorithm} {expected}; "
+                              "the file is corrupted or was changed after the checkpoint was written")

@@ -20,7 +20,7 @@ import orjson
 import torch
 
 from accelfn import collectives
-from accelfn.checkpoint import _atomic, _manifest, _serialize
+from accelfn.checkpoint import _atomic, _manifest, _serialize, _sharded
 from accelfn.checkpoint import restoring as _restore
 from accelfn.checkpoint import snapshots as _snapshot
 from accelfn.checkpoint._context import ProcessContext, default_context
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 __all__ = [
-    "Collected", "ResumePosition", "collect", "is_checkpoint", "load", "load_with_manifest", "not_found",
+    "Collected", "ResumePosition", "collect", "is_checkpoint", "is_sharded", "load", "load_with_manifest", "not_found",
     "read_fitting", "save", "save_checkpoint", "to_path", "transforms_record", "write_collected",
 ]
 
@@ -66,6 +66,11 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     checkpoint at ``path`` is replaced only once the new one is complete, so a crash at any
     instant leaves the old or the new.
 
+    A state whose model holds DTensor parameters (FSDP2, ``af.shard_params``) is saved
+    sharded instead: every rank writes its own shards of the model, optimizer state and
+    open-window gradients through ``torch.distributed.checkpoint``'s safetensors storage
+    into ``path/dcp/``, and rank 0 the rest and the manifest (``accelfn.checkpoint._sharded``).
+
     Args:
         state: the state to save (nothing in it changes).
         path: the checkpoint directory to write.
@@ -78,8 +83,10 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     Raises:
         TypeError: ``state`` is not a TrainState, or ``path`` not a path.
         CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
-            (nothing is ever deleted that accelfn did not write), rank 0 failed to write, or
-            some rank did not call ``save`` (rank 0 names it).
+            (nothing is ever deleted that accelfn did not write), rank 0 (or, sharded, any
+            rank) failed to write, some rank did not call ``save`` (rank 0 names it), or a
+            sharded state is saved while FSDP2 holds a window's gradients unsharded (before
+            the reduce-scatter of its last micro-batch).
         ValueError: the optimizer updates a tensor that is not a parameter of the model;
             ``path`` is a file or lies under one (checked before anything is gathered).
         PermissionError: ``path`` cannot be created by this process.
@@ -96,6 +103,21 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     checked = to_path(path, "save")
     check_directory(checked, f"save(path={str(path)!r})")
     return save_checkpoint(state, checked, backend, transforms=None, what="af.save")
+
+
+def is_sharded(state: TrainState) -> bool:
+    """True if ``state``'s model holds DTensor parameters (FSDP2, ``af.shard_params``): its
+    checkpoints are written by every rank through ``torch.distributed.checkpoint``."""
+    return _sharded.is_sharded(state)
+
+
+def _arrived(backend: ProcessContext, what: str) -> None:
+    """Raises CheckpointError unless every rank called ``what`` (``collectives.arrive``)."""
+    if backend.world_size > 1:
+        try:
+            collectives.arrive(what)
+        except collectives.ArrivalError as e:
+            raise CheckpointError(str(e)) from None
 
 
 @attrs.frozen
@@ -130,11 +152,10 @@ def collect(state: TrainState, backend: ProcessContext, transforms: Any, *,
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a TrainState first, got {type(state).__name__}")
-    if backend.world_size > 1:
-        try:
-            collectives.arrive(what)
-        except collectives.ArrivalError as e:
-            raise CheckpointError(str(e)) from None
+    if is_sharded(state):
+        raise CheckpointError("a sharded state (FSDP2 parameters) is saved by every rank through "
+                              "torch.distributed.checkpoint, not collected to rank 0: use save_checkpoint")
+    _arrived(backend, what)
     if to_host is None:
         snap = _snapshot.capture(state, copy=False)
     else:
@@ -157,6 +178,9 @@ def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | Non
                     what: str = "Checkpoints.save") -> Path:
     """``save`` without checking ``path``; ``what`` is the API named when a rank does not call it."""
     backend = default_context(backend)
+    if is_sharded(state):
+        _arrived(backend, what)
+        return _sharded.save(state, path, backend, transforms)
     collected = collect(state, backend, transforms, what=what)
     world_size = backend.world_size
     failure: BaseException | None = None
@@ -204,6 +228,11 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
     to the CPU, then copied to the state's device. Each rank restores its own RNG and
     transform states (rank 0's when the checkpoint was written by fewer processes).
 
+    A sharded checkpoint (saved from DTensor parameters) loads at any world size into a
+    sharded or an unsharded state, each rank reading only the parts of the files its
+    tensors need; an unsharded checkpoint loads into a sharded state too (each rank cuts
+    its shards out of the full tensors).
+
     Args:
         path: a checkpoint directory written by ``af.save`` or ``af.Checkpoints``.
         into: a state built like the saved one (same model architecture, optimizer type
@@ -225,35 +254,55 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
 
 
 def load_with_manifest(path: Path, into: TrainState, backend: ProcessContext | None,
-          position: ResumePosition | None = None) -> tuple[TrainState, _manifest.Manifest]:
+                       position: ResumePosition | None = None) -> tuple[TrainState, _manifest.Manifest]:
+    """``load``, also returning the checkpoint's manifest; ``position`` (``run``'s) may move
+    the resumed epoch's start once the checkpoint is verified, before anything changes."""
     if not isinstance(into, TrainState):
         raise TypeError(f"load(into=...) takes a TrainState, got {type(into).__name__}")
-    snap, manifest = read_fitting(path, into, backend)
+    backend = default_context(backend)
+    directory, manifest = _open(path)
+    if manifest.sharded is not None:
+        return _sharded.load(directory, manifest, into, backend, position), manifest
+    snap = _fitting(directory, manifest, into, backend)
     if position is not None:
         counters = snap.counters
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         snap = attrs.evolve(snap, counters={**counters, "epoch_micro_step": start})
+    if is_sharded(into):
+        return _sharded.put_unsharded(into, snap), manifest
     return _restore.put(into, snap, copy=True), manifest  # its tensors are mapped to the files
 
 
 def read_fitting(path: Path, into: TrainState,
-                 backend: ProcessContext | None) -> tuple[_snapshot.Snapshot, _manifest.Manifest]:
+                 backend: ProcessContext | None) -> tuple[_snapshot.Snapshot | None, _manifest.Manifest]:
     """The checkpoint at ``path`` as this rank's snapshot, verified and checked against
-    ``into``, which does not change (``load`` without putting anything in place).
+    ``into``, which does not change (``load`` without putting anything in place). Of a
+    sharded checkpoint only the manifest is read and checked (its DCP files are checked as
+    they load): the snapshot is then None.
 
     Raises:
         CheckpointError: as ``load``.
     """
     backend = default_context(backend)
-    rank, world_size = backend.rank, backend.world_size
+    directory, manifest = _open(path)
+    if manifest.sharded is not None:
+        return None, manifest
+    return _fitting(directory, manifest, into, backend), manifest
+
+
+def _open(path: Path) -> tuple[Path, _manifest.Manifest]:
     directory = _atomic.resolve(path)
     if directory is None:
         raise CheckpointError(not_found(path))
-    manifest = _manifest.read(directory)
-    snap = _serialize.read(directory, manifest, rank=rank, world_size=world_size)
+    return directory, _manifest.read(directory)
+
+
+def _fitting(directory: Path, manifest: _manifest.Manifest, into: TrainState,
+             backend: ProcessContext) -> _snapshot.Snapshot:
+    snap = _serialize.read(directory, manifest, rank=backend.rank, world_size=backend.world_size)
     try:
-        names = _serialize.field_names(_serialize.section(manifest, rank))
+        names = _serialize.field_names(_serialize.section(manifest, backend.rank))
         _restore.verify(into, snap, source=_manifest.MANIFEST, names=names)
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
-    return snap, manifest
+    return snap

@@ -1,0 +1,205 @@
+"""``save_model``: a state's model as consolidated weights in the Hugging Face layout.
+
+For inference and for other tools, not for resuming (that is ``af.save``): the unwrapped
+model's ``state_dict`` as full tensors in ``model.safetensors``, or, above
+``max_shard_size``, in ``model-00001-of-0000N.safetensors`` files plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name:
+file}}``), the layout ``transformers``' ``save_pretrained`` writes and ``from_pretrained``
+reads (https://huggingface.co/docs/safetensors/, Accelerate's ``Accelerator.save_model``).
+
+Tied weights are written under each of their names (safetensors keeps no shared storage,
+so each name gets its own copy): ``safetensors.torch.load_file`` then
+``load_state_dict(strict=True)`` finds every key of a freshly built model, and
+``from_pretrained`` ties them again as the model's config says.
+
+Under sharding (DTensor parameters) this is a collective: the tensors are gathered one by
+one in ``state_dict`` order (``DTensor.full_tensor``, an all-gather, so every rank briefly
+holds one full tensor), and rank 0 keeps them on the CPU only until the file they belong to
+is written: no rank ever holds more than one file's worth (at most ``max_shard_size``, or
+one tensor larger than that) besides its own shards.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+import safetensors.torch
+import torch
+from torch.distributed.tensor import DTensor
+
+from accelfn.checkpoint import _atomic
+from accelfn.checkpoint._context import ProcessContext, default_context
+from accelfn.checkpoint._exchange import exchange
+from accelfn.checkpoint.snapshots import clean_name, unwrap
+from accelfn.errors import CheckpointError
+from accelfn.state import TrainState
+
+__all__ = ["INDEX", "WEIGHTS", "parse_size", "save_model"]
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes in ``value``: an int, or a string such as ``"5GB"`` (10**9) or ``"512MiB"`` (2**20).
+
+    Raises:
+        TypeError: neither an int nor a str.
+        ValueError: not a size, or not > 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"save_model(max_shard_size=...) takes bytes as an int or a str such as '5GB', got {value!r}")
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise ValueError(f"save_model(max_shard_size={value!r}): not a size; write it as '10GB', '500MB' or "
+                             "'2GiB' (B, KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB of 1024)")
+        value = int(float(match[1]) * _UNITS[match[2].lower()])
+    if value <= 0:
+        raise ValueError(f"save_model(max_shard_size={value!r}): must be > 0 bytes")
+    return value
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _plan(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[str]]:
+    """Names per file, in order: a file takes tensors until the next would pass ``limit``
+    (a tensor larger than ``limit`` gets a file of its own)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors:
+        if files[-1] and size + _nbytes(t) > limit:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += _nbytes(t)
+    return files
+
+
+def _write_file(path: Path, data: bytes | None, tensors: dict[str, torch.Tensor] | None) -> None:
+    part = path.with_name(f".{path.name}.part")
+    if tensors is not None:
+        safetensors.torch.save_file(tensors, part, metadata={"format": "pt"})
+    else:
+        part.write_bytes(data or b"")
+    with open(part, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shard_size: int | str = "10GB",
+               backend: ProcessContext | None = None) -> Path:
+    """Writes ``state``'s model as consolidated safetensors weights in the Hugging Face layout.
+
+    ``directory/model.safetensors``, or ``model-00001-of-0000N.safetensors``, ... and
+    ``model.safetensors.index.json`` when the weights pass ``max_shard_size``. Keys are the
+    unwrapped model's ``state_dict`` names (no ``module.``/``_orig_mod.``); tied weights are
+    written under each name. Each file is written to a temporary name, fsynced and renamed;
+    the index comes last; files of an earlier export with other names are then removed. A
+    collective in a multi-process world (call it on every rank): rank 0 writes; sharded
+    (DTensor) tensors are gathered one at a time, so rank 0 holds at most one file's worth.
+
+    Args:
+        state: the state whose model to export (nothing in it changes).
+        directory: the folder to write (created when needed).
+        max_shard_size: the most bytes of tensors per file: an int, or a str such as
+            ``"5GB"`` (powers of 1000) or ``"4GiB"`` (powers of 1024); the default is
+            Accelerate's ``save_model``'s.
+        backend: the process context (as for ``af.save``).
+
+    Returns:
+        Path: ``directory``.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, ``directory`` not a path, or a
+            ``max_shard_size`` of another type.
+        ValueError: a ``max_shard_size`` that is not a size > 0.
+        CheckpointError: ``directory`` is a file, or rank 0 failed to write.
+        OSError: the file system refused.
+
+    Example:
+        >>> import tempfile, torch, accelfn as af, safetensors.torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> path = af.save_model(state, tempfile.mkdtemp())
+        >>> sorted(safetensors.torch.load_file(path / "model.safetensors"))
+        ['bias', 'weight']
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save_model() takes a TrainState first, got {type(state).__name__}")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"save_model() takes a path (str or os.PathLike), got {type(directory).__name__}")
+    limit = parse_size(max_shard_size)
+    directory = Path(directory)
+    backend = default_context(backend)
+    main = backend.is_main_process
+    tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
+    files = _plan(tensors, limit)
+    names = [WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                              for i in range(len(files))]
+    by_name = dict(tensors)
+    failure: BaseException | None = None
+    if main:
+        try:
+            if directory.exists() and not directory.is_dir():
+                raise CheckpointError(f"save_model(): {directory} is a file, not a folder; pass a folder")
+            directory.mkdir(parents=True, exist_ok=True)
+        except BaseException as e:  # re-raised below, after telling the other ranks
+            failure = e
+    if not _agree(backend, failure, f"save_model(): rank 0 cannot write to {directory}"):
+        raise failure  # type: ignore[misc]
+    for filename, keys in zip(names, files):
+        shard = {}
+        for key in keys:  # every rank takes part in each gather, even after rank 0 failed
+            t = by_name[key]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if main and failure is None:
+                shard[key] = full.detach().to("cpu", copy=True).contiguous()
+            del full
+        if main and failure is None:
+            try:
+                _write_file(directory / filename, None, shard)
+            except BaseException as e:
+                failure = e
+    if main and failure is None:
+        try:
+            _finish(directory, names, files, sum(_nbytes(t) for _, t in tensors))
+        except BaseException as e:
+            failure = e
+    if not _agree(backend, failure, f"save_model(): rank 0 failed to write {directory}; its error says why"):
+        raise failure  # type: ignore[misc]
+    return directory
+
+
+def _finish(directory: Path, names: list[str], files: list[list[str]], total_bytes: int) -> None:
+    """Writes the index (for more than one file), then removes an earlier export's other files."""
+    if len(files) > 1:
+        weight_map = {key: filename for filename, keys in zip(names, files) for key in keys}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        _write_file(directory / INDEX, orjson.dumps(index, option=orjson.OPT_INDENT_2), None)
+    for entry in os.scandir(directory):
+        if (entry.name == INDEX and len(files) == 1) or (
+                (entry.name == WEIGHTS or _SHARD.match(entry.name)) and entry.name not in names):
+            os.remove(entry.path)
+    _atomic.fsync_dir(directory)
+
+
+def _agree(backend: ProcessContext, failure: BaseException | None, message: str) -> bool:
+    """True if rank 0 (whose ``failure`` this is, on rank 0) succeeded; on the other ranks a
+    failure of rank 0 raises CheckpointError(``message``)."""
+    ok = failure is None
+    if backend.world_size > 1:
+        ok = bool(exchange(backend, ok)[0])
+        if not ok and not backend.is_main_process:
+            raise CheckpointError(message)
+    return ok
