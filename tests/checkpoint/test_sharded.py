@@ -127,7 +127,7 @@ def test_each_rank_writes_its_own_safetensors_file_and_no_file_is_a_pickle(runs:
             header = json.loads(data[8:8 + length])
             ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
             assert 8 + length + max(ends) == len(data), name  # nothing but the tensors after the header
-    assert manifest["world_size"] == 2 and manifest["format_version"] == 4
+    assert manifest["world_size"] == 2 and manifest["format_version"] == 5
     assert sorted(manifest["files"]) == list(SHARDS)
     assert "blocks.0.weight" in manifest["sharded"]["model"]
 
@@ -180,7 +180,7 @@ def test_a_flipped_byte_in_any_shard_file_is_refused_naming_the_file(runs: Path,
     path = _flipped(runs / "step3", tmp_path / "ckpt", name)
     state = build(sharded=False)
     before = full_state(state)
-    with pytest.raises(af.CheckpointError, match=rf"^{path}: sha256 [0-9a-f]{{64}} does not match the manifest's"):
+    with pytest.raises(af.CheckpointError, match=rf"^{path}: xxh3_128 [0-9a-f]{{32}} does not match the manifest's"):
         af.load(tmp_path / "ckpt", into=state)
     assert_same(full_state(state), before)
 
@@ -191,7 +191,7 @@ def test_every_rank_refuses_a_shard_file_another_rank_verified(runs: Path, tmp_p
     path = _flipped(runs / "step3", tmp_path / "ckpt", SHARDS[1])
     _launch_worker(2, "load", "--load", tmp_path / "ckpt", "--out", tmp_path / "loaded.safetensors")
     for rank in (0, 1):
-        assert (tmp_path / f"error{rank}.txt").read_text().startswith(f"{path}: sha256 ")
+        assert (tmp_path / f"error{rank}.txt").read_text().startswith(f"{path}: xxh3_128 ")
     assert not (tmp_path / "loaded.safetensors").exists()
 
 
