@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ def evaluate(
     Each rank runs ``fn`` on its own part of ``data`` in inference mode with the model in
     eval mode (its training mode is restored afterwards); the outputs are then gathered and
     put back in the order of ``data``. Nothing is padded, so no sample is counted twice.
+    A model sharded with ``shard_params`` runs its sharded forward on every rank; a rank
+    with fewer batches repeats its first one (outputs dropped) so the ranks' parameter
+    all-gathers pair up.
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
     master weights) ``fn`` runs in fp32 unless it enters ``torch.autocast`` itself.
@@ -67,12 +70,17 @@ def evaluate(
     model = state.model
     cast = _input_cast(model)
     keys, outputs = [], []
+    batches = keyed_batches(data, rank=backend.rank, world_size=backend.world_size)
+    if backend.forward_is_collective(model):
+        batches = _in_step(backend, batches)
     was_training = model.training
     model.eval()
     try:
         with backend.inference_mode():
-            for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
+            for batch_keys, batch in batches:
                 out = fn(model, cast(backend.place(batch)))
+                if batch_keys is None:  # a replay that keeps a sharded model's ranks in step
+                    continue
                 _check_leading(out, len(batch_keys))
                 keys.append(batch_keys)
                 outputs.append(map_tensors(lambda t: t.detach(), out))
@@ -81,6 +89,20 @@ def evaluate(
     finally:
         model.train(was_training)
     return _gather_in_order(backend, keys, outputs)
+
+
+def _in_step(backend: Backend, batches: Iterable[tuple[torch.Tensor, Any]]) -> Iterator[tuple[Any, Any]]:
+    """A sharded model's forward is collective (it all-gathers parameters), so every rank must
+    run as many as the others: a rank that ran out runs its first batch again, with ``None``
+    for keys (its outputs are dropped), until every rank is done."""
+    first: list[tuple[torch.Tensor, Any]] | None = None
+    box: list[tuple[torch.Tensor, Any]]
+    for box in backend.lockstep(iter([pair] for pair in batches)):
+        if box is first:
+            yield None, box[0][1]
+            continue
+        first = first or box
+        yield box[0]
 
 
 def _input_cast(model: torch.nn.Module) -> Callable[[Any], Any]:

@@ -9,9 +9,10 @@ Per micro-batch, in phase order::
     forward   autocast(compute dtype)            loss_fn(model, batch)
     backward  no_sync unless last of window      (S_i / R * loss_scale).backward()
     -- last micro-batch of the window only --
-    sync      reduce_gradients (XLA; DDP reduced during backward); all-reduce item counts
-    unscale   grads *= correction / loss_scale   (fused with the non-finite check)
-    clip      clip_grad_norm_ / clip_grad_value_
+    sync      reduce_gradients (XLA; DDP and FSDP2 reduced during backward); all-reduce item counts
+    unscale   grads *= correction / loss_scale   (fused with the non-finite check; under
+              shard_params on each rank's shards, the verdict summed over ranks)
+    clip      clip_grad_norm_ / clip_grad_value_ (sharded: one global norm over all shards)
     check     skip the update if a gradient is inf/NaN (fp16, skip_nonfinite)
     update    optimizer.step(); scheduler.step()
     adjust    loss scale, skip counters
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from accelfn.backends import _fsdp
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack
 from accelfn.data._tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
@@ -37,6 +39,7 @@ from accelfn.transforms import (
     Clip,
     ClipValue,
     Replicate,
+    ShardParams,
     SkipNonfinite,
     Window,
     WithPrecision,
@@ -107,10 +110,15 @@ class StepFn:
             self._scaling.max_consecutive_skips if self._scaling is not None
             else skip.max_consecutive_skips if skip is not None else 0
         )
+        shard = step.find(ShardParams)
         replicated = step.find(Replicate) is not None and backend.world_size > 1
-        self._replicated = replicated
-        self._world_size = backend.world_size if replicated else 1
-        self._no_sync: Callable[[], Any] = backend.no_sync(model) if replicated else lambda: _NULL
+        # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
+        self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
+        self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
+        self._world_size = backend.world_size if data_parallel else 1
+        sync_every = shard is not None and sharded and shard.reduce_every_micro_batch
+        self._no_sync: Callable[[], Any] = (
+            backend.no_sync(model) if data_parallel and not sync_every else lambda: _NULL)
         self._autocast = backend.autocast if self._policy.autocast else None
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
@@ -211,7 +219,7 @@ class StepFn:
         # gradients of a mean and C times likelier to overflow the loss scale. There R is
         # n times the ranks' mean count (one scalar all-reduce per window), as one big
         # batch would have it. Mean losses have equal sample counts on every rank.
-        if is_sum and self._replicated:
+        if is_sum and self._data_parallel:
             if self._scaling is None:
                 return 1.0
             local = torch.as_tensor(count, dtype=torch.float32, device=loss.device)
@@ -221,7 +229,7 @@ class StepFn:
 
     def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
         """``R * W / sum(C)``; an ``af.Loss``'s counts are summed over ranks (one all-reduce)."""
-        if is_sum and self._replicated:
+        if is_sum and self._data_parallel:
             global_count = self._backend.all_reduce_sum(
                 torch.as_tensor(count, dtype=torch.float64, device=loss.device))
             return _math.window_correction(reference, self._world_size, global_count)
@@ -246,9 +254,11 @@ class StepFn:
 
         found_inf = None
         if self._guard:
-            found_inf = _math.unscale_and_check([p.grad for p in params if p.grad is not None], inv_scale)
+            found_inf = _math.unscale_and_check(self._grads(params), inv_scale)
+            if self._sharded and self._data_parallel:  # each rank checked only its shards
+                found_inf = self._backend.reduce(found_inf, "sum")
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            _math.scale_([p.grad for p in params if p.grad is not None], inv_scale)
+            _math.scale_(self._grads(params), inv_scale)
 
         # this rank's window means, the lr this update uses, and the window's sample count
         metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
@@ -256,7 +266,8 @@ class StepFn:
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
+            clip_grad_norm = _fsdp.clip_grad_norm if self._sharded else torch.nn.utils.clip_grad_norm_
+            metrics["grad_norm"] = clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type)
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
 
@@ -288,6 +299,12 @@ class StepFn:
         if found_inf is not None:
             self._check_skips(new_state)
         return new_state, metrics
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients to scale in place: under sharding, each DTensor's local shard."""
+        if self._sharded:
+            return _fsdp.local_gradients(params)
+        return [p.grad for p in params if p.grad is not None]
 
     def _check_skips(self, state: TrainState) -> None:
         skips: SkipCount = state.transforms_state["skips"]

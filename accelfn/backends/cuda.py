@@ -6,10 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _ddp
+from accelfn.backends import _ddp, _fsdp
 from accelfn.backends._env import LaunchEnv
 from accelfn.backends.base import Backend
-from accelfn.transforms import Policy, Replicate
+from accelfn.state import TrainState
+from accelfn.transforms import Policy, Replicate, ShardParams
 
 
 class CUDA(Backend):
@@ -55,3 +56,9 @@ class CUDA(Backend):
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=[self.device.index])
+
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        _fsdp.check(state.model, state.optimizer)
+
+    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
+        _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))

@@ -26,8 +26,9 @@ from accelfn.backends.base import Backend
 from accelfn.data._tree import map_tensors
 from accelfn.data.batches import EpochBatches, epoch_batches
 from accelfn.errors import LaunchError
+from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Replicate, ShardData
+from accelfn.transforms import Replicate, ShardData, ShardParams
 from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
@@ -124,6 +125,14 @@ class XLA(Backend):
         if self.world_size > 1:
             self._xm.broadcast_master_param(model)
         return model
+
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        """Raises NotImplementedError: FSDP2 does not run on XLA devices."""
+        raise NotImplementedError(
+            "the xla backend does not support shard_params() (FSDP2 runs on CPU and CUDA only); use "
+            "replicate() for data parallelism on XLA, or shard with torch_xla's own SPMD FSDPv2 "
+            "(torch_xla.experimental.spmd_fully_sharded_data_parallel) outside accelfn"
+        )
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Averages gradients over ranks in place: one ``xm.all_reduce`` in the graph."""
