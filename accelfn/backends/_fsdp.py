@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from accelfn.collectives import ReduceOp
 from accelfn.transforms import ShardParams
 from accelfn.transforms.precision import Policy
 
@@ -51,24 +53,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raises before anything changes if ``shard_model`` could not shard this pair.
-
-    Raises:
-        NotImplementedError: this torch has no FSDP2.
-        ValueError: the optimizer holds tensors that are not parameters of ``model``.
-    """
-    check_available()
-    ids = {id(p) for p in model.parameters()}
-    foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in ids)
-    if foreign:
-        raise ValueError(
-            f"shard_params(): the optimizer holds {foreign} tensor(s) that are not parameters of the "
-            "model, which FSDP cannot shard or point the optimizer at; build the optimizer over "
-            "model.parameters()"
-        )
-
-
 def mesh(device: torch.device, world_size: int) -> DeviceMesh:
     """The 1-D device mesh of all ranks; on one process, a single-process group is made first
     (FSDP2 needs one even there; only offloading asks for FSDP on one process)."""
@@ -93,7 +77,8 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     parameters.
 
     Rank 0's parameters and buffers are broadcast first, so every rank starts from the same
-    model whatever its seed (as DDP does). ``check(model, optimizer)`` must have passed.
+    model whatever its seed (as DDP does). The optimizer's parameters are the model's
+    (``TrainState.create`` checks it), so each maps to a sharded one by its name.
     """
     names = {id(p): name for name, p in model.named_parameters()}
     if device_mesh.size() > 1:
@@ -149,16 +134,36 @@ def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: float,
+                   all_reduce: Callable[[torch.Tensor, ReduceOp], torch.Tensor]) -> torch.Tensor:
     """``clip_grad_norm_`` over sharded gradients: one global norm over all shards and ranks.
 
+    Each rank takes the p-norms of its local shards, the ranks add their ``sum(norm ** p)``
+    (or take the max, for the inf-norm) in one scalar all-reduce, and every shard is scaled
+    by ``min(1, max_norm / (total + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does. The
+    collective runs on the process group's device, so it also works when the shards are
+    offloaded to CPU memory under NCCL (DTensor's own norm would all-reduce a CPU tensor).
+
+    Args:
+        params: the parameters (DTensors), each with a gradient or None.
+        max_norm: the largest allowed total norm.
+        norm_type: p of the p-norm, or ``math.inf``.
+        all_reduce: ``backend.reduce``.
+
     Returns:
-        The total norm before clipping, a plain tensor equal on every rank (the unsharded
-        model's norm).
+        The total norm before clipping, a scalar tensor equal on every rank: the unsharded
+        model's gradient norm.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    grads = local_gradients(params)
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
+    if math.isinf(norm_type):
+        total = all_reduce(norms.max(), "max").to(device)
+    else:
+        total = all_reduce((norms ** norm_type).sum(), "sum").to(device) ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.device, g.dtype))
     return total

@@ -266,8 +266,12 @@ class StepFn:
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
-            clip_grad_norm = _fsdp.clip_grad_norm if self._sharded else torch.nn.utils.clip_grad_norm_
-            metrics["grad_norm"] = clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type)
+            if self._sharded:
+                metrics["grad_norm"] = _fsdp.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+                                                            self._backend.reduce)
+            else:
+                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm,
+                                                                      self._clip.norm_type)
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
 

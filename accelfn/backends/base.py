@@ -94,9 +94,9 @@ class Backend(abc.ABC):
         """Raises before anything changes if this backend cannot run ``shard`` on ``state``.
 
         Raises:
-            NotImplementedError: this backend has no sharded data parallelism (XLA), or not
-                with ``shard``'s options (offloading on the CPU backend).
-            ValueError: the optimizer holds tensors that are not the model's parameters.
+            NotImplementedError: this backend has no sharded data parallelism (XLA, or a
+                torch without FSDP2), or not with ``shard``'s options (offloading on the CPU
+                backend).
         """
         raise NotImplementedError(
             f"the {self.name} backend does not support shard_params(); use replicate() (data "
@@ -149,8 +149,7 @@ class Backend(abc.ABC):
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
             NotImplementedError: this backend cannot run the program's precision policy, or
                 its ``shard_params`` (XLA; offloading on the CPU backend).
-            ValueError: under ``shard_params``, an optimizer over tensors that are not the
-                model's parameters; a sharded model with a step without ``shard_params``.
+            ValueError: a sharded model (prepared with ``shard_params``) with a step without it.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")

@@ -48,7 +48,7 @@ class CPU(Backend):
                 "GPU to CPU memory; on the cpu backend they are in CPU memory already. Remove "
                 "offload=True (or run on the cuda backend)"
             )
-        _fsdp.check(state.model, state.optimizer)
+        _fsdp.check_available()
 
     def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
         _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))

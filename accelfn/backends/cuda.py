@@ -58,7 +58,7 @@ class CUDA(Backend):
         return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=[self.device.index])
 
     def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        _fsdp.check(state.model, state.optimizer)
+        _fsdp.check_available()
 
     def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
         _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))
