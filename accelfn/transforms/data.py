@@ -35,13 +35,18 @@ class ShardData(TransformBase):
     even_batches: bool = attrs.field(default=True, validator=boolean)
 
     def conflicts_with(self, other: TransformBase) -> str | None:
-        if isinstance(other, (Replicate, ShardParams)) and not self.even_batches and not self.drop_last:
-            return (
-                "shard_data(even_batches=False) lets ranks run different numbers of batches, "
-                f"so {other.verb}()'s gradient collectives would hang; keep even_batches=True "
-                "(pad by wrapping) or use drop_last=True"
-            )
-        return None
+        if self.even_batches or self.drop_last:
+            return None
+        if isinstance(other, Replicate):
+            waits = "replicate()'s gradient all-reduce"
+        elif isinstance(other, ShardParams):
+            waits = "shard_params()'s parameter all-gathers"
+        else:
+            return None
+        return (
+            "shard_data(even_batches=False) lets ranks run different numbers of batches, "
+            f"so {waits} would hang; keep even_batches=True (pad by wrapping) or use drop_last=True"
+        )
 
 
 def shard_data(*, seed: int = 0, drop_last: bool = False, even_batches: bool = True) -> ShardData:

@@ -85,7 +85,7 @@ def test_shard_params_with_replicate_is_refused_saying_why() -> None:
 
 def test_shard_data_without_even_batches_is_refused_with_shard_params() -> None:
     """shard_data(even_batches=False) would let ranks' all-gathers go unpaired under shard_params."""
-    with pytest.raises(af.TransformError, match=r"so shard_params\(\)'s gradient collectives would hang"):
+    with pytest.raises(af.TransformError, match=r"so shard_params\(\)'s parameter all-gathers would hang"):
         af.compose(af.shard_data(even_batches=False), af.shard_params())(af.train_step(P.mse))
 
 
