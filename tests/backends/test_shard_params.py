@@ -57,6 +57,29 @@ def test_two_sharded_processes_equal_a_hand_written_loop_with_twice_the_batch(ru
     assert all(not torch.allclose(initial[k], reference[k]) for k in reference)
 
 
+def test_units_resharding_and_per_micro_batch_reduction_do_not_change_the_result(run: dict[str, Any]) -> None:
+    """shard_params(units=Linear, reshard_after_forward=False, reduce_every_micro_batch=True)
+    makes every Linear a unit and still equals the hand-written AdamW loop (1e-5)."""
+    model, _ = S.hand_written("adamw")
+    for rank in range(2):
+        got = _with_prefix(run["tensors"][rank], "options.")
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+        assert run["json"][rank]["options_units"] == ["FSDPBlocks", "FSDPLinear"]
+
+
+def test_clip_value_under_shard_params_equals_the_hand_written_loop(run: dict[str, Any]) -> None:
+    """clip_value(0.05) clamps each rank's gradient shards as clip_grad_value_ clamps the whole
+    gradient: SGD parameters equal the hand-written loop's (1e-5)."""
+    model, _ = S.hand_written("sgd", clip_value=S.CLIP_VALUE)
+    unclipped, _ = S.hand_written("sgd")
+    for rank in range(2):
+        got = _with_prefix(run["tensors"][rank], "clip_value.")
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+    assert any(not torch.allclose(a, b) for a, b in zip(model.parameters(), unclipped.parameters()))
+
+
 def test_a_prepared_state_holds_the_same_root_module_with_dtensor_shards(run: dict[str, Any]) -> None:
     """After prepare, state.model is the user's module (class FSDPBlocks), every parameter is a
     DTensor of which each rank holds about half, the optimizer's parameters are the model's, and
@@ -147,16 +170,18 @@ def test_optimizer_state_from_before_prepare_is_sharded_with_the_parameters(run:
                 assert torch.equal(run["tensors"][rank][f"restate.{i}.{key}"], first.optimizer.state[p][key])
 
 
-@pytest.mark.parametrize("policy", ["bf16", "fp16"])
-def test_bf16_and_fp16_under_shard_params_lower_the_loss_on_every_rank(run: dict[str, Any], policy: str) -> None:
+@pytest.mark.parametrize(("policy", "dtype"), [("bf16", "float32"), ("fp16", "float32"), ("bf16-true", "bfloat16")])
+def test_bf16_and_fp16_under_shard_params_lower_the_loss_on_every_rank(run: dict[str, Any], policy: str,
+                                                                        dtype: str) -> None:
     """24 updates under shard_params + with_precision(policy) bring every rank's mean loss over
-    its last 8 updates below half that of its first 8; the master parameters stay fp32."""
+    its last 8 updates below half that of its first 8; the sharded parameters stay fp32 under
+    the mixed policies (master weights) and are bf16 under bf16-true."""
     for rank in range(2):
         r = run["json"][rank][f"precision.{policy}"]
         losses = r["losses"]
         assert len(losses) == 24
         assert sum(losses[-8:]) < 0.5 * sum(losses[:8]), losses
-        assert r["param_dtype"] == "torch.float32"
+        assert r["param_dtype"] == f"torch.{dtype}"
 
 
 def test_an_fp16_overflow_in_one_ranks_shard_is_skipped_on_every_rank(run: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ WIDTH = 16
 DEPTH = 3
 EPOCHS = 2
 CLIP = 1.0
+CLIP_VALUE = 0.05
 OPTIMIZERS = ("sgd", "adamw")
 
 
@@ -50,22 +51,24 @@ def make_state(optimizer: str = "adamw", *, seed: int = 0, depth: int = DEPTH) -
     return af.TrainState.create(model, make_optimizer(optimizer, model))
 
 
-def train_program() -> af.Step:
-    """shard_data + shard_params + accumulate(2) + clip(CLIP): Acceptance 1's composition."""
-    return af.compose(af.shard_data(seed=P.SHARD_SEED), af.shard_params(), af.accumulate(2),
-                      af.clip(CLIP))(af.train_step(P.mse))
+def train_program(shard: af.ShardParams | None = None, clip: af.Transform | None = None) -> af.Step:
+    """shard_data + shard_params + accumulate(2) + clip(CLIP): Acceptance 1's composition
+    (another ``shard_params(...)`` or clip transform may be given)."""
+    return af.compose(af.shard_data(seed=P.SHARD_SEED), shard or af.shard_params(), af.accumulate(2),
+                      clip or af.clip(CLIP))(af.train_step(P.mse))
 
 
 def loader(batch_size: int) -> DataLoader:
     return DataLoader(P.regression_data(), batch_size=batch_size, shuffle=True)
 
 
-def hand_written(optimizer: str) -> tuple[torch.nn.Module, list[float]]:
+def hand_written(optimizer: str, *, clip_value: float | None = None) -> tuple[torch.nn.Module, list[float]]:
     """One process, no accelfn: what ``train_program`` does on 2 ranks x batch 3.
 
     Each update is one window of 2 micro-batches of 3 samples on each of 2 ranks, i.e. 12
     samples of the epoch's shard_data order (the last window of an epoch holds 4); its
-    gradient is the mean over the window's samples, clipped to norm CLIP.
+    gradient is the mean over the window's samples, clipped to norm CLIP (or, given
+    ``clip_value``, clamped to it element-wise).
 
     Returns:
         The trained model and the gradient norm before clipping of every update.
@@ -81,7 +84,10 @@ def hand_written(optimizer: str) -> tuple[torch.nn.Module, list[float]]:
         for start in range(0, len(order), 12):
             window = order[start:start + 12]
             F.mse_loss(model(x[window]), y[window]).backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            if clip_value is None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            else:
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
             opt.step()
             opt.zero_grad()
     return model, norms

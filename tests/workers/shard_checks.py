@@ -60,6 +60,16 @@ def train(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[s
             outputs = af.evaluate(P.eval_outputs, state, loader, backend=backend)
             tensors["evaluate.prediction"] = outputs["prediction"]
             tensors["evaluate.index"] = outputs["index"]
+    # the other options change how, not what: every Linear a unit, parameters kept gathered
+    # from forward to backward, a reduce-scatter after every micro-batch
+    options = af.shard_params(units=torch.nn.Linear, reshard_after_forward=False, reduce_every_micro_batch=True)
+    state = af.run(S.train_program(options), S.make_state("adamw"), S.loader(P.PER_RANK_BATCH), backend=backend,
+                   epochs=S.EPOCHS, progress=False)
+    tensors.update(S.full_parameters(state.model, "options."))
+    results["options_units"] = sorted({type(m).__name__ for m in state.model.modules() if type(m).__name__.startswith("FSDP")})
+    state = af.run(S.train_program(clip=af.clip_value(S.CLIP_VALUE)), S.make_state("sgd"), S.loader(P.PER_RANK_BATCH),
+                   backend=backend, epochs=S.EPOCHS, progress=False)
+    tensors.update(S.full_parameters(state.model, "clip_value."))
     # run() twice on one state: the second prepare finds the model sharded and goes on
     state = af.run(S.train_program(), S.make_state("adamw"), S.loader(P.PER_RANK_BATCH), backend=backend,
                    epochs=1, progress=False)
@@ -99,7 +109,7 @@ def optimizer_state_before_prepare(backend: af.backends.Backend, tensors: dict[s
 
 def precision(backend: af.backends.Backend, results: dict[str, Any]) -> None:
     """Acceptance 3: bf16 and fp16 under shard_params lower the loss (metrics of every rank)."""
-    for policy in ("bf16", "fp16"):
+    for policy in ("bf16", "fp16", "bf16-true"):
         step = af.compose(af.shard_params(), af.with_precision(policy))(af.train_step(P.mse))
         state, step_fn = backend.prepare(step, S.make_state("adamw"))
         losses = []
