@@ -168,7 +168,8 @@ class Backend(abc.ABC):
             )
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
-        self._place_state(state, policy)
+        if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
+            self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
         if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
