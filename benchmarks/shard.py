@@ -4,13 +4,13 @@
     PYTHONPATH=$PWD python benchmarks/shard.py --depth 4       # a smaller model (34M), quicker
 
 The model is a stack of ``--depth`` equal residual MLP blocks (``width -> 4 width -> width``;
-width 1024, depth 12: 100.8M parameters, 403 MB in fp32) trained with AdamW on random data,
+width 1024, depth 12: 100.7M parameters, 403 MB in fp32) trained with AdamW on random data,
 one micro-batch of ``--batch`` rows per process and update. Each mode runs in its own 2-process
 launch over gloo (one thread per process), so its peak RSS is its own. Per rank it reports:
 
 * tensor bytes, counted from the tensors themselves after the last update: the rank's
-  parameters (a DTensor's local shard under ``shard_params``), gradients (taken just before
-  the optimizer zeroes them: the last update runs without ``zero_grad``), and optimizer state;
+  parameters (a DTensor's local shard under ``shard_params``), gradients (of one more
+  forward and backward after the last update, which zeroed them), and optimizer state;
 * the process's RSS after the last update, and its peak RSS (``ru_maxrss``), which also
   counts the full model each rank builds before sharding, the gathered unit of the moment,
   and DDP's gradient buckets. The processes run with ``MALLOC_MMAP_THRESHOLD_=65536``:
@@ -141,7 +141,8 @@ def report(out: str) -> None:
                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
                       "rss_bytes": max(r["rss_bytes"] for r in ranks)}
     print(f"model: {rows['replicate']['num_params'] / 1e6:.1f}M parameters, 2 processes (gloo), AdamW\n")
-    print("| per rank | params MiB | grads MiB | optimizer MiB | total MiB | RSS at end MiB | peak RSS MiB | s/update |")
+    print("| per rank | params MiB | grads MiB | optimizer MiB | total MiB | RSS at end MiB | peak RSS MiB "
+          "| s/update |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mode, r in rows.items():
         total = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]

@@ -77,7 +77,8 @@ def main() -> None:
             losses.append(float(metrics["loss"]))
     results["bf16_losses"] = losses
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              args.out / f"rank{backend.rank}.safetensors")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def train(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[s
     state = af.run(S.train_program(options), S.make_state("adamw"), S.loader(P.PER_RANK_BATCH), backend=backend,
                    epochs=S.EPOCHS, progress=False)
     tensors.update(S.full_parameters(state.model, "options."))
-    results["options_units"] = sorted({type(m).__name__ for m in state.model.modules() if type(m).__name__.startswith("FSDP")})
+    results["options_units"] = sorted({type(m).__name__ for m in state.model.modules()
+                                       if type(m).__name__.startswith("FSDP")})
     state = af.run(S.train_program(clip=af.clip_value(S.CLIP_VALUE)), S.make_state("sgd"), S.loader(P.PER_RANK_BATCH),
                    backend=backend, epochs=S.EPOCHS, progress=False)
     tensors.update(S.full_parameters(state.model, "clip_value."))
@@ -178,7 +179,8 @@ def main() -> None:
     fp16_skip(backend, results)
     loss_counts(backend, tensors)
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              args.out / f"rank{backend.rank}.safetensors")
 
 
 if __name__ == "__main__":
