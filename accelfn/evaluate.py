@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,9 @@ def evaluate(
 
     A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
     ranks first check that all of them arrived (``collectives.arrive``).
+    A model sharded with ``shard_params`` runs its sharded forward on every rank; a rank
+    with fewer batches repeats its first one (outputs dropped) so the ranks' parameter
+    all-gathers pair up.
 
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
@@ -94,13 +97,18 @@ def evaluate(
     model = state.model
     cast = _input_cast(model)
     keys, outputs = [], []
+    batches = keyed_batches(data, rank=backend.rank, world_size=backend.world_size)
+    if backend.forward_is_collective(model):
+        batches = _in_step(backend, batches)
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            for batch_keys, batch in keyed_batches(data, rank=backend.rank, world_size=backend.world_size):
+            for batch_keys, batch in batches:
                 with backend.autocast(policy) if policy is not None else contextlib.nullcontext():
                     out = fn(model, cast(backend.place(batch)))
+                if batch_keys is None:  # a replay that keeps a sharded model's ranks in step
+                    continue
                 _check_leading(out, len(batch_keys))
                 keys.append(batch_keys)
                 outputs.append(map_tensors(lambda t: t.detach(), out))
@@ -110,6 +118,20 @@ def evaluate(
         for module, training in modes:
             module.training = training
     return _gather_in_order(backend, keys, outputs)
+
+
+def _in_step(backend: Backend, batches: Iterable[tuple[torch.Tensor, Any]]) -> Iterator[tuple[Any, Any]]:
+    """A sharded model's forward is collective (it all-gathers parameters), so every rank must
+    run as many as the others: a rank that ran out runs its first batch again, with ``None``
+    for keys (its outputs are dropped), until every rank is done."""
+    first: list[tuple[torch.Tensor, Any]] | None = None
+    box: list[tuple[torch.Tensor, Any]]
+    for box in backend.lockstep(iter([pair] for pair in batches)):
+        if box is first:
+            yield None, box[0][1]
+            continue
+        first = first or box
+        yield box[0]
 
 
 def _input_cast(model: torch.nn.Module) -> Callable[[Any], Any]:

@@ -4,13 +4,16 @@
     accelfn launch --nproc-per-node 2 examples/byte_lm.py     # two processes, same script
     python examples/byte_lm.py                                # again: resumes from the latest checkpoint
     python examples/byte_lm.py --width 64 --depth 2 --max-steps 300   # every Config field is a flag
+    accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard     # shard_params() instead of replicate()
 
 The text is real and on every machine: the ``.py`` files next to the ``os`` module, read as
 bytes (a vocabulary of 256). The model is a decoder-only transformer (pre-norm blocks,
 causal ``scaled_dot_product_attention``, output layer tied to the byte embedding). Training
-composes ``shard_data``, ``replicate``, ``with_precision("bf16")``, ``accumulate`` and
-``clip`` around a plain loss function, saves a checkpoint every ``--every-steps`` updates
-and resumes from the latest one when started again (``resume="auto"``). It prints the
+composes ``shard_data``, ``replicate`` (or, with ``--shard``, ``shard_params``: each process
+holds half of the parameters, gradients and AdamW moments, each transformer block one FSDP
+unit), ``with_precision("bf16")``, ``accumulate`` and ``clip`` around a plain loss function,
+saves a checkpoint every ``--every-steps`` updates (0: none) and resumes from the latest one
+when started again (``resume="auto"``). It prints the
 held-out loss before and after training (nats per byte, from ``af.evaluate``) and a sample
 of generated text.
 
@@ -156,7 +159,11 @@ def per_sequence_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.T
 @torch.inference_mode()
 def generate(model: ByteLM, prompt: bytes, num_bytes: int, context: int, *, temperature: float = 0.8,
              seed: int = 0) -> bytes:
-    """``num_bytes`` bytes sampled after ``prompt`` (a fixed seed: the same text every time)."""
+    """``num_bytes`` bytes sampled after ``prompt`` (a fixed seed: the same text every time).
+
+    A model sharded with ``shard_params`` gathers its parameters in every forward, a
+    collective: call this on every rank then (each samples the same text).
+    """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     out = torch.tensor(list(prompt), dtype=torch.int64, device=device)[None]
@@ -192,8 +199,13 @@ def held_out_loss(state: af.TrainState, held_out: Blocks, backend: af.backends.B
 
 
 def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_steps: int = 100,
-         progress: bool = True, sample_bytes: int = 300) -> tuple[af.TrainState, dict[str, float]]:
-    """Trains (or resumes) and returns the final state and the held-out losses before/after."""
+         progress: bool = True, sample_bytes: int = 300,
+         shard: bool = False) -> tuple[af.TrainState, dict[str, float]]:
+    """Trains (or resumes) and returns the final state and the held-out losses before/after.
+
+    ``shard=True`` trains with ``shard_params()`` instead of ``replicate()``; ``every_steps=0``
+    saves no checkpoints (and so resumes from none).
+    """
     backend = af.backends.auto()
     torch.manual_seed(config.seed)
     train, held_out = datasets(config)
@@ -206,7 +218,7 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
 
     step = af.compose(
         af.shard_data(seed=config.seed),
-        af.replicate(),
+        af.shard_params() if shard else af.replicate(),
         af.with_precision("bf16"),
         af.accumulate(config.accumulate),
         af.clip(1.0),
@@ -216,16 +228,16 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     backend.print(f"{len(train)} training sequences of {config.context} bytes; held-out loss "
                   f"{before:.3f} nats/byte before training, at initialization (uniform guess: "
                   f"{math.log(256):.3f}; a resumed run then continues from its checkpoint)")
+    checkpoints = af.Checkpoints(f"{run_dir}/ckpt", every_steps=every_steps, keep=2) if every_steps else None
     state = af.run(step, state, loader, backend=backend, epochs=1000, max_steps=config.max_steps,
-                   checkpoints=af.Checkpoints(f"{run_dir}/ckpt", every_steps=every_steps, keep=2),
-                   resume="auto", trackers=[af.TensorBoard(f"{run_dir}/tb")], progress=progress,
-                   log_every=10)
+                   checkpoints=checkpoints, resume="auto" if checkpoints else None,
+                   trackers=[af.TensorBoard(f"{run_dir}/tb")], progress=progress, log_every=10)
     after = held_out_loss(state, held_out, backend)
     backend.print(f"held-out loss {after:.3f} nats/byte ({after / math.log(2):.2f} bits/byte) "
                   f"after {state.step} optimizer updates")
-    if backend.is_main_process and sample_bytes:
+    if sample_bytes and (shard or backend.is_main_process):  # a sharded forward needs every rank
         text = generate(state.model, b"def ", sample_bytes, config.context)
-        print("sample:\n" + text.decode("utf-8", errors="replace"))
+        backend.print("sample:\n" + text.decode("utf-8", errors="replace"))
     return state, {"before": before, "after": after}
 
 
@@ -235,7 +247,8 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
     for field in attrs.fields(Config):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
                             metavar=field.name.upper(), help=f"(default {field.default})")
-    parser.add_argument("--every-steps", type=int, default=100, help="checkpoint every this many updates")
+    parser.add_argument("--every-steps", type=int, default=100, help="checkpoint every this many updates (0: never)")
+    parser.add_argument("--shard", action="store_true", help="shard_params() (FSDP2) instead of replicate()")
     parser.add_argument("--run-dir", default="runs/byte_lm", help="checkpoints and TensorBoard logs")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
     args = parser.parse_args()
@@ -244,4 +257,4 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
 
 if __name__ == "__main__":
     config, args = parse_args()
-    main(config, run_dir=args.run_dir, every_steps=args.every_steps, sample_bytes=args.sample_bytes)
+    main(config, run_dir=args.run_dir, every_steps=args.every_steps, sample_bytes=args.sample_bytes, shard=args.shard)

@@ -9,9 +9,10 @@ Per micro-batch, in phase order::
     forward   autocast(compute dtype)            loss_fn(model, batch)
     backward  no_sync unless last of window      (S_i / R * loss_scale).backward()
     -- last micro-batch of the window only --
-    sync      reduce_gradients (XLA; DDP reduced during backward); all-reduce item counts
-    unscale   grads *= correction / loss_scale   (fused with the non-finite check)
-    clip      clip_grad_norm_ / clip_grad_value_
+    sync      reduce_gradients (XLA; DDP and FSDP2 reduced during backward); all-reduce item counts
+    unscale   grads *= correction / loss_scale   (fused with the non-finite check; under
+              shard_params on each rank's shards, the verdict summed over ranks)
+    clip      clip_grad_norm_ / clip_grad_value_ (sharded: one global norm over all shards)
     check     skip the update if a gradient is inf/NaN (fp16, skip_nonfinite)
     update    optimizer.step(); scheduler.step()
     adjust    loss scale, skip counters
@@ -22,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
+from accelfn.backends import _fsdp
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
@@ -36,6 +38,7 @@ from accelfn.transforms import (
     Clip,
     ClipValue,
     Replicate,
+    ShardParams,
     SkipNonfinite,
     Window,
     WithPrecision,
@@ -59,6 +62,8 @@ class Primitives(Protocol):
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max", "min"] = "mean") -> torch.Tensor: ...
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
@@ -120,10 +125,15 @@ class StepFn:
             self._scaling.max_consecutive_skips if self._scaling is not None
             else skip.max_consecutive_skips if skip is not None else 0
         )
+        shard = step.find(ShardParams)
         replicated = step.find(Replicate) is not None and backend.world_size > 1
-        self._replicated = replicated
-        self._world_size = backend.world_size if replicated else 1
-        self._no_sync: Callable[[], Any] = backend.no_sync(model) if replicated else lambda: _NULL
+        # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
+        self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
+        self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
+        self._world_size = backend.world_size if data_parallel else 1
+        sync_every = shard is not None and sharded and shard.reduce_every_micro_batch
+        self._no_sync: Callable[[], Any] = (
+            backend.no_sync(model) if data_parallel and not sync_every else lambda: _NULL)
         self._autocast = backend.autocast if self._policy.autocast else None
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
@@ -224,7 +234,7 @@ class StepFn:
         # gradients of a mean and C times likelier to overflow the loss scale. There R is
         # n times the ranks' mean count (one scalar all-reduce per window), as one big
         # batch would have it. Mean losses have equal sample counts on every rank.
-        if is_sum and self._replicated:
+        if is_sum and self._data_parallel:
             if self._scaling is None:
                 return 1.0
             local = torch.as_tensor(count, dtype=torch.float32, device=loss.device)
@@ -234,7 +244,7 @@ class StepFn:
 
     def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
         """``R * W / sum(C)``; an ``af.Loss``'s counts are summed over ranks (one all-reduce)."""
-        if is_sum and self._replicated:
+        if is_sum and self._data_parallel:
             global_count = self._backend.all_reduce_sum(
                 torch.as_tensor(count, dtype=torch.float64, device=loss.device))
             return numerics.window_correction(reference, self._world_size, global_count)
@@ -259,9 +269,11 @@ class StepFn:
 
         found_inf = None
         if self._guard:
-            found_inf = numerics.unscale_and_check([p.grad for p in params if p.grad is not None], inv_scale)
+            found_inf = numerics.unscale_and_check(self._grads(params), inv_scale)
+            if self._sharded and self._data_parallel:  # each rank checked only its shards
+                found_inf = self._backend.reduce(found_inf, "sum")
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            numerics.scale_([p.grad for p in params if p.grad is not None], inv_scale)
+            numerics.scale_(self._grads(params), inv_scale)
 
         # this rank's window means, the lr this update uses, and the window's sample count
         metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
@@ -269,7 +281,12 @@ class StepFn:
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
+            if self._sharded:
+                metrics["grad_norm"] = _fsdp.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+                                                            self._backend.reduce)
+            else:
+                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm,
+                                                                      self._clip.norm_type)
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
 
@@ -301,6 +318,12 @@ class StepFn:
         if found_inf is not None:
             self._check_skips(new_state)
         return new_state, metrics
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients to scale in place: under sharding, each DTensor's local shard."""
+        if self._sharded:
+            return _fsdp.local_gradients(params)
+        return [p.grad for p in params if p.grad is not None]
 
     def _check_skips(self, state: TrainState) -> None:
         skips: SkipCount = state.transforms_state["skips"]

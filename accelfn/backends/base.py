@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accelfn import collectives
+from accelfn.backends import _fsdp
 from accelfn.backends._context import ProcessContext
 from accelfn.backends._eval_batches import check_eval_loader
 from accelfn.backends._interpreter import StepFn, step_function
@@ -37,6 +38,7 @@ from accelfn.transforms import (
     Compile,
     Replicate,
     ShardData,
+    ShardParams,
     WithPrecision,
     accumulate,
     with_precision,
@@ -144,8 +146,29 @@ class Backend(ProcessContext, abc.ABC):
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         """The model the forward calls under ``replicate()`` (DDP on CPU/CUDA)."""
 
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        """Raises before anything changes if this backend cannot run ``shard`` on ``state``.
+
+        Raises:
+            NotImplementedError: this backend has no sharded data parallelism (XLA, or a
+                torch without FSDP2), or not with ``shard``'s options (offloading on the CPU
+                backend).
+        """
+        raise NotImplementedError(
+            f"the {self.name} backend does not support shard_params(); use replicate() (data "
+            "parallel, a full copy of the model per process)"
+        )
+
+    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
+        """Shards ``state.model`` in place as ``shard`` asks and points the optimizer at the
+        shards (FSDP2 on CPU and CUDA); called after ``check_sharding``."""
+        raise NotImplementedError(f"the {self.name} backend does not support shard_params()")
+
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-        """A context factory that suppresses the gradient all-reduce of non-final micro-batches."""
+        """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
+        (FSDP2) of non-final micro-batches."""
+        if isinstance(wrapped, _fsdp.FSDPModule):
+            return functools.partial(_fsdp.no_gradient_sync, wrapped)
         return getattr(wrapped, "no_sync", contextlib.nullcontext)
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -164,7 +187,9 @@ class Backend(ProcessContext, abc.ABC):
         ``--compile``) where the program has none of their kind, moves the model (and any
         optimizer state) to ``self.device``, casts parameters for a true low-precision
         policy, adds each transform's entry to ``transforms_state``, wraps the model as
-        ``replicate`` asks, compiles it as ``compile`` asks, and returns the step function,
+        ``replicate`` asks (DDP) or shards it in place as ``shard_params`` asks (FSDP2: the
+        same module object, its parameters replaced by DTensor shards and the optimizer
+        pointed at them), compiles it as ``compile`` asks, and returns the step function,
         whose ``step`` attribute is the program it runs.
 
         Args:
@@ -178,7 +203,8 @@ class Backend(ProcessContext, abc.ABC):
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
             NotImplementedError: this backend cannot run the program's precision policy, or
-                its ``compile``.
+                its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend).
+            ValueError: a sharded model (prepared with ``shard_params``) with a step without it.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
@@ -190,9 +216,21 @@ class Backend(ProcessContext, abc.ABC):
         compiled = step.find(Compile)
         if compiled is not None:
             self.check_compile(compiled)
-        self._place_state(state, policy)
+        shard = step.find(ShardParams)
+        already_sharded = _fsdp.is_sharded(state.model)
+        if already_sharded and shard is None:
+            raise ValueError(
+                "this state's model is sharded (it was prepared with shard_params()), so its step "
+                "must include af.shard_params() too"
+            )
+        if shard is not None and not already_sharded:
+            self.check_sharding(shard, state)
+        if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
+            self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
+        if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
+            self.shard_model(state, shard, policy)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
@@ -253,19 +291,21 @@ class Backend(ProcessContext, abc.ABC):
 
         Raises:
             ValueError: data that ``shard_data`` cannot shard (the message says why), or,
-                under ``replicate()`` without ``shard_data()``, ranks whose data have
-                different numbers of batches (their gradient all-reduces could never pair up).
+                under ``replicate()`` or ``shard_params()`` without ``shard_data()``, ranks
+                whose data have different numbers of batches (their gradient collectives
+                could never pair up).
                 Data of unknown length (an IterableDataset, a generator) is kept in step
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
-        replicated = self.world_size > 1 and step.find(Replicate) is not None
+        parallel = (step.find(Replicate) or step.find(ShardParams)) if self.world_size > 1 else None
+        replicated = parallel is not None
         self._active = epoch_batches(
             data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
             place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
         )
-        if shard is None and replicated:
-            self._check_same_length(self._active.num_batches)
+        if shard is None and parallel is not None:
+            self._check_same_length(self._active.num_batches, parallel.verb)
         return self._active
 
     def eval_batches(self, data: DataLoader) -> Iterator[Any]:
@@ -306,7 +346,7 @@ class Backend(ProcessContext, abc.ABC):
         finally:
             self._active = previous
 
-    def _check_same_length(self, num_batches: int | None) -> None:
+    def _check_same_length(self, num_batches: int | None, verb: str) -> None:
         """One collective: every rank must have the same number of batches (or all unknown)."""
         n = -1 if num_batches is None else num_batches
         t = torch.tensor([n, -n], dtype=torch.int64, device=self.collective_device)
@@ -314,10 +354,24 @@ class Backend(ProcessContext, abc.ABC):
         shortest = -shortest
         if longest != shortest:
             raise ValueError(
-                f"under replicate() every rank must run the same number of micro-batches, but the "
+                f"under {verb}() every rank must run the same number of micro-batches, but the "
                 f"ranks' data have between {shortest} and {longest} batches per epoch (-1: unknown); "
                 "add af.shard_data() to split one dataset evenly over the ranks"
             )
+
+    def forward_is_collective(self, model: torch.nn.Module) -> bool:
+        """True when every rank must run each forward of ``model`` together (a model sharded
+        over several ranks all-gathers its parameters in the forward)."""
+        return self.world_size > 1 and _fsdp.is_sharded(model)
+
+    def lockstep(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items`` kept in step over ranks (one tiny all-reduce per item): while any rank still
+        has items, a rank that has run out yields its first item again.
+
+        Raises:
+            RuntimeError: this rank has no item at all while others have.
+        """
+        return self._sync_ranks(items)
 
     def place(self, batch: Any) -> Any:
         """``batch`` with every tensor moved to this backend's device (``batch`` itself when

@@ -6,10 +6,12 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _ddp
+from accelfn.backends import _ddp, _fsdp
 from accelfn.backends.base import Backend
 from accelfn.backends.env import LaunchEnv
-from accelfn.transforms import Replicate
+from accelfn.state import TrainState
+from accelfn.transforms import Replicate, ShardParams
+from accelfn.transforms.precision import Policy
 
 
 class CPU(Backend):
@@ -43,3 +45,15 @@ class CPU(Backend):
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         return _ddp.wrap_ddp(model, replicate, self.world_size)
+
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        if shard.offload:
+            raise NotImplementedError(
+                "shard_params(offload=True) moves sharded parameters and optimizer state from the "
+                "GPU to CPU memory; on the cpu backend they are in CPU memory already. Remove "
+                "offload=True (or run on the cuda backend)"
+            )
+        _fsdp.check_available()
+
+    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
+        _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))

@@ -6,11 +6,12 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _ddp
+from accelfn.backends import _ddp, _fsdp
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.backends.env import LaunchEnv
-from accelfn.transforms import Policy, Replicate
+from accelfn.state import TrainState
+from accelfn.transforms import Policy, Replicate, ShardParams
 
 
 class CUDA(Backend):
@@ -64,3 +65,9 @@ class CUDA(Backend):
         # a model left where the user put it (maybe over several GPUs) is wrapped where it is
         device_ids = [self.device.index] if self.place_model else None
         return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
+
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        _fsdp.check_available()
+
+    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
+        _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))

@@ -26,8 +26,9 @@ from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches
 from accelfn.data.tree import map_tensors
 from accelfn.errors import LaunchError
+from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Compile, Replicate, ShardData
+from accelfn.transforms import Compile, Replicate, ShardData, ShardParams
 from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
@@ -137,6 +138,14 @@ class XLA(Backend):
         raise NotImplementedError(
             f"the xla backend does not support {spec!r}: torch_xla already compiles each step into an "
             "XLA graph; remove af.compile() (or accelfn launch --compile) for XLA"
+        )
+
+    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
+        """Raises NotImplementedError: FSDP2 does not run on XLA devices."""
+        raise NotImplementedError(
+            "the xla backend does not support shard_params() (FSDP2 runs on CPU and CUDA only); use "
+            "replicate() for data parallelism on XLA, or shard with torch_xla's own SPMD FSDPv2 "
+            "(torch_xla.experimental.spmd_fully_sharded_data_parallel) outside accelfn"
         )
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:

@@ -5,6 +5,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
 
     data      shard_data      each process reads its own shard of every epoch
     model     replicate       data parallel: one gradient all-reduce per update
+              shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -32,6 +33,7 @@ from accelfn.transforms.precision import (
     with_precision,
 )
 from accelfn.transforms.replicate import Replicate, replicate
+from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "Policy",
     "Replicate",
     "ShardData",
+    "ShardParams",
     "SkipCount",
     "SkipNonfinite",
     "Transform",
@@ -59,6 +62,7 @@ __all__ = [
     "parse_policy",
     "replicate",
     "shard_data",
+    "shard_params",
     "skip_nonfinite",
     "with_precision",
 ]

@@ -14,14 +14,16 @@ from accelfn.transforms.compile import Compile
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.precision import WithPrecision
 from accelfn.transforms.replicate import Replicate
+from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.skip_nonfinite import SkipNonfinite
 
 if TYPE_CHECKING:
     from accelfn.step import Step
 
-Transform = Union[ShardData, Replicate, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite]
+Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
+                  SkipNonfinite]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
-    ShardData, Replicate, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
+    ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

@@ -9,6 +9,7 @@ import attrs
 from accelfn.errors import boolean, non_negative_int
 from accelfn.step import Phase, TransformBase
 from accelfn.transforms.replicate import Replicate
+from accelfn.transforms.shard_params import ShardParams
 
 
 @attrs.frozen
@@ -21,7 +22,8 @@ class ShardData(TransformBase):
             padding it by wrapping around.
         even_batches: pad (by wrapping) so every rank runs the same number of batches.
             ``False`` keeps each sample exactly once, so ranks may differ by one batch; it
-            cannot be combined with ``replicate()``, whose all-reduce would wait forever.
+            cannot be combined with ``replicate()`` or ``shard_params()``, whose collectives
+            would wait forever.
     """
 
     phase: ClassVar[Phase] = Phase.DATA
@@ -33,13 +35,18 @@ class ShardData(TransformBase):
     even_batches: bool = attrs.field(default=True, validator=boolean)
 
     def conflicts_with(self, other: TransformBase) -> str | None:
-        if isinstance(other, Replicate) and not self.even_batches and not self.drop_last:
-            return (
-                "shard_data(even_batches=False) lets ranks run different numbers of batches, "
-                "so replicate()'s gradient all-reduce would hang; keep even_batches=True "
-                "(pad by wrapping) or use drop_last=True"
-            )
-        return None
+        if self.even_batches or self.drop_last:
+            return None
+        if isinstance(other, Replicate):
+            waits = "replicate()'s gradient all-reduce"
+        elif isinstance(other, ShardParams):
+            waits = "shard_params()'s parameter all-gathers"
+        else:
+            return None
+        return (
+            "shard_data(even_batches=False) lets ranks run different numbers of batches, "
+            f"so {waits} would hang; keep even_batches=True (pad by wrapping) or use drop_last=True"
+        )
 
 
 def shard_data(*, seed: int = 0, drop_last: bool = False, even_batches: bool = True) -> ShardData:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
+from tests.helpers import sharded as S
 
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -226,3 +228,51 @@ def test_cuda_autocast_of_a_program_computes_in_its_dtype(cuda: af.backends.Back
     with cuda.autocast(step):
         assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == dtype
         assert layer(torch.randn(3, 6, device="cuda")).dtype == dtype
+def _check_sharded_run(tmp_path: Path, world_size: int, *, offload: bool) -> None:
+    """The gathered parameters and logged grad_norm of cuda_shard.py's two optimizers equal the
+    hand-written CPU loop over windows of 12 samples; evaluate returns the hand-written model's
+    predictions; bf16 lowers the loss; with offload the shards and moments live in CPU memory."""
+    ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(world_size)]
+    records = _launch.read_ranks(tmp_path, world_size)
+    for name in S.OPTIMIZERS:
+        model, norms = S.hand_written(name)
+        expected = {k: v.detach() for k, v in model.state_dict().items()}
+        for tensors in ranks:
+            got = {k[len(f"train.{name}."):]: v for k, v in tensors.items() if k.startswith(f"train.{name}.")}
+            _assert_params_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(records[0][name]["grad_norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+        for record in records:
+            assert record[name]["param_types"] == ["DTensor"]
+            assert record[name]["shard_devices"] == record[name]["moment_devices"] == (["cpu"] if offload else ["cuda"])
+        if name == "adamw":
+            with torch.no_grad():
+                predictions = model(P.IndexDataset(9).x)
+            for tensors in ranks:
+                assert torch.equal(tensors["evaluate.index"], torch.arange(9))
+                torch.testing.assert_close(tensors["evaluate.prediction"], predictions, rtol=1e-5, atol=1e-5)
+    for record in records:
+        losses = record["bf16_losses"]
+        assert sum(losses[-8:]) < 0.5 * sum(losses[:8]), losses
+    if world_size > 1:
+        assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+
+
+@pytest.mark.multiprocess
+def test_shard_params_with_cpu_offload_on_one_gpu_equals_the_hand_written_loop(tmp_path: Path) -> None:
+    """shard_params(offload=True) on one GPU (FSDP2 over a 1-process NCCL group, shards and
+    AdamW moments in CPU memory) with accumulate(2) and clip(1.0) matches the CPU loop (1e-5)."""
+    _launch.launch("--backend", "cuda", "--nproc-per-node", "1", "--timeout-s", "120", script="cuda_shard.py",
+                   script_args=("--out", tmp_path, "--offload"), cwd=tmp_path)
+    _check_sharded_run(tmp_path, 1, offload=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(NUM_GPUS < 2, reason=f"FSDP2 over NCCL needs 2 GPUs; this machine has {NUM_GPUS}")
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "offload"])
+def test_shard_params_over_two_gpus_equals_the_hand_written_loop(tmp_path: Path, offload: bool) -> None:
+    """2 GPU processes x batch 3 under shard_params (NCCL), with and without CPU offload, give
+    on both ranks the parameters of the hand-written 1-process loop over windows of 12 samples."""
+    args: tuple[Any, ...] = ("--out", tmp_path, "--offload") if offload else ("--out", tmp_path)
+    _launch.launch("--backend", "cuda", "--nproc-per-node", "2", "--timeout-s", "120", script="cuda_shard.py",
+                   script_args=args, cwd=tmp_path)
+    _check_sharded_run(tmp_path, 2, offload=offload)

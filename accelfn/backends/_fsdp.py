@@ -1,0 +1,169 @@
+"""What the CPU (gloo) and CUDA (NCCL) backends share for ``shard_params``: FSDP2.
+
+``shard_model`` applies ``torch.distributed.fsdp.fully_shard`` to the units the transform
+selects, then to the root module, in place: the root module stays the same object (its
+class becomes ``FSDP<Name>``), and every parameter is replaced by a new ``nn.Parameter``
+holding a ``DTensor`` sharded along dim 0 over the ranks (``Shard(0)``). The optimizer the
+user built over the original parameters is then pointed at the sharded ones (FSDP2 does
+not do this: torchtitan builds its optimizer after sharding), and any optimizer state it
+already holds (a state restored before ``prepare``) is sharded the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from accelfn.collectives import ReduceOp
+from accelfn.transforms import ShardParams
+from accelfn.transforms.precision import Policy
+
+try:  # FSDP2 and DTensor are public from torch 2.6
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - torch < 2.6
+    fully_shard = None  # type: ignore[assignment]
+
+    class DTensor:  # type: ignore[no-redef]
+        """Stands in for torch.distributed.tensor.DTensor, which this torch lacks."""
+
+    class FSDPModule:  # type: ignore[no-redef]
+        """Stands in for torch.distributed.fsdp.FSDPModule, which this torch lacks."""
+
+
+def check_available() -> None:
+    """Raises NotImplementedError if this torch has no FSDP2."""
+    if fully_shard is None:
+        raise NotImplementedError(
+            f"shard_params() needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
+            f"torch {torch.__version__}: upgrade torch, or use replicate()"
+        )
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ``fully_shard`` was applied to ``model`` (a state prepared with ``shard_params``)."""
+    return isinstance(model, FSDPModule)
+
+
+def mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    """The 1-D device mesh of all ranks; on one process, a single-process group is made first
+    (FSDP2 needs one even there; only offloading asks for FSDP on one process)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
+        atexit.register(dist.destroy_process_group)
+    return init_device_mesh(device.type, (world_size,))
+
+
+def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
+    """bf16/fp16 autocast policies gather parameters in the compute dtype and reduce gradients
+    in fp32 (the sharded master parameters stay fp32); others use FSDP2's defaults."""
+    if policy.autocast:
+        return MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: ShardParams, policy: Policy,
+                device_mesh: DeviceMesh) -> None:
+    """Shards ``model`` in place over ``device_mesh`` and points ``optimizer`` at its sharded
+    parameters.
+
+    Rank 0's parameters and buffers are broadcast first, so every rank starts from the same
+    model whatever its seed (as DDP does). The optimizer's parameters are the model's
+    (``TrainState.create`` checks it), so each maps to a sharded one by its name.
+    """
+    names = {id(p): name for name, p in model.named_parameters()}
+    if device_mesh.size() > 1:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    offload: OffloadPolicy = CPUOffloadPolicy() if shard.offload else OffloadPolicy()
+    options: dict[str, Any] = dict(mesh=device_mesh, mp_policy=mixed_precision(policy), offload_policy=offload)
+    for _, unit in shard.select(model):
+        fully_shard(unit, reshard_after_forward=shard.reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=shard.reshard_after_forward, **options)
+    sharded = dict(model.named_parameters())
+    _rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
+
+
+def _rebind(optimizer: torch.optim.Optimizer, new: dict[int, torch.nn.Parameter]) -> None:
+    """Points the param groups at the sharded parameters and shards existing state tensors of
+    a parameter's shape (Adam's moments) like their parameter; scalars (``step``) stay."""
+    old_state = optimizer.state
+    state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+    for group in optimizer.param_groups:
+        params = [new[id(p)] for p in group["params"]]
+        for old, param in zip(group["params"], params):
+            if old in old_state:
+                state[param] = {k: _like(v, param) for k, v in old_state[old].items()}
+        group["params"] = params
+    optimizer.state = state
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        assert isinstance(param, DTensor), "every optimizer parameter is sharded"
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not isinstance(param, DTensor)
+            or value.shape != param.shape):
+        return value
+    local = distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
+                              src_data_rank=None).to_local()
+    return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
+                              shape=param.shape, stride=param.stride())
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """No reduce-scatter in this block: gradients accumulate unsharded on each rank."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's gradient on this rank: a DTensor's local shard (in-place ops on it change the gradient)."""
+    return [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: float,
+                   all_reduce: Callable[[torch.Tensor, ReduceOp], torch.Tensor]) -> torch.Tensor:
+    """``clip_grad_norm_`` over sharded gradients: one global norm over all shards and ranks.
+
+    Each rank takes the p-norms of its local shards, the ranks add their ``sum(norm ** p)``
+    (or take the max, for the inf-norm) in one scalar all-reduce, and every shard is scaled
+    by ``min(1, max_norm / (total + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does. The
+    collective runs on the process group's device, so it also works when the shards are
+    offloaded to CPU memory under NCCL (DTensor's own norm would all-reduce a CPU tensor).
+
+    Args:
+        params: the parameters (DTensors), each with a gradient or None.
+        max_norm: the largest allowed total norm.
+        norm_type: p of the p-norm, or ``math.inf``.
+        all_reduce: ``backend.reduce``.
+
+    Returns:
+        The total norm before clipping, a scalar tensor equal on every rank: the unsharded
+        model's gradient norm.
+    """
+    grads = local_gradients(params)
+    if not grads:
+        return torch.zeros(())
+    device = grads[0].device
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
+    if math.isinf(norm_type):
+        total = all_reduce(norms.max(), "max").to(device)
+    else:
+        total = all_reduce((norms ** norm_type).sum(), "sum").to(device) ** (1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(g.device, g.dtype))
+    return total
