@@ -27,7 +27,13 @@ from accelfn.transforms.precision import Policy
 
 try:  # FSDP2 and DTensor are public from torch 2.6
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # pragma: no cover - torch < 2.6
     fully_shard = None  # type: ignore[assignment]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar

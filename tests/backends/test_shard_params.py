@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers import sharded as S

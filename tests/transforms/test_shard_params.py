@@ -72,7 +72,7 @@ def test_units_of_the_wrong_kind_are_refused(units: object) -> None:
 
 def test_flags_must_be_booleans() -> None:
     """shard_params(offload=1) raises TypeError naming the field."""
-    with pytest.raises(TypeError, match="offload must be True or False, got 1"):
+    with pytest.raises(TypeError, match=r"shard_params\(offload=...\) must be True or False, got 1"):
         af.shard_params(offload=1)  # type: ignore[arg-type]
 
 
