@@ -18,6 +18,8 @@ from accelfn.transforms.precision import POLICY_NAMES
 
 DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
+#: set by ``accelfn launch`` beside ``ACCELFN_PRECISION``: where the policy came from
+PRECISION_FROM_ENV = "ACCELFN_PRECISION_FROM"
 
 
 @attrs.frozen
@@ -33,6 +35,8 @@ class LaunchEnv:
         backend: the backend requested by ``accelfn launch --backend`` (None: choose).
         precision: the policy requested by ``accelfn launch --precision`` (None: the script's).
         timeout_s: collective timeout in seconds (process groups never wait forever).
+        precision_from: where ``accelfn launch`` took ``precision`` from: ``"--precision"``
+            or the launch config file's path (None: ``ACCELFN_PRECISION`` was set by hand).
     """
 
     rank: int = 0
@@ -44,6 +48,7 @@ class LaunchEnv:
     backend: str | None = None
     precision: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    precision_from: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -88,14 +93,24 @@ class LaunchEnv:
         precision = env.get("ACCELFN_PRECISION") or None
         if precision is not None and precision not in POLICY_NAMES:
             raise LaunchError(f"ACCELFN_PRECISION={precision!r}: accepted values are {', '.join(POLICY_NAMES)}")
-        timeout_s = _float(env, "ACCELFN_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-        if not timeout_s > 0:
-            raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a number of seconds > 0")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
-            backend=backend, precision=precision, timeout_s=timeout_s,
+            backend=backend, precision=precision, timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
+            precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
         )
+
+
+def timeout_from_env(env: Mapping[str, str], default: float) -> float:
+    """``ACCELFN_TIMEOUT_S`` in seconds, or ``default`` when it is not set.
+
+    Raises:
+        LaunchError: not a number, or not > 0.
+    """
+    timeout_s = _float(env, "ACCELFN_TIMEOUT_S", default)
+    if not timeout_s > 0:
+        raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a number of seconds > 0")
+    return timeout_s
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

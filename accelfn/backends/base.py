@@ -147,12 +147,13 @@ class Backend(abc.ABC):
         present = step.find(WithPrecision)
         if present is None:
             return with_precision(requested)(step)
-        if present.policy.name != requested:
-            warnings.warn(
-                f"accelfn launch --precision {requested} is overridden by the script's "
-                f"with_precision({present.policy.name!r})",
-                stacklevel=3,
-            )
+        if present.policy.name != requested and self.is_main_process:  # a job's warning: once, not per rank
+            origin = self.env.precision_from
+            asked = (f"accelfn launch --precision {requested}" if origin == "--precision"
+                     else f"ACCELFN_PRECISION={requested}" if origin is None
+                     else f"precision: {requested} in the launch config {origin}")
+            warnings.warn(f"{asked} is overridden by the script's with_precision({present.policy.name!r})",
+                          stacklevel=3)
         return step
 
     def _place_state(self, state: TrainState, policy: Policy) -> None:

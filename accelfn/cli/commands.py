@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.backends._env import BACKEND_NAMES, LaunchEnv, launcher_environment
+from accelfn.backends._env import BACKEND_NAMES, PRECISION_FROM_ENV, LaunchEnv, launcher_environment, timeout_from_env
 from accelfn.cli import config as _config
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
@@ -90,23 +90,38 @@ def _active_config(path: str | None, *, stderr: TextIO | None = None) -> tuple[_
 # -- accelfn launch -------------------------------------------------------------------------
 
 def _launch(args: argparse.Namespace) -> int:
-    base, _ = _active_config(args.config, stderr=sys.stderr)
+    base, path = _active_config(args.config, stderr=sys.stderr)
     given = _given(args)
     config = _config.merge(base, **given)
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
-    torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     # torchrun's workers inherit this process's environment; a flag overrides a variable
     # already set there, a config file's value or a default does not
     flags = {_config.WORKER_ENV[name] for name in given if name in _config.WORKER_ENV}
     for name, value in config.worker_env().items():
         if name in flags or name not in os.environ:
             os.environ[name] = value
+            if name == _config.WORKER_ENV["precision"]:  # where it came from, for the workers' warnings
+                os.environ[PRECISION_FROM_ENV] = "--precision" if "precision" in given else str(path)
+    # the rendezvous waits as long as the workers' collectives: ACCELFN_TIMEOUT_S as they see it
+    config = _config.merge(config, timeout_s=timeout_from_env(os.environ, config.timeout_s))
+    torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
+    return _torchrun(torchrun_args, config)
+
+
+def _torchrun(torchrun_args: list[str], config: _config.LaunchConfig) -> int:
+    """Runs torchrun in this process; its failures as exit statuses (see ``main``).
+
+    Raises:
+        LaunchError: ``--master-port`` is in use on node 0.
+    """
+    from torch.distributed import DistError, DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     try:
         torchrun.main(torchrun_args)
@@ -117,7 +132,34 @@ def _launch(args: argparse.Namespace) -> int:
         return _interrupted(int(e.sigval), "forwarded to the workers, which have exited")
     except KeyboardInterrupt:  # SIGINT before torchrun's handlers were in place
         return _interrupted(signal.SIGINT, "no worker had started")
+    except DistNetworkError as e:
+        if "EADDRINUSE" not in str(e) or config.master_port is None:
+            return _rendezvous_failed(e, config)
+        raise LaunchError(
+            f"--master-port {config.master_port} is in use on this machine (another job, or one that has not "
+            "exited yet, holds it); on one machine leave --master-port out to let the OS pick a free port, or "
+            "give every node another free port"
+        ) from None
+    except (DistError, RendezvousError) as e:
+        return _rendezvous_failed(e, config)
     return 0
+
+
+def _rendezvous_failed(error: Exception, config: _config.LaunchConfig) -> int:
+    """Exit status 1, announced: the nodes did not all join the rendezvous within the timeout."""
+    if config.rdzv_endpoint is not None:
+        where = f"the rendezvous at {config.rdzv_endpoint}"
+    elif config.master_port is not None:
+        where = f"the rendezvous at {config.master_addr or '127.0.0.1'}:{config.master_port}"
+    else:
+        where = "the local rendezvous"
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else "no reason given"
+    nodes = f"{config.nnodes} node{'s' if config.nnodes > 1 else ''}"
+    print(f"accelfn launch: error: {where} of {nodes} did not complete within {config.timeout_s:g} s "
+          f"(--timeout-s, ACCELFN_TIMEOUT_S): {type(error).__name__}: {reason}. Start `accelfn launch` on every "
+          "node within that time, with the same --nnodes and node 0's address, and check that node 0 is "
+          "reachable from every node", file=sys.stderr, flush=True)
+    return 1
 
 
 def _interrupted(signum: int, workers: str) -> int:
@@ -304,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
     )
+    parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,config,env}")
 
     launch = commands.add_parser(
@@ -372,3 +415,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"accelfn {args.command}: error: {e}", file=sys.stderr)
         return 2
+

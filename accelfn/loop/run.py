@@ -55,8 +55,13 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
             raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
 
 
-def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, max_steps: int | None) -> int | None:
-    """Optimizer updates the whole run will apply, when the data's length is known."""
+def _total_steps(backend: Backend, data: Any, step: Step, state: TrainState, epochs: int | None,
+                 max_steps: int | None) -> int | None:
+    """The step the run will end at, when the data's length is known: ``state.step`` plus
+    the updates left from ``state``'s position (its epoch and micro-batch in it) on this
+    world size. Counted from the position, not as ``epochs`` x updates per epoch, so a run
+    resumed from a checkpoint of another world size (whose steps were of other sizes) or
+    in the middle of a window ends the bar at its total."""
     if epochs is None:
         return max_steps
     try:
@@ -66,8 +71,13 @@ def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, ma
     if per_epoch is None:
         return max_steps
     accumulate = step.find(Accumulate)
-    updates = epochs * math.ceil(per_epoch / (accumulate.num_micro_batches if accumulate else 1))
-    return updates if max_steps is None else min(updates, max_steps)
+    n = accumulate.num_micro_batches if accumulate else 1
+    windows = math.ceil(per_epoch / n)  # updates per epoch (a partial last window is flushed)
+    left = 0
+    if state.epoch < epochs:
+        left = windows - min(state.epoch_micro_step // n, windows) + (epochs - state.epoch - 1) * windows
+    total = state.step + left
+    return total if max_steps is None else min(total, max_steps)
 
 
 def run(
@@ -147,7 +157,7 @@ def run(
     state = resume_state(state, schedule, resume, backend, program=step,
                          position=functools.partial(_resume_position, backend, data, step))
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
-                   total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
+                   total=_total_steps(backend, data, step, state, epochs, max_steps), initial=state.step)
     preemption = Preemption(backend) if schedule is not None else None
     try:
         with preemption or contextlib.nullcontext():
