@@ -21,7 +21,7 @@ TESTS = ROOT / "tests"
 WORKERS = TESTS / "workers"
 # variables a launch sets itself; an outer launcher's must not leak into the test's jobs
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ACCELFN_BACKEND", "ACCELFN_PRECISION", "ACCELFN_TIMEOUT_S")
+                "GROUP_RANK", "ACCELFN_BACKEND", "ACCELFN_PRECISION", "ACCELFN_PRECISION_FROM", "ACCELFN_TIMEOUT_S")
 DEFAULT_TIMEOUT_S = 240
 
 
