@@ -143,11 +143,22 @@ def count_allreduces(results: dict[str, Any]) -> None:
                               ddp.gradient_as_bucket_view, ddp.static_graph]
 
 
-def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
-    """af.Loss under replicate: 2 and 10 counted tokens equal one process with all 12."""
+def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """af.Loss under replicate: 2 and 10 counted tokens equal one process with all 12; the
+    logged losses go to OUT/tokens.jsonl. Then the 3 batches as one accumulate(3) window,
+    with a metric, logged to OUT/tokens_window.jsonl."""
     step = af.replicate()(af.train_step(P.summed_mse))
-    state = af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False)
+    state = af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False,
+                   trackers=[af.JSONL(out / "tokens.jsonl")])
     tensors.update(P.parameters(state, "tokens."))
+
+    def with_error(model: torch.nn.Module, batch: Any) -> tuple[af.Loss, dict[str, torch.Tensor]]:
+        x, y = batch
+        return P.summed_mse(model, batch), {"abs_error": (model(x) - y).abs().mean()}
+
+    step = af.compose(af.replicate(), af.accumulate(3))(af.train_step(with_error))
+    af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False,
+           trackers=[af.JSONL(out / "tokens_window.jsonl")])
 
 
 def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> None:
@@ -203,7 +214,7 @@ def main() -> None:
     uneven(backend, results, tensors)
     collectives_and_evaluate(backend, results, tensors)
     count_allreduces(results)
-    loss_counts(backend, tensors)
+    loss_counts(backend, tensors, args.out)
     unequal_lengths(backend, results)
     unknown_lengths(backend, tensors)
     fp16_loss_counts(backend, results, tensors)
