@@ -198,7 +198,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 if epochs is None:
                     return state
             state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
-    if max_steps is not None:
+    if max_steps is not None and backend.is_main_process:  # the job's warning: once, not per rank
         warnings.warn(
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
             "pass epochs=None to train until max_steps (or more epochs)",
@@ -224,15 +224,16 @@ def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: i
     if world_size != backend.world_size:
         start = position * world_size // backend.world_size
         start = start if total is None else min(start, total)
-        warnings.warn(
-            f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
-            f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
-            f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
-            "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
-            "epoch is batched in another order, so the run differs from an uninterrupted one",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+        if backend.is_main_process:  # the job's warning: once, not per rank
+            warnings.warn(
+                f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
+                f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
+                f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
+                "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
+                "epoch is batched in another order, so the run differs from an uninterrupted one",
+                RuntimeWarning,
+                stacklevel=5,
+            )
         return start
     if total is not None and position > total:
         raise ValueError(
