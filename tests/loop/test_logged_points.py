@@ -120,3 +120,15 @@ def test_groups_with_one_learning_rate_log_lr_alone(cpu):
            backend=cpu, trackers=[record], progress=False)
     assert [(step, sorted(m), m["lr"]) for step, m in record.points] == [
         (1, ["loss", "lr", "samples_per_s"], 0.01)]
+
+
+def test_a_metric_named_like_a_groups_lr_is_refused(cpu):
+    """A metric named lr/group1 would hide a group's learning rate: refused, naming the rule."""
+    model = torch.nn.Linear(4, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.train_step(lambda m, b: (_mse(m, b), {"lr/group1": 0.5}))
+    with pytest.raises(ValueError) as error:
+        af.run(step, state, [(torch.randn(8, 4), torch.randn(8, 1))], backend=cpu, progress=False)
+    assert str(error.value) == (
+        "loss_fn returned a metric named 'lr/group1', which accelfn reports itself; rename it (reserved: grad_norm, "
+        "loss, loss_scale, lr, num_samples, samples_per_s, skipped, and names starting with 'lr/')")
