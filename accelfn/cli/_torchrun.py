@@ -54,7 +54,7 @@ def _rendezvous_failed(error: Exception, config: LaunchConfig) -> int:
         where = f"the rendezvous at {config.master_addr or '127.0.0.1'}:{config.master_port}"
     else:
         where = "the local rendezvous"
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else "no reason given"
+    reason = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else "no reason given"
     nodes = f"{config.nnodes} node{'s' if config.nnodes > 1 else ''}"
     print(f"accelfn launch: error: {where} of {nodes} did not complete within {config.timeout_s:g} s "
           f"(--timeout-s, ACCELFN_TIMEOUT_S): {type(error).__name__}: {reason}. Start `accelfn launch` on every "
