@@ -266,7 +266,10 @@ class StepFn:
             _math.scale_([p.grad for p in params if p.grad is not None], inv_scale)
 
         # this rank's window means, the lr this update uses, and the window's sample count
-        metrics: dict[str, Any] = {"loss": loss_mean, **self._lrs(), "num_samples": samples}
+        metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
+                                   "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
@@ -305,21 +308,18 @@ class StepFn:
             self._check_skips(new_state)
         return new_state, metrics
 
-    def _lrs(self) -> dict[str, Any]:
-        """``lr``: the learning rate of the first parameter group this update changes (one
-        with a gradient; group 0 if none has); and, when the groups' learning rates differed
-        when the step function was made, ``lr/group{i}`` for each group ``i``.
-
-        Read before ``zero_grad``, while the gradients tell which groups the update uses.
+    def _group_lrs(self) -> dict[str, Any]:
+        """With several parameter groups: ``lr``, the learning rate of the first group this
+        update changes (one with a gradient; group 0 if none has), and, when the groups'
+        learning rates differed when the step function was made, ``lr/group{i}`` for each
+        group ``i``. Read before ``zero_grad``, while the gradients show which groups the
+        update uses. (With one group, ``lr`` is simply its learning rate.)
         """
         groups = self._optimizer.param_groups
-        lr = groups[0]["lr"]
-        if self._num_groups > 1:
-            used = next((g for g in groups if any(p.grad is not None for p in g["params"])), groups[0])
-            lr = used["lr"]
-            if self._lr_per_group:
-                return {"lr": lr, **{f"lr/group{i}": g["lr"] for i, g in enumerate(groups)}}
-        return {"lr": lr}
+        used = next((g for g in groups if any(p.grad is not None for p in g["params"])), groups[0])
+        if not self._lr_per_group:
+            return {"lr": used["lr"]}
+        return {"lr": used["lr"], **{f"lr/group{i}": g["lr"] for i, g in enumerate(groups)}}
 
     def _check_skips(self, state: TrainState) -> None:
         skips: SkipCount = state.transforms_state["skips"]
@@ -359,7 +359,9 @@ class PlainStepFn(StepFn):
             return self._whole_window(state, samples, out)
         loss.backward()
         optimizer = self._optimizer
-        metrics: dict[str, Any] = {"loss": loss.detach(), **self._lrs(), "num_samples": samples}
+        metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
         if user_metrics:
             for name, value in user_metrics.items():
                 metrics[name] = detach(value)
