@@ -112,6 +112,9 @@ class StepFn:
         )
         replicated = step.find(Replicate) is not None and backend.world_size > 1
         self._replicated = replicated
+        # every rank skips the same updates (one rank, or all-reduced gradients), so a skipped
+        # update's metrics can leave grad_norm out without the ranks reducing different names
+        self._skips_agree = replicated or backend.world_size == 1
         self._world_size = backend.world_size if replicated else 1
         self._no_sync: Callable[[], Any] = backend.no_sync(model) if replicated else lambda: _NULL
         self._autocast = backend.autocast if self._policy.autocast else None
@@ -282,7 +285,7 @@ class StepFn:
             finite = not bool(found_inf.item())  # the one host sync of a guarded update
             changes: dict[str, Any] = {"skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
-            if not finite:  # the norm of non-finite gradients is not a norm: no point (docs/05)
+            if not finite and self._skips_agree:  # the norm of non-finite gradients is no norm (docs/05)
                 metrics.pop("grad_norm", None)
             if loss_scale is not None:
                 metrics["loss_scale"] = loss_scale.scale

@@ -218,6 +218,15 @@ def test_loss_counts_log_the_loss_of_one_big_batch(mp: dict[str, Any]) -> None:
                                                                    pytest.approx(error, rel=1e-6))
 
 
+def test_updates_skipped_on_one_rank_only_are_logged_as_a_mean_without_hanging(mp: dict[str, Any]) -> None:
+    """Without replicate, an update skipped on rank 1 only keeps the ranks' metric names
+    equal: its point has skipped 0.5 (the mean of 0 and 1) and a nan grad_norm, and the
+    run finishes its 3 points."""
+    points = [orjson.loads(line) for line in (mp["out"] / "independent.jsonl").read_bytes().splitlines()]
+    assert [(p["step"], p["skipped"]) for p in points] == [(1, 0.0), (2, 0.5), (3, 0.0)]
+    assert [p["grad_norm"] is None or p["grad_norm"] != p["grad_norm"] for p in points] == [False, True, False]
+
+
 def test_one_tensorboard_file_from_rank_zero_with_reduced_values(mp: dict[str, Any]) -> None:
     """A 2-process run writes one event file whose loss and grad_norm equal a single-process run's."""
     files = [p for p in (mp["out"] / "tb").rglob("*") if p.is_file()]

@@ -161,6 +161,17 @@ def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor], 
            trackers=[af.JSONL(out / "tokens_window.jsonl")])
 
 
+def independent_skips(backend: af.backends.Backend, out: Path) -> None:
+    """skip_nonfinite + clip without replicate: rank 1's 2nd update (an inf target) is
+    skipped on rank 1 only; the points go to OUT/independent.jsonl."""
+    step = af.compose(af.skip_nonfinite(), af.clip(1.0))(af.train_step(P.mse))
+    data = [batch for batch in DataLoader(P.regression_data(12), batch_size=4)]
+    if backend.rank == 1:
+        data[1] = (data[1][0], torch.full_like(data[1][1], float("inf")))
+    af.run(step, P.make_state(), data, backend=backend, progress=False,
+           trackers=[af.JSONL(out / "independent.jsonl")])
+
+
 def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> None:
     """replicate() without shard_data over per-rank lists of 3 and 5 batches is refused up front."""
     step = af.replicate()(af.train_step(P.mse))
@@ -215,6 +226,7 @@ def main() -> None:
     collectives_and_evaluate(backend, results, tensors)
     count_allreduces(results)
     loss_counts(backend, tensors, args.out)
+    independent_skips(backend, args.out)
     unequal_lengths(backend, results)
     unknown_lengths(backend, tensors)
     fp16_loss_counts(backend, results, tensors)
