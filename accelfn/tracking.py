@@ -21,7 +21,9 @@ class Tracker(Protocol):
 
     A tracker may also have ``start(step)``: ``run`` calls it once before its first point
     with the step it starts from (``state.step``, after a resume the checkpoint's), so a
-    tracker can hide what an interrupted run logged after that step (``TensorBoard`` does).
+    tracker can hide what an interrupted run logged after that step (``TensorBoard`` does);
+    and ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
+    checkpoint are on disk when the process is killed after it.
     """
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
@@ -82,6 +84,12 @@ class TensorBoard:
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
 
+    def flush(self) -> None:
+        """Writes every point logged so far to disk: closes the event file (tensorboardX's
+        own ``flush`` leaves the points still queued for its writer thread); the next
+        ``log`` opens a new one."""
+        self.close()
+
     def close(self) -> None:
         """Flushes and closes the event file."""
         if self._writer is not None:
@@ -115,6 +123,11 @@ class JSONL:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._file.write(orjson.dumps({"step": step, **metrics}) + b"\n")
+
+    def flush(self) -> None:
+        """Hands the lines appended so far to the operating system."""
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
         """Flushes and closes the file."""

@@ -3,12 +3,17 @@ read back by TensorBoard's own reader."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import accelfn as af
+from tests.helpers import launch as _launch
 from tests.helpers.events import read_tensorboard
 
 
@@ -99,3 +104,47 @@ def test_a_run_resumed_after_a_crash_shows_each_step_once(tmp_path, cpu):
     for name in ("loss", "lr"):
         assert shown[name] == _as_tensorboard(reference.points, name), name
     assert [step for step, _ in shown["samples_per_s"]] == list(range(1, 11))
+
+
+# trains _regression()'s job with a checkpoint every 5 steps and kills itself (SIGKILL: no
+# cleanup, nothing flushed on the way out) during update 8
+_KILLED_JOB = """\
+import os, signal, sys
+import torch, torch.nn.functional as F
+import accelfn as af
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(10)]
+calls = []
+
+def loss_fn(m, b):
+    calls.append(1)
+    if len(calls) == 8:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return F.mse_loss(m(b[0]), b[1])
+
+af.run(af.train_step(loss_fn), state, data, backend=af.backends.CPU(), progress=False,
+       checkpoints=af.Checkpoints(sys.argv[1] + "/ckpt", every_steps=5), trackers=[af.TensorBoard(sys.argv[1] + "/tb")])
+"""
+
+
+def test_a_run_killed_after_a_checkpoint_and_resumed_shows_each_step_once(tmp_path, cpu):
+    """A process killed (SIGKILL) during update 8, after its checkpoint at step 5, has
+    written the points up to the checkpoint; resumed, TensorBoard shows steps 1..10 once
+    each with the uninterrupted run's values."""
+    state, data = _regression()
+    reference = Recorder()
+    af.run(af.train_step(_mse), state, data, backend=cpu, trackers=[reference], progress=False)
+
+    (tmp_path / "job.py").write_text(_KILLED_JOB)
+    killed = subprocess.run([sys.executable, str(tmp_path / "job.py"), str(tmp_path)], env=_launch.environment(),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [step for step, _ in read_tensorboard(tmp_path / "tb")["loss"]] == [1, 2, 3, 4, 5]
+
+    state, data = _regression()
+    af.run(af.train_step(_mse), state, data, backend=cpu, checkpoints=af.Checkpoints(tmp_path / "ckpt", every_steps=5),
+           resume="auto", trackers=[af.TensorBoard(tmp_path / "tb")], progress=False)
+    assert read_tensorboard(tmp_path / "tb")["loss"] == _as_tensorboard(reference.points, "loss")

@@ -74,6 +74,13 @@ class Progress:
             stacked = self._backend.reduce(stacked, "mean")
         return dict(zip(names, stacked.tolist()))
 
+    def flush(self) -> None:
+        """Has the trackers that can (an optional ``flush()``) write their points to disk."""
+        for tracker in self._trackers:
+            flush = getattr(tracker, "flush", None)
+            if callable(flush):
+                flush()
+
     def close(self) -> None:
         """Closes the bar and flushes the trackers."""
         self._bar.close()

@@ -187,7 +187,8 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 continue
             bar.update(state.step, metrics)
             if schedule is not None:
-                schedule.maybe_save(state)
+                if schedule.maybe_save(state) is not None:
+                    bar.flush()  # the points up to a checkpoint survive a kill after it
             if max_steps is not None and state.step >= max_steps:
                 break
         if max_steps is not None and state.step >= max_steps:
