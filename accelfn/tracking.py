@@ -1,7 +1,7 @@
 """Trackers: where ``run`` writes metrics, one point per optimizer update at ``x = state.step``.
 
 ``run`` calls trackers on the main process only, with values already reduced over ranks,
-so a multi-process run writes one TensorBoard event file and one JSONL file.
+so a multi-process run writes one JSONL file, and TensorBoard files from one process only.
 """
 
 from __future__ import annotations
