@@ -82,12 +82,13 @@ class Loss:
         total: scalar tensor, shape ``()``: the sum of the per-item losses.
         count: the number of items summed: an int or float >= 0, or a scalar tensor (not
             checked on the host, which would synchronize). A window whose counts sum to 0
-            has no items, so its gradient is zero (not NaN).
+            (over its micro-batches and ranks) has no items: its gradient is zero and its
+            logged loss 0, whatever its totals.
 
     Raises:
         TypeError: ``total`` not a tensor, ``count`` not a number or tensor.
-        ValueError: ``total`` or a tensor ``count`` of more than one element, or ``count`` a
-            negative number.
+        ValueError: ``total`` or a tensor ``count`` of more than one element, ``count`` a
+            negative number, or ``count`` the number 0 with a ``total`` that is not 0.
     """
 
     total: torch.Tensor = attrs.field()
@@ -110,6 +111,13 @@ class Loss:
                              f"{tuple(value.shape)}: pass the number of items summed (mask.sum())")
         if not isinstance(value, torch.Tensor) and not value >= 0:
             raise ValueError(f"Loss(count={value!r}): the number of items summed must be >= 0")
+        # a sum over no items is 0 (read from the device only in this rare case)
+        if not isinstance(value, torch.Tensor) and value == 0 and bool(self.total.detach() != 0):
+            raise ValueError(
+                f"Loss(total={self.total.item():g}, count=0): a sum over no items is 0, so a total that is "
+                "not 0 means the count or the total is wrong (count the items the total sums over, e.g. "
+                "mask.sum(), and sum only those)"
+            )
 
 
 LossOutput = Union[torch.Tensor, Loss, "tuple[torch.Tensor | Loss, Mapping[str, Any]]"]

@@ -1,12 +1,13 @@
 """Trackers: where ``run`` writes metrics, one point per optimizer update at ``x = state.step``.
 
 ``run`` calls trackers on the main process only, with values already reduced over ranks,
-so a multi-process run writes one TensorBoard event file and one JSONL file.
+so a multi-process run writes one JSONL file, and TensorBoard files from one process only.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -18,7 +19,14 @@ from accelfn.errors import check_directory, check_file
 
 @runtime_checkable
 class Tracker(Protocol):
-    """Receives metrics: ``log(metrics, step)``; ``close()`` flushes (it may log again later)."""
+    """Receives metrics: ``log(metrics, step)``; ``close()`` flushes (it may log again later).
+
+    A tracker may also have ``start(step)``: ``run`` calls it once before its first point
+    with the step it starts from (``state.step``, after a resume the checkpoint's), so a
+    tracker can hide what an interrupted run logged after that step (``TensorBoard`` does);
+    and ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
+    checkpoint are on disk when the process is killed after it.
+    """
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
@@ -26,10 +34,16 @@ class Tracker(Protocol):
 
 
 class TensorBoard:
-    """Writes scalars to a TensorBoard event file (``tensorboardX.SummaryWriter``).
+    """Writes scalars to TensorBoard event files (``tensorboardX.SummaryWriter``).
 
     The writer is created at the first ``log``, so processes that never log (ranks other
-    than 0) create no file.
+    than 0) create no file. Each writer (the first ``log``, and the first after a
+    ``close()``) writes a file of its own, never one already there: tensorboardX names
+    files by the second, so a second writer within the same second would otherwise
+    truncate the first's file. ``run`` calls ``start(state.step)`` before it trains: the
+    next file then begins with TensorBoard's restart marker (``purge_step``), which hides
+    the points an earlier, interrupted run logged after that step, so a resumed run shows
+    each step once. Nothing is deleted from the files.
 
     Args:
         logdir: the directory of the event file (created if missing).
@@ -47,18 +61,36 @@ class TensorBoard:
         self.logdir = Path(logdir)
         check_directory(self.logdir, f"TensorBoard(logdir={str(logdir)!r})")
         self._writer: Any = None
+        self._purge_step: int | None = None
 
     def __repr__(self) -> str:
         return f"TensorBoard({str(self.logdir)!r})"
+
+    def start(self, step: int) -> None:
+        """Called by ``run`` before its first point, with the step it starts from: points
+        an earlier run logged at steps after ``step`` are hidden from TensorBoard (the
+        restart marker of the next file, ``purge_step = step + 1``)."""
+        self.close()
+        self._purge_step = step + 1
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Adds each metric as a scalar at global step ``step``."""
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
-            self._writer = SummaryWriter(logdir=str(self.logdir))
+            # a name no other writer has (nanoseconds, then the process): files sort in the
+            # order they were written, which is the order TensorBoard reads them in
+            self._writer = SummaryWriter(logdir=str(self.logdir), purge_step=self._purge_step,
+                                         filename_suffix=f".{time.time_ns()}.{os.getpid()}")
+            self._purge_step = None
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
+
+    def flush(self) -> None:
+        """Writes every point logged so far to disk: closes the event file (tensorboardX's
+        own ``flush`` leaves the points still queued for its writer thread); the next
+        ``log`` opens a new one."""
+        self.close()
 
     def close(self) -> None:
         """Flushes and closes the event file."""
@@ -92,6 +124,11 @@ class JSONL:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
         self._file.write(orjson.dumps({"step": step, **metrics}) + b"\n")
+
+    def flush(self) -> None:
+        """Hands the lines appended so far to the operating system."""
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
         """Flushes and closes the file."""

@@ -115,6 +115,9 @@ class StepFn:
         self._optimizer = state.optimizer
         self._scheduler = state.scheduler
         self._params = [p for group in state.optimizer.param_groups for p in group["params"]]
+        self._num_groups = len(state.optimizer.param_groups)
+        # several learning rates at the start: log each group's (a fixed set of names for the run)
+        self._lr_per_group = len({float(g["lr"]) for g in state.optimizer.param_groups}) > 1
         self._n = accumulate.num_micro_batches if accumulate else 1
         self._policy: Policy = precision.policy if precision else _FP32
         self._scaling = self._policy.scaling
@@ -130,6 +133,10 @@ class StepFn:
         # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
         self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
         self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
+        # every rank skips the same updates (one rank, all-reduced gradients, or a sharded
+        # model's inf check summed over ranks), so a skipped update's metrics can leave
+        # grad_norm out without the ranks reducing different names
+        self._skips_agree = data_parallel or backend.world_size == 1
         self._world_size = backend.world_size if data_parallel else 1
         sync_every = shard is not None and sharded and shard.reduce_every_micro_batch
         self._no_sync: Callable[[], Any] = (
@@ -169,8 +176,12 @@ class StepFn:
         if is_sum:
             reference = self._reference(count, is_sum, loss)
             (loss * (scale / reference)).backward()
-            correction = self._correction(reference, count, is_sum, loss)
-            mean = loss.detach() / count
+            world, global_count = self._global_count(count, is_sum, loss)
+            correction = numerics.window_correction(reference, world, global_count)
+            mean = numerics.window_mean(loss.detach(), world, global_count)
+            if user_metrics:
+                user_metrics = {k: numerics.window_mean(detach(v) * count, world, global_count)
+                                for k, v in user_metrics.items()}
         else:
             (loss * scale if scale != 1.0 else loss).backward()
             correction, mean = 1.0, loss.detach()
@@ -222,9 +233,14 @@ class StepFn:
                 epoch_micro_step=state.epoch_micro_step + 1,
                 transforms_state={**state.transforms_state, "window": new_window},
             ), NO_METRICS
-        correction = self._correction(reference, total_count, is_sum, loss)
-        user_means = {k: v / total_count for k, v in metric_sums.items()}
-        mean_loss = loss_sum * (unit / total_count)
+        world, global_count = self._global_count(total_count, is_sum, loss)
+        correction = numerics.window_correction(reference, world, global_count)
+        if is_sum:  # the update's loss over the window's items on every rank (unit is 1)
+            user_means = {k: numerics.window_mean(v, world, global_count) for k, v in metric_sums.items()}
+            mean_loss = numerics.window_mean(loss_sum, world, global_count)
+        else:
+            user_means = {k: v / total_count for k, v in metric_sums.items()}
+            mean_loss = loss_sum * (unit / total_count)
         return self._update(state, correction, total_samples, mean_loss, user_means)
 
     def _reference(self, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
@@ -242,13 +258,15 @@ class StepFn:
             return numerics.window_reference(self._n, mean_count)
         return numerics.window_reference(self._n, count)
 
-    def _correction(self, reference: Any, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
-        """``R * W / sum(C)``; an ``af.Loss``'s counts are summed over ranks (one all-reduce)."""
+    def _global_count(self, count: Any, is_sum: bool, loss: torch.Tensor) -> tuple[int, Any]:
+        """``(W, sum(C))`` of the window: an ``af.Loss``'s counts are summed over the ``W``
+        ranks (one all-reduce); a mean loss's samples are this rank's (``W = 1``: DDP's
+        average over ranks is already the mean of equal-sized rank means)."""
         if is_sum and self._data_parallel:
             global_count = self._backend.all_reduce_sum(
                 torch.as_tensor(count, dtype=torch.float64, device=loss.device))
-            return numerics.window_correction(reference, self._world_size, global_count)
-        return numerics.window_correction(reference, 1, count)
+            return self._world_size, global_count
+        return 1, count
 
     def _add_metrics(self, window: Window | None, metrics: Mapping[str, Any], count: Any) -> Mapping[str, Any]:
         if not metrics:
@@ -258,7 +276,8 @@ class StepFn:
 
     # -- the last micro-batch of a window: sync, unscale, clip, check, update ----------
 
-    def _update(self, state: TrainState, correction: float | torch.Tensor, samples: int, loss_mean: torch.Tensor,
+    def _update(self, state: TrainState, correction: float | torch.Tensor, samples: int,
+                loss_mean: torch.Tensor | float,
                 metric_means: Mapping[str, Any]) -> tuple[TrainState, Mapping[str, Any]]:
         params = self._params
         if self._reduce_gradients is not None:
@@ -278,6 +297,8 @@ class StepFn:
         # this rank's window means, the lr this update uses, and the window's sample count
         metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
                                    "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
@@ -295,6 +316,8 @@ class StepFn:
             finite = not bool(found_inf.item())  # the one host sync of a guarded update
             changes: dict[str, Any] = {"skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
+            if not finite and self._skips_agree:  # the norm of non-finite gradients is no norm (docs/05)
+                metrics.pop("grad_norm", None)
             if loss_scale is not None:
                 metrics["loss_scale"] = loss_scale.scale
                 changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]  # set whenever loss_scale is
@@ -324,6 +347,19 @@ class StepFn:
         if self._sharded:
             return _fsdp.local_gradients(params)
         return [p.grad for p in params if p.grad is not None]
+
+    def _group_lrs(self) -> dict[str, Any]:
+        """With several parameter groups: ``lr``, the learning rate of the first group this
+        update changes (one with a gradient; group 0 if none has), and, when the groups'
+        learning rates differed when the step function was made, ``lr/group{i}`` for each
+        group ``i``. Read before ``zero_grad``, while the gradients show which groups the
+        update uses. (With one group, ``lr`` is simply its learning rate.)
+        """
+        groups = self._optimizer.param_groups
+        used = next((g for g in groups if any(p.grad is not None for p in g["params"])), groups[0])
+        if not self._lr_per_group:
+            return {"lr": used["lr"]}
+        return {"lr": used["lr"], **{f"lr/group{i}": g["lr"] for i, g in enumerate(groups)}}
 
     def _check_skips(self, state: TrainState) -> None:
         skips: SkipCount = state.transforms_state["skips"]
@@ -364,6 +400,8 @@ class PlainStepFn(StepFn):
         loss.backward()
         optimizer = self._optimizer
         metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
         if user_metrics:
             for name, value in user_metrics.items():
                 metrics[name] = detach(value)

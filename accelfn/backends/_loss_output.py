@@ -54,10 +54,10 @@ RESERVED_METRICS = frozenset({"loss", "lr", "num_samples", "grad_norm", "loss_sc
 def check_metrics(metrics: Mapping[str, Any]) -> None:
     """Raises for a reserved metric name, a non-scalar tensor or a value that is not a number."""
     for name, value in metrics.items():
-        if name in RESERVED_METRICS:
+        if name in RESERVED_METRICS or name.startswith("lr/"):  # lr/group{i}: each group's lr
             raise ValueError(
                 f"loss_fn returned a metric named {name!r}, which accelfn reports itself; "
-                f"rename it (reserved: {', '.join(sorted(RESERVED_METRICS))})"
+                f"rename it (reserved: {', '.join(sorted(RESERVED_METRICS))}, and names starting with 'lr/')"
             )
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:

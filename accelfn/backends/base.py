@@ -248,16 +248,25 @@ class Backend(ProcessContext, abc.ABC):
             if present is None:
                 step = with_precision(env.precision)(step)
             elif present.policy.name != env.precision:
-                _overridden(f"--precision {env.precision}", f"with_precision({present.policy.name!r})")
+                origin = env.precision_from
+                asked = (f"accelfn launch --precision {env.precision}" if origin == "--precision"
+                         else f"ACCELFN_PRECISION={env.precision}" if origin is None
+                         else f"precision: {env.precision} in the launch config {origin}")
+                self._overridden(asked, f"with_precision({present.policy.name!r})")
         if env.accumulate is not None:
             window = step.find(Accumulate)
             if window is None:
                 step = accumulate(env.accumulate)(step)
             elif window.num_micro_batches != env.accumulate:
-                _overridden(f"--accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+                self._overridden(f"accelfn launch --accumulate {env.accumulate}",
+                                 f"accumulate({window.num_micro_batches})")
         if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
             step = compile_transform()(step)
         return step
+
+    def _overridden(self, asked: str, script: str) -> None:
+        if self.is_main_process:  # a job's warning: once, not per rank
+            warnings.warn(f"{asked} is overridden by the script's {script}", stacklevel=4)
 
     def check_compile(self, spec: Compile) -> None:
         """Raises NotImplementedError if this backend cannot run ``compile`` (before anything
@@ -390,7 +399,3 @@ class Backend(ProcessContext, abc.ABC):
     def collective_device(self) -> torch.device:
         """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
-
-
-def _overridden(launch: str, script: str) -> None:
-    warnings.warn(f"accelfn launch {launch} is overridden by the script's {script}", stacklevel=4)

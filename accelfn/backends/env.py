@@ -20,6 +20,8 @@ from accelfn.transforms.precision import POLICY_NAMES
 
 DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
+#: set by ``accelfn launch`` beside ``ACCELFN_PRECISION``: where the policy came from
+PRECISION_FROM_ENV = "ACCELFN_PRECISION_FROM"
 
 
 @attrs.frozen
@@ -38,6 +40,8 @@ class LaunchEnv:
             (None: the script's).
         compile: ``accelfn launch --compile``: add ``af.compile()`` when the script has none.
         timeout_s: collective timeout in seconds (process groups never wait forever).
+        precision_from: where ``accelfn launch`` took ``precision`` from: ``"--precision"``
+            or the launch config file's path (None: ``ACCELFN_PRECISION`` was set by hand).
     """
 
     rank: int = 0
@@ -51,6 +55,7 @@ class LaunchEnv:
     accumulate: int | None = None
     compile: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
+    precision_from: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -102,15 +107,25 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
-        timeout_s = _float(env, "ACCELFN_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
-            raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a finite number of seconds > 0")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
             backend=backend, precision=precision, accumulate=accumulate,
-            compile=compile_flag in ("1", "true"), timeout_s=timeout_s,
+            compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
+            precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
         )
+
+
+def timeout_from_env(env: Mapping[str, str], default: float) -> float:
+    """``ACCELFN_TIMEOUT_S`` in seconds, or ``default`` when it is not set.
+
+    Raises:
+        LaunchError: not a number, or not a finite number > 0.
+    """
+    timeout_s = _float(env, "ACCELFN_TIMEOUT_S", default)
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise LaunchError(f"ACCELFN_TIMEOUT_S={timeout_s:g} must be a finite number of seconds > 0")
+    return timeout_s
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

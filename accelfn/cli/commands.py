@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -22,11 +21,12 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.backends.env import BACKEND_NAMES, LaunchEnv, launcher_environment
+from accelfn.backends.env import BACKEND_NAMES, PRECISION_FROM_ENV, LaunchEnv, launcher_environment
 from accelfn.cli import config as _config
 from accelfn.cli import precedence as _precedence
 from accelfn.cli._environment import availability, devices, package_versions
 from accelfn.cli._selftest import FAULTS, self_test
+from accelfn.cli._torchrun import run_torchrun
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
 
@@ -98,7 +98,8 @@ def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None) ->
 # -- accelfn launch -------------------------------------------------------------------------
 
 def _launch(args: argparse.Namespace) -> int:
-    config = _active_config(args, stderr=sys.stderr).config
+    resolved = _active_config(args, stderr=sys.stderr)
+    config = resolved.config
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
@@ -109,30 +110,14 @@ def _launch(args: argparse.Namespace) -> int:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    origin = resolved.sources.get("precision")  # where it came from, for the workers' warnings
+    if config.precision is not None and origin is not None and origin != _config.WORKER_ENV["precision"]:
+        os.environ[PRECISION_FROM_ENV] = origin
+    else:
+        os.environ.pop(PRECISION_FROM_ENV, None)
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    try:
-        torchrun.main(torchrun_args)
-    except ChildFailedError as e:
-        codes = [failure.exitcode for failure in e.failures.values() if failure.exitcode]
-        return codes[0] if codes and codes[0] > 0 else 1
-    except SignalException as e:
-        return _interrupted(int(e.sigval), "forwarded to the workers, which have exited")
-    except KeyboardInterrupt:  # SIGINT before torchrun's handlers were in place
-        return _interrupted(signal.SIGINT, "no worker had started")
-    return 0
-
-
-def _interrupted(signum: int, workers: str) -> int:
-    """The shell's status for death by signal ``signum`` (128 + its number), announced: a
-    scheduler that requeues preempted jobs tells it from a failure (exit status 1)."""
-    print(f"accelfn launch: {signal.Signals(signum).name} received, {workers}; exiting with status "
-          f"{128 + signum}", file=sys.stderr, flush=True)
-    return 128 + signum
+    return run_torchrun(torchrun_args, config)
 
 
 # -- accelfn config -------------------------------------------------------------------------
@@ -273,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
     )
+    parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,config,env,test}")
 
     launch = commands.add_parser(
@@ -367,3 +353,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as e:
         print(f"accelfn {args.command}: error: {e}", file=sys.stderr)
         return 2
+

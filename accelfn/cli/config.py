@@ -154,6 +154,9 @@ class LaunchConfig:
 
         One node without a port or endpoint uses ``--standalone``: a c10d rendezvous on
         ``localhost:0``, so the OS picks a free port and two jobs on one machine never collide.
+        ``timeout_s`` also bounds the rendezvous, the wait for every node to join (torchrun's
+        own default is 600 s): ``--rdzv-conf timeout=`` for the static and etcd rendezvous,
+        ``join_timeout=`` for c10d and etcd-v2, in whole seconds, rounded up.
 
         Raises:
             LaunchError: see :meth:`check`.
@@ -161,13 +164,15 @@ class LaunchConfig:
         self.check()
         args = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts)]
+        seconds = math.ceil(self.timeout_s)
         if self.rdzv_endpoint is not None:
+            key = "timeout" if self.rdzv_backend in ("static", "etcd") else "join_timeout"
             return [*args, "--rdzv-backend", self.rdzv_backend, "--rdzv-endpoint", self.rdzv_endpoint,
-                    "--rdzv-id", self.rdzv_id]
+                    "--rdzv-id", self.rdzv_id, "--rdzv-conf", f"{key}={seconds}"]
         if self.master_port is None:
-            return [*args, "--standalone"]
+            return [*args, "--standalone", "--rdzv-conf", f"join_timeout={seconds}"]
         return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),
-                "--node-rank", str(self.node_rank)]
+                "--node-rank", str(self.node_rank), "--rdzv-conf", f"timeout={seconds}"]
 
     def worker_env(self) -> dict[str, str | None]:
         """The variables ``accelfn launch`` sets for the workers (names in ``WORKER_ENV``):

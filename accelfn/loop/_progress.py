@@ -31,17 +31,28 @@ class Progress:
         self._samples = 0
         self._since = time.perf_counter()
         self._shown = show and backend.is_main_process
+        self._skipped = 0  # updates skipped (non-finite gradients) since the last log point
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not self._shown)
         self.last: dict[str, float] = {}
+        for tracker in self._trackers:  # the optional start(step): the run logs only after `initial`
+            start = getattr(tracker, "start", None)
+            if callable(start):
+                start(initial)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records one optimizer update (applied or skipped) that ended at ``step``."""
         self._updates += 1
         self._samples += metrics["num_samples"]
+        skipped = metrics.get("skipped")  # a host int (0 or 1), present with fp16 or skip_nonfinite
+        if skipped is not None:
+            self._skipped += skipped
         if self._shown:
             self._bar.update(1)
         if self._updates % self._log_every:
             return
+        if skipped is not None:  # logged as the count over the logging window
+            metrics = {**metrics, "skipped": self._skipped}
+            self._skipped = 0
         values = self._reduce(metrics)
         now = time.perf_counter()
         values["samples_per_s"] = self._samples * self._backend.world_size / max(now - self._since, 1e-9)
@@ -73,6 +84,13 @@ class Progress:
             stacked = self._backend.reduce(stacked, "mean")
         values = dict(zip(names, stacked.tolist()))
         return {k: values[k] for k in metrics if k != "num_samples"}  # in the order loss_fn gave them
+
+    def flush(self) -> None:
+        """Has the trackers that can (an optional ``flush()``) write their points to disk."""
+        for tracker in self._trackers:
+            flush = getattr(tracker, "flush", None)
+            if callable(flush):
+                flush()
 
     def close(self) -> None:
         """Closes the bar and flushes the trackers."""

@@ -89,7 +89,7 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
     if schedule is not None:
         schedule.last_step = state.step
     now = transforms_record(program)
-    if manifest.transforms is not None and now is not None and manifest.transforms != now:
+    if manifest.transforms is not None and now is not None and manifest.transforms != now and backend.is_main_process:
         warnings.warn(f"{path} was written by a program with the transforms {manifest.transforms}; this "
                       f"program has {now}, so the resumed run differs from an uninterrupted one",
                       stacklevel=3)

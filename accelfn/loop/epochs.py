@@ -53,8 +53,13 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
             raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
 
 
-def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, max_steps: int | None) -> int | None:
-    """Optimizer updates the whole run will apply, when the data's length is known."""
+def _total_steps(backend: Backend, data: Any, step: Step, state: TrainState, epochs: int | None,
+                 max_steps: int | None) -> int | None:
+    """The step the run will end at, when the data's length is known: ``state.step`` plus
+    the updates left from ``state``'s position (its epoch and micro-batch in it) on this
+    world size. Counted from the position, not as ``epochs`` x updates per epoch, so a run
+    resumed from a checkpoint of another world size (whose steps were of other sizes) or
+    in the middle of a window ends the bar at its total."""
     if epochs is None:
         return max_steps
     try:
@@ -64,8 +69,13 @@ def _total_steps(backend: Backend, data: Any, step: Step, epochs: int | None, ma
     if per_epoch is None:
         return max_steps
     accumulate = step.find(Accumulate)
-    updates = epochs * math.ceil(per_epoch / (accumulate.num_micro_batches if accumulate else 1))
-    return updates if max_steps is None else min(updates, max_steps)
+    n = accumulate.num_micro_batches if accumulate else 1
+    windows = math.ceil(per_epoch / n)  # updates per epoch (a partial last window is flushed)
+    left = 0
+    if state.epoch < epochs:
+        left = windows - min(state.epoch_micro_step // n, windows) + (epochs - state.epoch - 1) * windows
+    total = state.step + left
+    return total if max_steps is None else min(total, max_steps)
 
 
 def run(
@@ -157,7 +167,7 @@ def run(
     state = resume_state(state, schedule, resume, backend, program=step,
                          position=functools.partial(_resume_position, backend, data, step))
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
-                   total=_total_steps(backend, data, step, epochs, max_steps), initial=state.step)
+                   total=_total_steps(backend, data, step, state, epochs, max_steps), initial=state.step)
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:
@@ -193,7 +203,8 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 continue
             bar.update(state.step, metrics)
             if schedule is not None:
-                schedule.maybe_save(state)
+                if schedule.maybe_save(state) is not None:
+                    bar.flush()  # the points up to a checkpoint survive a kill after it
             if max_steps is not None and state.step >= max_steps:
                 break
         if max_steps is not None and state.step >= max_steps:
@@ -204,7 +215,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 if epochs is None:
                     return state
             state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
-    if max_steps is not None:
+    if max_steps is not None and backend.is_main_process:  # the job's warning: once, not per rank
         warnings.warn(
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
             "pass epochs=None to train until max_steps (or more epochs)",
@@ -230,15 +241,16 @@ def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: i
     if world_size != backend.world_size:
         start = position * world_size // backend.world_size
         start = start if total is None else min(start, total)
-        warnings.warn(
-            f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
-            f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
-            f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
-            "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
-            "epoch is batched in another order, so the run differs from an uninterrupted one",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+        if backend.is_main_process:  # the job's warning: once, not per rank
+            warnings.warn(
+                f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
+                f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
+                f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
+                "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
+                "epoch is batched in another order, so the run differs from an uninterrupted one",
+                RuntimeWarning,
+                stacklevel=5,
+            )
         return start
     if total is not None and position > total:
         raise ValueError(

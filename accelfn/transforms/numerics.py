@@ -40,12 +40,28 @@ def window_correction(
     """``R * W / sum(C)``: turns the accumulated ``sum(S_i / R)`` into the window mean.
 
     A window without items (``sum(C) = 0``, an all-padding batch, say) has a zero gradient:
-    its divisor is taken as 1, which keeps it zero instead of 0/0. Any positive count, also
-    one below 1 (fractional weights), divides exactly.
+    its correction is 0, whatever its totals. Any positive count, also one below 1
+    (fractional weights), divides exactly.
     """
     if isinstance(global_count, torch.Tensor):
-        return reference * world_size / torch.where(global_count > 0, global_count, 1)
-    return reference * world_size / (global_count if global_count > 0 else 1)
+        positive = global_count > 0
+        return torch.where(positive, reference * world_size / torch.where(positive, global_count, 1), 0.0)
+    return reference * world_size / global_count if global_count > 0 else 0.0
+
+
+def window_mean(
+    local_sum: torch.Tensor | float, world_size: int, global_count: float | torch.Tensor
+) -> torch.Tensor | float:
+    """``W * sum_i S_i / sum_{r,i} C_ri``: this rank's share of the window's mean loss.
+
+    Averaged over the ``W`` ranks (as ``run`` reduces its metrics), the shares give
+    ``sum_{r,i} S_ri / sum_{r,i} C_ri``, the loss of the update as one big batch would
+    have it, whatever the counts on each rank. A window without items logs 0.
+    """
+    if isinstance(global_count, torch.Tensor):
+        positive = global_count > 0
+        return torch.where(positive, local_sum * world_size / torch.where(positive, global_count, 1), 0.0)
+    return local_sum * (world_size / global_count) if global_count > 0 else local_sum * 0.0
 
 
 def unscale_and_check(grads: Sequence[torch.Tensor], inv_scale: float | torch.Tensor) -> torch.Tensor:

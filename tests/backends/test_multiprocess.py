@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -184,6 +185,45 @@ def test_loss_counts_are_summed_over_ranks(mp: dict[str, Any]) -> None:
         got = _with_prefix(mp["tensors"][rank], "tokens.")
         for name, value in reference.items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_loss_counts_log_the_loss_of_one_big_batch(mp: dict[str, Any]) -> None:
+    """The logged loss of each af.Loss update with 2 and 10 (7 and 1, 4 and 4) tokens on the
+    two ranks is sum(total) / sum(count) over both ranks, the loss of one process over all
+    12 tokens (not the mean of the ranks' means); so is an accumulate(3) window of all
+    three, with its metric weighted by the counts of both ranks."""
+    state = P.make_state()
+    model, optimizer = state.model, state.optimizer
+    losses, batches = [], []
+    for k, counts in enumerate(P.TOKEN_COUNTS):
+        both = P.token_batches(counts, seed=100 + k)
+        batches += both
+        x, y = torch.cat([b[0] for b in both]), torch.cat([b[1] for b in both])
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    logged = [orjson.loads(line) for line in (mp["out"] / "tokens.jsonl").read_bytes().splitlines()]
+    assert [point["step"] for point in logged] == [1, 2, 3]
+    assert [point["loss"] for point in logged] == pytest.approx(losses, rel=1e-6)
+
+    model = P.make_state().model
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with torch.no_grad():
+        loss, error = torch.nn.functional.mse_loss(model(x), y).item(), (model(x) - y).abs().mean().item()
+    (point,) = [orjson.loads(line) for line in (mp["out"] / "tokens_window.jsonl").read_bytes().splitlines()]
+    assert (point["step"], point["loss"], point["abs_error"]) == (1, pytest.approx(loss, rel=1e-6),
+                                                                   pytest.approx(error, rel=1e-6))
+
+
+def test_updates_skipped_on_one_rank_only_are_logged_as_a_mean_without_hanging(mp: dict[str, Any]) -> None:
+    """Without replicate, an update skipped on rank 1 only keeps the ranks' metric names
+    equal: its point has skipped 0.5 (the mean of 0 and 1) and a nan grad_norm, and the
+    run finishes its 3 points."""
+    points = [orjson.loads(line) for line in (mp["out"] / "independent.jsonl").read_bytes().splitlines()]
+    assert [(p["step"], p["skipped"]) for p in points] == [(1, 0.0), (2, 0.5), (3, 0.0)]
+    assert [p["grad_norm"] is None or p["grad_norm"] != p["grad_norm"] for p in points] == [False, True, False]
 
 
 def test_one_tensorboard_file_from_rank_zero_with_reduced_values(mp: dict[str, Any]) -> None:

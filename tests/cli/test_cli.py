@@ -21,21 +21,28 @@ from accelfn.errors import LaunchError
 def test_one_node_without_a_port_uses_a_standalone_rendezvous_on_a_free_port() -> None:
     """One node with no port or endpoint gets torchrun's --standalone (c10d on localhost:0)."""
     args = LaunchConfig(nproc_per_node=4).torchrun_args()
-    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--standalone"]
+    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--standalone",
+                    "--rdzv-conf", "join_timeout=600"]
 
 
 def test_master_address_and_port_give_a_static_rendezvous() -> None:
-    """--master-addr/--master-port/--node-rank are passed to torchrun as they are."""
-    config = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500, max_restarts=2)
+    """--master-addr/--master-port/--node-rank are passed to torchrun as they are, with the
+    timeout (rounded up to whole seconds) as the static rendezvous's."""
+    config = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500, max_restarts=2,
+                          timeout_s=7.5)
     assert config.torchrun_args() == ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2",
-                                      "--master-addr", "10.0.0.1", "--master-port", "29500", "--node-rank", "1"]
+                                      "--master-addr", "10.0.0.1", "--master-port", "29500", "--node-rank", "1",
+                                      "--rdzv-conf", "timeout=8"]
 
 
-def test_rdzv_endpoint_gives_a_c10d_rendezvous() -> None:
-    """--rdzv-endpoint selects the c10d rendezvous with the shared job id."""
-    config = LaunchConfig(nnodes=2, rdzv_endpoint="host:29400", rdzv_id="job7")
-    assert config.torchrun_args()[-6:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:29400",
-                                           "--rdzv-id", "job7"]
+@pytest.mark.parametrize(("backend", "key"), [("c10d", "join_timeout"), ("etcd-v2", "join_timeout"),
+                                              ("etcd", "timeout"), ("static", "timeout")])
+def test_rdzv_endpoint_gives_a_c10d_rendezvous(backend: str, key: str) -> None:
+    """--rdzv-endpoint selects the rendezvous backend with the shared job id, and the timeout
+    under the name that backend reads."""
+    config = LaunchConfig(nnodes=2, rdzv_endpoint="host:29400", rdzv_id="job7", rdzv_backend=backend, timeout_s=30)
+    assert config.torchrun_args()[-8:] == ["--rdzv-backend", backend, "--rdzv-endpoint", "host:29400",
+                                           "--rdzv-id", "job7", "--rdzv-conf", f"{key}=30"]
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -22,3 +22,16 @@ def read_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
         for value in event.summary.value:
             scalars[value.tag].append((event.step, value.simple_value))
     return dict(scalars)
+
+
+def read_tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` of a directory's scalars as TensorBoard shows them:
+    read by TensorBoard's own reader (``EventAccumulator``), which reads every event file
+    of the directory in name order and drops the points a restart marker (``purge_step``)
+    hides."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(logdir))
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}

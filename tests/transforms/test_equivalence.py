@@ -385,3 +385,35 @@ def test_loss_counts_below_one_divide_exactly(cpu, count):
     state = af.run(step, state, [(x, y)], backend=cpu, progress=False)
     for got, want in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_loss_over_no_items_is_refused_unless_zero_and_an_empty_window_logs_zero(cpu):
+    """af.Loss(total=2.5, count=0) is refused (a sum over no items is 0); a window whose
+    tensor count is 0 leaves the parameters unchanged whatever its total, and logs loss 0
+    (not inf or NaN), as does Loss(total=0, count=0)."""
+    with pytest.raises(ValueError) as error:
+        af.Loss(total=torch.tensor(2.5, requires_grad=True), count=0)
+    assert str(error.value) == (
+        "Loss(total=2.5, count=0): a sum over no items is 0, so a total that is not 0 means the count or the "
+        "total is wrong (count the items the total sums over, e.g. mask.sum(), and sum only those)")
+
+    class Recorder:
+        def __init__(self):
+            self.losses = []
+
+        def log(self, metrics, step):
+            self.losses.append(metrics["loss"])
+
+        def close(self):
+            pass
+
+    for count, scale in ((torch.tensor(0), 1.0), (0, 0.0)):
+        torch.manual_seed(0)
+        model = TokenModel()
+        before = [p.detach().clone() for p in model.parameters()]
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        step = af.train_step(lambda m, b, c=count, s=scale: af.Loss(total=m(b[0]).sum() * s + 3.0 * s, count=c))
+        record = Recorder()
+        state = af.run(step, state, [(torch.randn(3, 4), None)], backend=cpu, progress=False, trackers=[record])
+        assert state.step == 1 and record.losses == [0.0]
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

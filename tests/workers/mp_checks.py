@@ -143,11 +143,33 @@ def count_allreduces(results: dict[str, Any]) -> None:
                               ddp.gradient_as_bucket_view, ddp.static_graph]
 
 
-def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
-    """af.Loss under replicate: 2 and 10 counted tokens equal one process with all 12."""
+def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """af.Loss under replicate: 2 and 10 counted tokens equal one process with all 12; the
+    logged losses go to OUT/tokens.jsonl. Then the 3 batches as one accumulate(3) window,
+    with a metric, logged to OUT/tokens_window.jsonl."""
     step = af.replicate()(af.train_step(P.summed_mse))
-    state = af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False)
+    state = af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False,
+                   trackers=[af.JSONL(out / "tokens.jsonl")])
     tensors.update(P.parameters(state, "tokens."))
+
+    def with_error(model: torch.nn.Module, batch: Any) -> tuple[af.Loss, dict[str, torch.Tensor]]:
+        x, y = batch
+        return P.summed_mse(model, batch), {"abs_error": (model(x) - y).abs().mean()}
+
+    step = af.compose(af.replicate(), af.accumulate(3))(af.train_step(with_error))
+    af.run(step, P.make_state(), P.rank_token_batches(backend.rank), backend=backend, progress=False,
+           trackers=[af.JSONL(out / "tokens_window.jsonl")])
+
+
+def independent_skips(backend: af.backends.Backend, out: Path) -> None:
+    """skip_nonfinite + clip without replicate: rank 1's 2nd update (an inf target) is
+    skipped on rank 1 only; the points go to OUT/independent.jsonl."""
+    step = af.compose(af.skip_nonfinite(), af.clip(1.0))(af.train_step(P.mse))
+    data = [batch for batch in DataLoader(P.regression_data(12), batch_size=4)]
+    if backend.rank == 1:
+        data[1] = (data[1][0], torch.full_like(data[1][1], float("inf")))
+    af.run(step, P.make_state(), data, backend=backend, progress=False,
+           trackers=[af.JSONL(out / "independent.jsonl")])
 
 
 def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> None:
@@ -203,7 +225,8 @@ def main() -> None:
     uneven(backend, results, tensors)
     collectives_and_evaluate(backend, results, tensors)
     count_allreduces(results)
-    loss_counts(backend, tensors)
+    loss_counts(backend, tensors, args.out)
+    independent_skips(backend, args.out)
     unequal_lengths(backend, results)
     unknown_lengths(backend, tensors)
     fp16_loss_counts(backend, results, tensors)
