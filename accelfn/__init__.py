@@ -5,10 +5,10 @@ from accelfn._version import __version__
 from accelfn.checkpoint import Checkpoints, Snapshot, load, restore, save, snapshot
 from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
-from accelfn.loop import run
+from accelfn.loop import Hook, Profile, Stop, UpdateCount, count_updates, run
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
-from accelfn.tracking import JSONL, TensorBoard, Tracker
+from accelfn.tracking import JSONL, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -35,19 +35,26 @@ __all__ = [
     "Checkpoints",
     "Clip",
     "ClipValue",
+    "ConfigTracker",
+    "Hook",
     "LaunchError",
     "Loss",
+    "MLflow",
     "NonFiniteError",
+    "Profile",
     "Replicate",
     "ShardData",
     "SkipNonfinite",
     "Snapshot",
     "Step",
+    "Stop",
     "TensorBoard",
     "Tracker",
     "TrainState",
     "Transform",
     "TransformError",
+    "UpdateCount",
+    "WandB",
     "WithPrecision",
     "__version__",
     "accumulate",
@@ -55,6 +62,7 @@ __all__ = [
     "clip",
     "clip_value",
     "compose",
+    "count_updates",
     "evaluate",
     "load",
     "replicate",

@@ -55,3 +55,8 @@ class CUDA(Backend):
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=[self.device.index])
+
+    def peak_memory_bytes(self) -> int | None:
+        """The CUDA caching allocator's peak of allocated memory on this device since the
+        process started (``torch.cuda.max_memory_allocated``), in bytes."""
+        return int(torch.cuda.max_memory_allocated(self.device))

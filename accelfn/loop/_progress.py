@@ -1,4 +1,5 @@
-"""Metrics of a run: reduced over ranks and turned into floats only every ``log_every`` updates."""
+"""Metrics of a run: reduced over ranks and turned into floats only at log points, and only
+when something reads them (a tracker, or the progress bar)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,24 @@ import torch
 from tqdm.auto import tqdm
 
 from accelfn.backends.base import Backend
-from accelfn.tracking import Tracker
+from accelfn.loop._memory import peak_rss_bytes
+from accelfn.tracking import ConfigTracker, Tracker
+
+#: the bar alone (one process, no tracker) reads the metrics at most this often
+BAR_INTERVAL_S = 0.5
+_COUNTS = ("num_samples", "num_items")  # summed over updates and ranks, not logged themselves
+_MIB = 2.0**20
 
 
 class Progress:
     """The progress bar (main process only) and the trackers of one ``run``.
 
-    Every update counts its samples and ticks the bar; every ``log_every``-th update the
-    metrics are reduced across ranks in one collective, read to the host, shown on the bar
-    and written to the trackers at ``x = state.step``.
+    Every update counts its samples (and an ``af.Loss``'s items) and ticks the bar. Every
+    ``log_every``-th update, if a tracker or the bar reads them, the metrics are reduced
+    across ranks (metrics averaged, counts summed, memory the maximum), read to the host,
+    shown on the bar and written to the trackers at ``x = state.step``, with the rates since
+    the previous log point. With the bar alone on one process they are read at most every
+    ``BAR_INTERVAL_S``; with neither, never.
     """
 
     def __init__(self, backend: Backend, trackers: Sequence[Tracker], *, show: bool, log_every: int,
@@ -26,8 +36,15 @@ class Progress:
         self._backend = backend
         self._trackers = trackers if backend.is_main_process else ()
         self._log_every = log_every
+        # the same on every rank (trackers and show are arguments of run), as the reduction is a collective
+        self._read = bool(trackers) or show
+        self._by_clock = not trackers and backend.world_size == 1
+        self._host = backend.device.type == "cpu"  # float() per metric costs less than a stack there
+        self._device_memory = backend.peak_memory_bytes() is not None
         self._updates = 0
+        self._window_updates = 0
         self._samples = 0
+        self._items: Any = None
         self._since = time.perf_counter()
         self._shown = show and backend.is_main_process
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=not self._shown)
@@ -36,32 +53,72 @@ class Progress:
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records one optimizer update (applied or skipped) that ended at ``step``."""
         self._updates += 1
+        self._window_updates += 1
         self._samples += metrics["num_samples"]
+        items = metrics.get("num_items")
+        if items is not None:
+            self._items = items if self._items is None else self._items + items
         if self._shown:
             self._bar.update(1)
-        if self._updates % self._log_every:
+        if not self._read or self._updates % self._log_every:
             return
-        values = self._reduce(metrics)
         now = time.perf_counter()
-        values["samples_per_s"] = self._samples * self._backend.world_size / max(now - self._since, 1e-9)
-        self._samples, self._since = 0, now
+        if self._by_clock and now - self._since < BAR_INTERVAL_S:
+            return
+        values = self._reduce(metrics, max(now - self._since, 1e-9))
+        self._window_updates, self._samples, self._items, self._since = 0, 0, None, now
         self.last = values
         if self._backend.is_main_process:
-            self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}",
-                                  samples_s=f"{values['samples_per_s']:.4g}", refresh=False)
+            rates = {"samples_s": f"{values['samples_per_s']:.4g}"}
+            if "items_per_s" in values:
+                rates["items_s"] = f"{values['items_per_s']:.4g}"
+            self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}", **rates, refresh=False)
             for tracker in self._trackers:
                 tracker.log(values, step)
 
-    def _reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """The metrics as floats, averaged over ranks: one collective and one device read."""
-        names = [k for k in metrics if k != "num_samples"]
-        device = self._backend.collective_device
-        # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
-        stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device).reshape(())
-                               for k in names])
-        if self._backend.world_size > 1:
-            stacked = self._backend.reduce(stacked, "mean")
-        return dict(zip(names, stacked.tolist()))
+    def _reduce(self, metrics: Mapping[str, Any], elapsed_s: float) -> dict[str, float]:
+        """The metrics as floats averaged over ranks, the rates of the counts summed over ranks
+        and the memory peaks' maximum over ranks: at most two collectives and one device read."""
+        names = [k for k in metrics if k not in _COUNTS]
+        backend = self._backend
+        memory = [float(peak_rss_bytes())]
+        if self._device_memory:
+            memory.append(float(backend.peak_memory_bytes()))  # type: ignore[arg-type]
+        counts = [float(self._samples)] + ([] if self._items is None else [self._items])
+        if backend.world_size == 1 and self._host:
+            values = {k: float(metrics[k]) for k in names}
+            summed = [float(c) for c in counts]
+        else:
+            device = backend.collective_device
+            # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                                   for v in [metrics[k] for k in names] + counts])
+            if backend.world_size > 1:
+                stacked = backend.reduce(stacked, "sum")
+                memory = backend.reduce(torch.tensor(memory, dtype=torch.float64), "max").tolist()
+            reduced = stacked.tolist()
+            values = {k: v / backend.world_size for k, v in zip(names, reduced)}
+            summed = reduced[len(names):]
+        values["updates_per_s"] = self._window_updates / elapsed_s
+        values["samples_per_s"] = summed[0] / elapsed_s
+        if len(summed) > 1:
+            values["items_per_s"] = summed[1] / elapsed_s
+        values["peak_rss_mib"] = memory[0] / _MIB
+        if len(memory) > 1:
+            values["peak_device_mib"] = memory[1] / _MIB
+        return values
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Writes ``values`` (a hook's, already the same on every rank) to the trackers at ``step``."""
+        if values:
+            for tracker in self._trackers:
+                tracker.log(values, step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Hands the run configuration to every tracker that takes one (main process only)."""
+        for tracker in self._trackers:
+            if isinstance(tracker, ConfigTracker):
+                tracker.log_config(config)
 
     def close(self) -> None:
         """Closes the bar and flushes the trackers."""
