@@ -58,12 +58,12 @@ def test_one_cycle_sized_by_the_count_completes_on_one_and_two_processes(cpu, tw
     assert steps == total == 39
     for rank in two_processes:
         assert rank["one_cycle"] == [39, 39, lr]
-    model = torch.nn.Linear(2, 1)
-    final = torch.optim.lr_scheduler.OneCycleLR(torch.optim.SGD(model.parameters(), lr=0.1), max_lr=0.1,
-                                                total_steps=39)
-    for _ in range(38):
-        final.step()
-    assert lr == final.get_last_lr()[0]
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    by_hand = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=39)
+    for _ in range(39):
+        optimizer.step()
+        by_hand.step()
+    assert lr == by_hand.get_last_lr()[0]
 
 
 def test_count_updates_refuses_data_of_unknown_length_without_max_steps(cpu):
