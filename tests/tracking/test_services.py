@@ -131,3 +131,18 @@ def test_crash_and_resume_auto_logs_each_step_once_and_ends_where_the_whole_run_
     for rank in (0, 1):
         result = json.loads((job / f"rank{rank}.json").read_text())
         assert result["crashed"] and result["resumed"] == result["whole"]
+
+
+def test_items_per_s_sums_both_ranks_counts_and_every_rank_writes_a_trace(job):
+    """With af.Loss counts (2, 10), (7, 1), (4, 4) on ranks 0 and 1, the logged items per second
+    over updates per second is each update's count summed over ranks, 12, 8, 8 (the one
+    elapsed time cancels); so is samples per second here (one item per sample); the peak RSS is
+    logged; Profile(all_ranks=True) wrote one Chrome trace per rank with update 1 in it."""
+    log = jsonl(job / "items.jsonl")
+    assert [line["items_per_s"] / line["updates_per_s"] for line in log] == pytest.approx([12, 8, 8], rel=1e-9)
+    assert [line["samples_per_s"] / line["updates_per_s"] for line in log] == pytest.approx([12, 8, 8], rel=1e-9)
+    assert all(50 < line["peak_rss_mib"] < 65536 for line in log)
+    for rank in (0, 1):
+        (trace,) = (job / "profile").glob(f"rank{rank}.*.pt.trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {"ProfilerStep#1"}

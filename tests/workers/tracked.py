@@ -10,7 +10,8 @@ Usage: accelfn launch --nproc-per-node 2 tracked.py --out DIR
    resumed with ``resume="auto"`` from that checkpoint, each attempt with its own JSONL.
 
 Each rank writes DIR/rank{r}.json: the final parameters of ``whole`` and ``resumed``, the
-ids of the MLflow and W&B runs (rank 0), and what the hooks computed.
+ids of the MLflow and W&B runs (rank 0). Then an ``af.Loss`` run whose ranks count other
+numbers of items logs to DIR/items.jsonl, with a profiler trace of every rank in DIR/profile.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import hooked
+from tests.helpers import programs as P
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", type=Path, required=True)
@@ -47,5 +49,10 @@ except hooked.Crash:
 state = hooked.train(backend, hooked.PER_RANK_BATCH, trackers=[af.JSONL(args.out / "resumed.jsonl")],
                      checkpoints=checkpoints, resume="auto")
 result["resumed"] = hooked.flat_parameters(state)
+
+# af.Loss with other item counts on each rank, logged every update; every rank profiled
+af.run(af.replicate()(af.train_step(P.summed_mse)), P.make_state(), P.rank_token_batches(backend.rank),
+       backend=backend, progress=False, trackers=[af.JSONL(args.out / "items.jsonl")],
+       profile=af.Profile(args.out / "profile", wait=0, warmup=1, active=1, all_ranks=True))
 (args.out / f"rank{backend.rank}.json").write_text(json.dumps(result))
 torch.distributed.barrier()
