@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from accelfn.backends.base import Backend
-from accelfn.loop._memory import peak_rss_bytes
+from accelfn.loop._memory import rss_bytes
 from accelfn.tracking import ConfigTracker, Tracker
 
 #: the bar alone (one process, no tracker) reads the metrics at most this often
@@ -81,7 +81,7 @@ class Progress:
         and the memory peaks' maximum over ranks: at most two collectives and one device read."""
         names = [k for k in metrics if k not in _COUNTS]
         backend = self._backend
-        memory = [float(peak_rss_bytes())]
+        memory = [float(rss_bytes())]
         if self._device_memory:
             memory.append(float(backend.peak_memory_bytes()))  # type: ignore[arg-type]
         counts = [float(self._samples)] + ([] if self._items is None else [self._items])
@@ -103,7 +103,7 @@ class Progress:
         values["samples_per_s"] = summed[0] / elapsed_s
         if len(summed) > 1:
             values["items_per_s"] = summed[1] / elapsed_s
-        values["peak_rss_mib"] = memory[0] / _MIB
+        values["rss_mib"] = memory[0] / _MIB
         if len(memory) > 1:
             values["peak_device_mib"] = memory[1] / _MIB
         return values

@@ -30,7 +30,7 @@ def test_items_per_s_is_the_window_count_over_its_time(tmp_path, cpu):
     assert [line["step"] for line in log] == [2, 4]
     assert [line["items_per_s"] / line["updates_per_s"] for line in log] == pytest.approx([4.0, 4.0], rel=1e-12)
     assert [line["items_per_s"] * 2 / line["updates_per_s"] for line in log] == pytest.approx([8, 8], rel=1e-12)
-    assert all(50 < line["peak_rss_mib"] < 65536 and "peak_device_mib" not in line for line in log)
+    assert all(50 < line["rss_mib"] < 65536 and "peak_device_mib" not in line for line in log)
 
 
 def test_a_mean_loss_logs_no_items(tmp_path, cpu):
