@@ -16,6 +16,8 @@ from accelfn.tracking import ConfigTracker, Tracker
 
 #: the bar alone (one process, no tracker) reads the metrics at most this often
 BAR_INTERVAL_S = 0.5
+#: the memory (RSS, device peak) logged at a log point is at most this old
+MEMORY_INTERVAL_S = 1.0
 _COUNTS = ("num_samples", "num_items")  # summed over updates and ranks, not logged themselves
 _MIB = 2.0**20
 
@@ -41,6 +43,8 @@ class Progress:
         self._by_clock = not trackers and backend.world_size == 1
         self._host = backend.device.type == "cpu"  # float() per metric costs less than a stack there
         self._device_memory = backend.peak_memory_bytes() is not None
+        self._memory_read_at = -float("inf")
+        self._memory_bytes: list[float] = []
         self._updates = 0
         self._window_updates = 0
         self._samples = 0
@@ -68,27 +72,25 @@ class Progress:
         values = self._reduce(metrics, max(now - self._since, 1e-9))
         self._window_updates, self._samples, self._items, self._since = 0, 0, None, now
         self.last = values
-        if self._backend.is_main_process:
+        if self._shown:
             rates = {"samples_s": f"{values['samples_per_s']:.4g}"}
             if "items_per_s" in values:
                 rates["items_s"] = f"{values['items_per_s']:.4g}"
             self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}", **rates, refresh=False)
-            for tracker in self._trackers:
-                tracker.log(values, step)
+        for tracker in self._trackers:
+            tracker.log(values, step)
 
     def _reduce(self, metrics: Mapping[str, Any], elapsed_s: float) -> dict[str, float]:
         """The metrics as floats averaged over ranks, the rates of the counts summed over ranks
-        and the memory peaks' maximum over ranks: at most two collectives and one device read."""
-        names = [k for k in metrics if k not in _COUNTS]
+        and the memory's maximum over ranks: at most two collectives and one device read."""
         backend = self._backend
-        memory = [float(rss_bytes())]
-        if self._device_memory:
-            memory.append(float(backend.peak_memory_bytes()))  # type: ignore[arg-type]
-        counts = [float(self._samples)] + ([] if self._items is None else [self._items])
+        memory = self._memory()
         if backend.world_size == 1 and self._host:
-            values = {k: float(metrics[k]) for k in names}
-            summed = [float(c) for c in counts]
+            values = {k: float(v) for k, v in metrics.items() if k not in _COUNTS}
+            samples, items = float(self._samples), (None if self._items is None else float(self._items))
         else:
+            names = [k for k in metrics if k not in _COUNTS]
+            counts = [float(self._samples)] + ([] if self._items is None else [self._items])
             device = backend.collective_device
             # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
             stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
@@ -98,15 +100,26 @@ class Progress:
                 memory = backend.reduce(torch.tensor(memory, dtype=torch.float64), "max").tolist()
             reduced = stacked.tolist()
             values = {k: v / backend.world_size for k, v in zip(names, reduced)}
-            summed = reduced[len(names):]
+            samples, items = reduced[len(names)], (reduced[len(names) + 1] if self._items is not None else None)
         values["updates_per_s"] = self._window_updates / elapsed_s
-        values["samples_per_s"] = summed[0] / elapsed_s
-        if len(summed) > 1:
-            values["items_per_s"] = summed[1] / elapsed_s
+        values["samples_per_s"] = samples / elapsed_s
+        if items is not None:
+            values["items_per_s"] = items / elapsed_s
         values["rss_mib"] = memory[0] / _MIB
         if len(memory) > 1:
             values["peak_device_mib"] = memory[1] / _MIB
         return values
+
+    def _memory(self) -> list[float]:
+        """[RSS, device peak] in bytes, read at most every MEMORY_INTERVAL_S (reading the RSS
+        costs tens of microseconds on a busy machine; memory moves slowly)."""
+        now = time.monotonic()
+        if now - self._memory_read_at >= MEMORY_INTERVAL_S:
+            self._memory_read_at = now
+            self._memory_bytes = [float(rss_bytes())]
+            if self._device_memory:
+                self._memory_bytes.append(float(self._backend.peak_memory_bytes()))  # type: ignore[arg-type]
+        return list(self._memory_bytes)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Writes ``values`` (a hook's, already the same on every rank) to the trackers at ``step``."""
