@@ -86,7 +86,8 @@ class Progress:
         backend = self._backend
         memory = self._memory()
         if backend.world_size == 1 and self._host:
-            values = {k: float(v) for k, v in metrics.items() if k not in _COUNTS}
+            values = {k: v.item() if isinstance(v, torch.Tensor) else float(v)
+                      for k, v in metrics.items() if k not in _COUNTS}
             samples, items = float(self._samples), (None if self._items is None else float(self._items))
         else:
             names = [k for k in metrics if k not in _COUNTS]
@@ -110,7 +111,7 @@ class Progress:
             values["peak_device_mib"] = memory[1] / _MIB
         return values
 
-    def _memory(self) -> list[float]:
+    def _memory(self) -> list[float]:  # the caller must not change the list
         """[RSS, device peak] in bytes, read at most every MEMORY_INTERVAL_S (reading the RSS
         costs tens of microseconds on a busy machine; memory moves slowly)."""
         now = time.monotonic()
@@ -119,7 +120,7 @@ class Progress:
             self._memory_bytes = [float(rss_bytes())]
             if self._device_memory:
                 self._memory_bytes.append(float(self._backend.peak_memory_bytes()))  # type: ignore[arg-type]
-        return list(self._memory_bytes)
+        return self._memory_bytes
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Writes ``values`` (a hook's, already the same on every rank) to the trackers at ``step``."""

@@ -88,3 +88,15 @@ def test_profile_checks_its_window(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(ValueError, match="is a file; give a directory for the trace files"):
         af.Profile(tmp_path / "f")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none")
+def test_cuda_logs_the_peak_device_memory(tmp_path):
+    """On CUDA, peak_device_mib is logged: the allocator's peak (max_memory_allocated) in MiB."""
+    backend = af.backends.CUDA(af.backends.LaunchEnv())
+    data = [(torch.randn(64, 4), torch.randn(64, 1))] * 3
+    af.run(af.train_step(P.mse), P.make_state(), data, backend=backend, progress=False,
+           trackers=[af.JSONL(tmp_path / "m.jsonl")])
+    log = jsonl(tmp_path / "m.jsonl")
+    assert 0 < log[0]["peak_device_mib"] <= torch.cuda.max_memory_allocated() / 2**20

@@ -146,3 +146,9 @@ def test_items_per_s_sums_both_ranks_counts_and_every_rank_writes_a_trace(job):
         (trace,) = (job / "profile").glob(f"rank{rank}.*.pt.trace.json")
         events = json.loads(trace.read_text())["traceEvents"]
         assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {"ProfilerStep#1"}
+
+
+def test_a_stop_asked_on_one_rank_stops_both_at_the_same_update(job):
+    """A hook that returns af.Stop on rank 1 only, at step 4, ends the run at step 4 on both
+    ranks (the stop is agreed by an all-reduce), so no collective is left waiting."""
+    assert [json.loads((job / f"rank{r}.json").read_text())["stopped_at"] for r in (0, 1)] == [4, 4]

@@ -11,7 +11,8 @@ Usage: accelfn launch --nproc-per-node 2 tracked.py --out DIR
 
 Each rank writes DIR/rank{r}.json: the final parameters of ``whole`` and ``resumed``, the
 ids of the MLflow and W&B runs (rank 0). Then an ``af.Loss`` run whose ranks count other
-numbers of items logs to DIR/items.jsonl, with a profiler trace of every rank in DIR/profile.
+numbers of items logs to DIR/items.jsonl, with a profiler trace of every rank in DIR/profile;
+and a run whose hook asks to stop on rank 1 only records the step each rank stopped at.
 """
 
 from __future__ import annotations
@@ -54,5 +55,12 @@ result["resumed"] = hooked.flat_parameters(state)
 af.run(af.replicate()(af.train_step(P.summed_mse)), P.make_state(), P.rank_token_batches(backend.rank),
        backend=backend, progress=False, trackers=[af.JSONL(args.out / "items.jsonl")],
        profile=af.Profile(args.out / "profile", wait=0, warmup=1, active=1, all_ranks=True))
+
+# a stop asked by rank 1's hook alone, at step 4, stops both ranks there
+only_rank_1 = af.Hook(lambda s, b: af.Stop("rank 1 asked") if b.rank == 1 and s.step == 4 else None, every_steps=2)
+state = af.run(af.compose(af.shard_data(), af.replicate())(af.train_step(P.mse)), P.make_state(),
+               torch.utils.data.DataLoader(P.regression_data(), batch_size=2), backend=backend, epochs=3,
+               progress=False, hooks=[only_rank_1])
+result["stopped_at"] = state.step
 (args.out / f"rank{backend.rank}.json").write_text(json.dumps(result))
 torch.distributed.barrier()
