@@ -67,7 +67,7 @@ class Hook:
     ``state_dict``/``load_state_dict``), which checkpoints hold. Steps count from the start of
     training (``state.step``): ``every_steps=100`` fires at steps 100, 200, ... also after a
     resume. When both triggers fall on one update, ``fn`` runs once. An fp16 update skipped
-    for overflow does not advance ``state.step`` and fires nothing.
+    for overflow does not advance ``state.step`` and fires no ``every_steps`` hook.
 
     The values ``fn`` returns are logged as the main process computed them: make them the
     same on every process (``af.evaluate`` returns the whole dataset's outputs on every
