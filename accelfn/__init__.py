@@ -13,11 +13,19 @@ from accelfn.checkpoint import (
 )
 from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
-from accelfn.loop import find_batch_size, run
+from accelfn.loop import (
+    Hook,
+    Profile,
+    Stop,
+    UpdateCount,
+    count_updates,
+    find_batch_size,
+    run,
+)
 from accelfn.seed import set_seed
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
-from accelfn.tracking import JSONL, TensorBoard, Tracker
+from accelfn.tracking import JSONL, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -49,20 +57,27 @@ __all__ = [
     "Clip",
     "ClipValue",
     "Compile",
+    "ConfigTracker",
+    "Hook",
     "LaunchError",
     "Loss",
+    "MLflow",
     "NonFiniteError",
+    "Profile",
     "Replicate",
     "ShardData",
     "ShardParams",
     "SkipNonfinite",
     "Snapshot",
     "Step",
+    "Stop",
     "TensorBoard",
     "Tracker",
     "TrainState",
     "Transform",
     "TransformError",
+    "UpdateCount",
+    "WandB",
     "WithPrecision",
     "__version__",
     "accumulate",
@@ -71,6 +86,7 @@ __all__ = [
     "clip_value",
     "compile",
     "compose",
+    "count_updates",
     "evaluate",
     "find_batch_size",
     "load",

@@ -23,10 +23,14 @@ when installed (``pip install -c constraints.txt accelerate lightning``).
 ``accelfn_compile`` (accelfn with ``af.compile()``) runs only when named in ``--contestants``;
 it compiles in the warm-up round.
 
-Cases: ``tiny`` (framework overhead dominates), ``medium`` (compute dominates), and
+Cases: ``tiny`` (framework overhead dominates), ``medium`` (compute dominates),
 ``composed``: the tiny model with ``accumulate(2)`` and ``clip(1.0)`` in each framework's
 own form (``accelerator.accumulate`` + ``clip_grad_norm_``; Fabric's ``no_backward_sync`` +
-``clip_gradients``).
+``clip_gradients``), and ``logged``: the tiny model logging at ``run``'s default cadence,
+every update, to a JSONL tracker (accelfn: ``log_every=1``, ``trackers=[af.JSONL(...)]``,
+which logs the loss, lr, updates/s, samples/s and peak RSS; the hand-written loop:
+``tracker.log({"loss": loss.item()}, step)`` with the same tracker class) — only the
+hand-written loop and accelfn run it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import importlib.util
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -85,9 +90,11 @@ def loss_fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 Round = Callable[["Timed"], None]
 
 
-def raw(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Round:
+def raw(widths: tuple[int, ...], accumulate: int, max_norm: float | None, logged: str | None = None) -> Round:
     model = mlp(widths)
     opt = optimizer(model)
+    tracker = af.JSONL(logged) if logged is not None else None
+    step = [0]
 
     def one_round(batches: Timed) -> None:
         loss = None
@@ -102,12 +109,16 @@ def raw(widths: tuple[int, ...], accumulate: int, max_norm: float | None) -> Rou
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
             opt.zero_grad()
+            if tracker is not None:
+                step[0] += 1
+                tracker.log({"loss": loss.item()}, step[0])
         loss.item()
 
     return one_round
 
 
-def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None, *, compiled: bool = False) -> Round:
+def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None, logged: str | None = None, *,
+            compiled: bool = False) -> Round:
     model = mlp(widths)
     holder = {"state": af.TrainState.create(model, optimizer(model))}
     transforms = []
@@ -119,12 +130,13 @@ def accelfn(widths: tuple[int, ...], accumulate: int, max_norm: float | None, *,
         transforms.append(af.compile())
     step = af.compose(*transforms)(af.train_step(loss_fn))
     backend = af.backends.CPU()
+    trackers = [af.JSONL(logged)] if logged is not None else []
 
     def one_round(batches: Timed) -> None:
         state = holder["state"]
-        log_every = len(batches) // accumulate
+        log_every = len(batches) // accumulate if logged is None else 1
         holder["state"] = af.run(step, state, batches, backend=backend, epochs=state.epoch + 1,
-                                 progress=False, log_every=log_every)
+                                 progress=False, log_every=log_every, trackers=trackers)
 
     return one_round
 
@@ -245,10 +257,23 @@ def print_table(title: str, result: dict[str, dict[str, float]]) -> None:
 
 
 def measure(case: str, widths: tuple[int, ...], batch_size: int, updates: int, rounds: int,
-            names: list[str], accumulate: int = 1, max_norm: float | None = None) -> dict[str, dict[str, float]]:
+            names: list[str], accumulate: int = 1, max_norm: float | None = None,
+            logged: bool = False) -> dict[str, dict[str, float]]:
     """Per-update CPU and wall time of every contestant, interleaved over ``rounds`` rounds."""
     batches = make_batches(widths, batch_size, (updates + 1) * accumulate)
-    runners = {name: contestants()[name](widths, accumulate, max_norm) for name in names}
+    with tempfile.TemporaryDirectory() as logs:
+        if logged:
+            names = [name for name in names if name in ("raw", "accelfn")]
+            runners = {name: contestants()[name](widths, accumulate, max_norm, f"{logs}/{name}.jsonl")
+                       for name in names}
+        else:
+            runners = {name: contestants()[name](widths, accumulate, max_norm) for name in names}
+        return _rounds(case, widths, batch_size, updates, rounds, names, accumulate, max_norm, batches, runners)
+
+
+def _rounds(case: str, widths: tuple[int, ...], batch_size: int, updates: int, rounds: int, names: list[str],
+            accumulate: int, max_norm: float | None, batches: list[Batch],
+            runners: dict[str, Round]) -> dict[str, dict[str, float]]:
     for fn in runners.values():  # warm-up: allocator, optimizer state, lazy imports
         fn(Timed(batches, accumulate))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
@@ -261,7 +286,8 @@ def measure(case: str, widths: tuple[int, ...], batch_size: int, updates: int, r
     result = summarize(times)
     print_table(f"{case}: MLP {'-'.join(map(str, widths))}, batch {batch_size}, {updates} updates x {rounds} rounds"
                 + (f", accumulate({accumulate})" if accumulate > 1 else "")
-                + (f", clip({max_norm})" if max_norm is not None else ""), result)
+                + (f", clip({max_norm})" if max_norm is not None else "")
+                + (", logging every update to JSONL" if case == "logged" else ""), result)
     return result
 
 
@@ -269,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=40, help="interleaved rounds (default 40)")
     parser.add_argument("--cases", default="tiny,medium,composed",
-                        help="comma-separated from tiny, medium, composed")
+                        help="comma-separated from tiny, medium, composed, logged")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the updates per round")
     parser.add_argument("--contestants", default=None,
                         help="comma-separated from raw, accelfn, accelfn_compile (af.compile(): only when named), "
@@ -282,11 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, accelfn {af.__version__}, Python {platform.python_version()}, "
           f"{platform.machine()}, 1 thread; {', '.join(names)}")
     for case in args.cases.split(","):
-        model = "tiny" if case == "composed" else case
+        model = "tiny" if case in ("composed", "logged") else case
         widths, batch_size, updates = MODELS[model]
         updates = max(1, round(updates * args.scale))
         if case == "composed":
             measure(case, widths, batch_size, updates // 2, args.rounds, names, accumulate=2, max_norm=1.0)
+        elif case == "logged":
+            measure(case, widths, batch_size, updates, args.rounds, names, logged=True)
         else:
             measure(case, widths, batch_size, updates, args.rounds, names)
     sys.stdout.flush()

@@ -39,7 +39,7 @@ def test_jsonl_and_tensorboard_log_per_update(tmp_path, cpu, num_micro_batches):
     lines = [orjson.loads(line) for line in (tmp_path / "m.jsonl").read_bytes().splitlines()]
     assert [line["step"] for line in lines] == [2, 4, 6, 8]
     assert [line["lr"] for line in lines] == [0.1 * 0.5**s for s in (1, 3, 5, 7)]  # exactly the optimizer's floats
-    assert set(lines[0]) == {"step", "loss", "acc", "grad_norm", "lr", "samples_per_s"}
+    assert set(lines[0]) == {"step", "loss", "acc", "grad_norm", "lr", "updates_per_s", "samples_per_s", "rss_mib"}
     (event_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
     scalars = read_scalars(event_file)
     assert [s for s, _ in scalars["loss"]] == [2, 4, 6, 8]

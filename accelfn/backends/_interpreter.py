@@ -86,7 +86,8 @@ class StepFn:
     Made by ``backend.prepare(step, state)``. ``metrics`` is empty except after the last
     micro-batch of an accumulation window, where the optimizer update happened (or was
     skipped): then it holds ``loss`` (the window's mean), the user's metrics, ``lr``,
-    ``num_samples`` (this rank's samples in the window), and as the transforms add them
+    ``num_samples`` (this rank's samples in the window), ``num_items`` (with an
+    ``af.Loss``: this rank's counted items in the window), and as the transforms add them
     ``grad_norm``, ``loss_scale`` and ``skipped``. Values may be device tensors: reading
     them synchronizes, so read them only when logging.
 
@@ -185,7 +186,7 @@ class StepFn:
         else:
             (loss * scale if scale != 1.0 else loss).backward()
             correction, mean = 1.0, loss.detach()
-        return self._update(state, correction, samples, mean, user_metrics)
+        return self._update(state, correction, samples, mean, user_metrics, items=count if is_sum else None)
 
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
         if self._autocast is not None:
@@ -241,7 +242,8 @@ class StepFn:
         else:
             user_means = {k: v / total_count for k, v in metric_sums.items()}
             mean_loss = loss_sum * (unit / total_count)
-        return self._update(state, correction, total_samples, mean_loss, user_means)
+        return self._update(state, correction, total_samples, mean_loss, user_means,
+                            items=total_count if is_sum else None)
 
     def _reference(self, count: Any, is_sum: bool, loss: torch.Tensor) -> float | torch.Tensor:
         # Under replicate, an af.Loss's counts differ across ranks, but R must be the same
@@ -277,8 +279,8 @@ class StepFn:
     # -- the last micro-batch of a window: sync, unscale, clip, check, update ----------
 
     def _update(self, state: TrainState, correction: float | torch.Tensor, samples: int,
-                loss_mean: torch.Tensor | float,
-                metric_means: Mapping[str, Any]) -> tuple[TrainState, Mapping[str, Any]]:
+                loss_mean: torch.Tensor | float, metric_means: Mapping[str, Any], *,
+                items: Any = None) -> tuple[TrainState, Mapping[str, Any]]:
         params = self._params
         if self._reduce_gradients is not None:
             self._reduce_gradients(params)
@@ -299,6 +301,8 @@ class StepFn:
                                    "num_samples": samples}
         if self._num_groups > 1:
             metrics.update(self._group_lrs())
+        if items is not None:  # an af.Loss's items in the window on this rank (tokens, say)
+            metrics["num_items"] = items
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:

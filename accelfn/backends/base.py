@@ -179,6 +179,11 @@ class Backend(ProcessContext, abc.ABC):
         """Sum of ``tensor`` over all ranks (used for the item counts of ``af.Loss``)."""
         return collectives.reduce(tensor, "sum")
 
+    def peak_memory_bytes(self) -> int | None:
+        """The most device memory this process has held so far, in bytes, or None where the
+        device has no allocator statistics (CPU: the process's RSS is reported instead)."""
+        return None
+
     # -- the generic part ----------------------------------------------------------------
 
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:

@@ -71,3 +71,8 @@ class CUDA(Backend):
 
     def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
         _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))
+
+    def peak_memory_bytes(self) -> int | None:
+        """The CUDA caching allocator's peak of allocated memory on this device since the
+        process started (``torch.cuda.max_memory_allocated``), in bytes."""
+        return int(torch.cuda.max_memory_allocated(self.device))

@@ -190,6 +190,17 @@ class XLA(Backend):
 
     # -- the collective the "xla" process group lacks -------------------------------------
 
+    def peak_memory_bytes(self) -> int | None:
+        """The XLA runtime's peak memory use on this device (``xm.get_memory_info``:
+        ``peak_bytes_used``, or ``bytes_used`` where the runtime reports no peak), or None."""
+        _, xm = _torch_xla()
+        try:
+            info = xm.get_memory_info(self.device)
+        except (RuntimeError, NotImplementedError):  # a runtime without memory statistics (PJRT CPU)
+            return None
+        peak = info.get("peak_bytes_used", info.get("bytes_used"))
+        return None if peak is None else int(peak)
+
     def barrier(self) -> None:
         """Waits until every rank reaches this call (``xm.rendezvous``; the ``"xla"`` process
         group's own barrier returns at once)."""

@@ -21,7 +21,12 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.backends.env import BACKEND_NAMES, PRECISION_FROM_ENV, LaunchEnv, launcher_environment
+from accelfn.backends.env import (
+    BACKEND_NAMES,
+    PRECISION_FROM_ENV,
+    LaunchEnv,
+    launcher_environment,
+)
 from accelfn.cli import config as _config
 from accelfn.cli import precedence as _precedence
 from accelfn.cli._environment import availability, devices, package_versions

@@ -1,4 +1,5 @@
-"""Metrics of a run: reduced over ranks and turned into floats only every ``log_every`` updates."""
+"""Metrics of a run: reduced over ranks and turned into floats only at log points, and only
+when something reads them (a tracker, or the progress bar)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,26 @@ import torch
 from tqdm.auto import tqdm
 
 from accelfn.backends.base import Backend
-from accelfn.tracking import Tracker
+from accelfn.loop._memory import rss_bytes
+from accelfn.tracking import ConfigTracker, Tracker
+
+#: the bar alone (one process, no tracker) reads the metrics at most this often
+BAR_INTERVAL_S = 0.5
+#: the memory (RSS, device peak) logged at a log point is at most this old
+MEMORY_INTERVAL_S = 1.0
+_COUNTS = ("num_samples", "num_items")  # summed over updates and ranks, not logged themselves
+_MIB = 2.0**20
 
 
 class Progress:
     """The progress bar (main process only) and the trackers of one ``run``.
 
-    Every update counts its samples and ticks the bar; every ``log_every``-th update the
-    metrics are reduced across ranks in one collective, read to the host, shown on the bar
-    and written to the trackers at ``x = state.step``.
+    Every update counts its samples (and an ``af.Loss``'s items) and ticks the bar. Every
+    ``log_every``-th update, if a tracker or the bar reads them, the metrics are reduced
+    across ranks (metrics averaged, counts summed, memory the maximum), read to the host,
+    shown on the bar and written to the trackers at ``x = state.step``, with the rates since
+    the previous log point. With the bar alone on one process they are read at most every
+    ``BAR_INTERVAL_S``; with neither, never.
     """
 
     def __init__(self, backend: Backend, trackers: Sequence[Tracker], *, show: bool, log_every: int,
@@ -27,8 +39,17 @@ class Progress:
         self._backend = backend
         self._trackers = trackers if backend.is_main_process else ()
         self._log_every = log_every
+        # the same on every rank (trackers and show are arguments of run), as the reduction is a collective
+        self._read = bool(trackers) or show
+        self._by_clock = not trackers and backend.world_size == 1
+        self._host = backend.device.type == "cpu"  # float() per metric costs less than a stack there
+        self._device_memory = backend.peak_memory_bytes() is not None
+        self._memory_read_at = -float("inf")
+        self._memory_bytes: list[float] = []
         self._updates = 0
+        self._window_updates = 0
         self._samples = 0
+        self._items: Any = None
         self._since = time.perf_counter()
         self._shown = show and backend.is_main_process
         self._skipped = 0  # updates skipped (non-finite gradients) since the last log point
@@ -42,48 +63,99 @@ class Progress:
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Records one optimizer update (applied or skipped) that ended at ``step``."""
         self._updates += 1
+        self._window_updates += 1
         self._samples += metrics["num_samples"]
+        items = metrics.get("num_items")
+        if items is not None:
+            self._items = items if self._items is None else self._items + items
         skipped = metrics.get("skipped")  # a host int (0 or 1), present with fp16 or skip_nonfinite
         if skipped is not None:
             self._skipped += skipped
         if self._shown:
             self._bar.update(1)
-        if self._updates % self._log_every:
+        if not self._read or self._updates % self._log_every:
+            return
+        now = time.perf_counter()
+        if self._by_clock and now - self._since < BAR_INTERVAL_S:
             return
         if skipped is not None:  # logged as the count over the logging window
             metrics = {**metrics, "skipped": self._skipped}
             self._skipped = 0
-        values = self._reduce(metrics)
-        now = time.perf_counter()
-        values["samples_per_s"] = self._samples * self._backend.world_size / max(now - self._since, 1e-9)
-        self._samples, self._since = 0, now
+        values = self._reduce(metrics, max(now - self._since, 1e-9))
+        self._window_updates, self._samples, self._items, self._since = 0, 0, None, now
         self.last = values
-        if self._backend.is_main_process:
-            self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}",
-                                  samples_s=f"{values['samples_per_s']:.4g}", refresh=False)
-            for tracker in self._trackers:
-                tracker.log(values, step)
+        if self._shown:
+            rates = {"samples_s": f"{values['samples_per_s']:.4g}"}
+            if "items_per_s" in values:
+                rates["items_s"] = f"{values['items_per_s']:.4g}"
+            self._bar.set_postfix(step=step, loss=f"{values['loss']:.4g}", **rates, refresh=False)
+        for tracker in self._trackers:
+            tracker.log(values, step)
 
-    def _reduce(self, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """The metrics as floats, averaged over ranks: one collective and one device read
-        (two in a multi-process world, where the ranks first agree on the metric names).
+    def _reduce(self, metrics: Mapping[str, Any], elapsed_s: float) -> dict[str, float]:
+        """The metrics as floats averaged over ranks, the rates of the counts summed over ranks
+        and the memory's maximum over ranks: at most three collectives (the first agrees on
+        the metric names) and one device read.
 
         Raises:
             ValueError: on every rank, when the ranks' metric names differ (``loss_fn``
                 returned other metrics on some rank); the message lists each rank's.
         """
-        names = [k for k in metrics if k != "num_samples"]
-        device = self._backend.collective_device
-        if self._backend.world_size > 1:  # reduced in sorted order: the same on every rank
-            names = sorted(names)
-            _check_same_names(self._backend, names)
-        # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
-        stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64, device=device).reshape(())
-                               for k in names])
-        if self._backend.world_size > 1:
-            stacked = self._backend.reduce(stacked, "mean")
-        values = dict(zip(names, stacked.tolist()))
-        return {k: values[k] for k in metrics if k != "num_samples"}  # in the order loss_fn gave them
+        backend = self._backend
+        memory = self._memory()
+        if backend.world_size == 1 and self._host:
+            values = {k: v.item() if isinstance(v, torch.Tensor) else float(v)
+                      for k, v in metrics.items() if k not in _COUNTS}
+            samples, items = float(self._samples), (None if self._items is None else float(self._items))
+        else:
+            names = [k for k in metrics if k not in _COUNTS]
+            if backend.world_size > 1:  # reduced in sorted order: the same on every rank
+                names = sorted(names)
+                _check_same_names(backend, names)
+            counts = [float(self._samples)] + ([] if self._items is None else [self._items])
+            device = backend.collective_device
+            # float64 from the start: a Python float (the lr) through float32 would log 0.10000000149
+            stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                                   for v in [metrics[k] for k in names] + counts])
+            if backend.world_size > 1:
+                stacked = backend.reduce(stacked, "sum")
+                memory = backend.reduce(torch.tensor(memory, dtype=torch.float64), "max").tolist()
+            reduced = stacked.tolist()
+            mean = dict(zip(names, reduced))
+            # in the order loss_fn gave them
+            values = {k: mean[k] / backend.world_size for k in metrics if k not in _COUNTS}
+            samples, items = reduced[len(names)], (reduced[len(names) + 1] if self._items is not None else None)
+        values["updates_per_s"] = self._window_updates / elapsed_s
+        values["samples_per_s"] = samples / elapsed_s
+        if items is not None:
+            values["items_per_s"] = items / elapsed_s
+        values["rss_mib"] = memory[0] / _MIB
+        if len(memory) > 1:
+            values["peak_device_mib"] = memory[1] / _MIB
+        return values
+
+    def _memory(self) -> list[float]:  # the caller must not change the list
+        """[RSS, device peak] in bytes, read at most every MEMORY_INTERVAL_S (reading the RSS
+        costs tens of microseconds on a busy machine; memory moves slowly)."""
+        now = time.monotonic()
+        if now - self._memory_read_at >= MEMORY_INTERVAL_S:
+            self._memory_read_at = now
+            self._memory_bytes = [float(rss_bytes())]
+            if self._device_memory:
+                self._memory_bytes.append(float(self._backend.peak_memory_bytes()))  # type: ignore[arg-type]
+        return self._memory_bytes
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Writes ``values`` (a hook's, already the same on every rank) to the trackers at ``step``."""
+        if values:
+            for tracker in self._trackers:
+                tracker.log(values, step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Hands the run configuration to every tracker that takes one (main process only)."""
+        for tracker in self._trackers:
+            if isinstance(tracker, ConfigTracker):
+                tracker.log_config(config)
 
     def flush(self) -> None:
         """Has the trackers that can (an optional ``flush()``) write their points to disk."""

@@ -61,7 +61,8 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
     """The state ``run`` starts from: ``state``, or the checkpoint ``resume`` asks for.
 
     ``resume="auto"`` takes the latest checkpoint of ``schedule`` (rank 0's view, shared
-    with every rank) and starts fresh when there is none. Warns when the checkpoint was
+    with every rank) and starts fresh when there is none; it keeps ``state`` when ``state``
+    is already at or past that checkpoint's step (``run`` called again in the same process). Warns when the checkpoint was
     written by a program with other transforms. ``position`` (see ``ResumePosition``) sets
     the micro-batch the resumed epoch continues at, or refuses it, before ``state`` changes.
 
@@ -76,6 +77,10 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
     if resume == "auto":
         assert schedule is not None, "check_run_arguments refuses resume='auto' without checkpoints"
         path = schedule.latest_agreed()
+        if path is not None and int(path.name.removeprefix("step_")) <= state.step:
+            # the live state is where that checkpoint is, or past it (run called again in the
+            # same process, once per epoch say): rewinding would train those steps twice
+            return state
     else:
         path = Path(resume)
     if path is None:

@@ -6,8 +6,9 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from accelfn.backends.base import Backend
@@ -17,7 +18,10 @@ from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress
 from accelfn.loop._resume import check_run_arguments, resume_state
+from accelfn.loop._run_config import check_config, run_config
 from accelfn.loop._schedule import Schedule
+from accelfn.loop.hooks import Hook, Hooks, check_hooks
+from accelfn.loop.profile import Profile, profiling
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.tracking import Tracker
@@ -91,6 +95,9 @@ def run(
     trackers: Sequence[Tracker] = (),
     progress: bool = True,
     log_every: int = 1,
+    config: Mapping[str, Any] | None = None,
+    hooks: Sequence[Hook] = (),
+    profile: Profile | None = None,
 ) -> TrainState:
     """Trains ``state`` with ``step`` over ``data`` until ``epochs`` or ``max_steps`` (totals).
 
@@ -117,6 +124,17 @@ def run(
         progress: show a progress bar on the main process.
         log_every: reduce metrics to Python floats, show and log them every this many
             optimizer updates (in between, the hot loop never waits for the device).
+            Without trackers, nothing is reduced for the log (the bar alone reads the
+            metrics at most every 0.5 s on one process).
+        config: the run's hyperparameters (a mapping, nested or not), handed once to every
+            tracker that takes a configuration (``log_config``: TensorBoard hparams, MLflow
+            params, W&B config) with what accelfn knows under ``"accelfn"``: the
+            transforms and their options, world size, backend, precision, per-process
+            batch size, accelfn and torch versions. None: nothing is sent (``config={}``
+            sends accelfn's part alone).
+        hooks: ``af.Hook`` functions called every N updates and/or at each epoch's end; what
+            they return is logged at the current step, and ``af.Stop`` ends the run.
+        profile: an ``af.Profile`` recording a ``torch.profiler`` trace of a window of updates.
 
     The model trains in the modes its submodules are in: a submodule the user put in eval
     mode (a frozen backbone keeping its BatchNorm statistics) stays there. Only a model
@@ -128,7 +146,8 @@ def run(
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; ``epochs=None``
+        ValueError: ``epochs``, ``max_steps`` or ``log_every`` below 1; a ``config`` key
+            ``"accelfn"`` (accelfn's own); ``epochs=None``
             without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
             whose position in its epoch is beyond the data's micro-batches per epoch; a
             checkpoint directory that is a file; on every rank, metrics whose names differ
@@ -158,6 +177,10 @@ def run(
     """
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
     trackers = tuple(trackers)
+    hooks = check_hooks(hooks)
+    check_config(config)
+    if profile is not None and not isinstance(profile, Profile):
+        raise TypeError(f"run(profile=...) takes af.Profile(dir, wait=..., warmup=..., active=...), got {profile!r}")
     check_run_arguments(checkpoints, resume)
     state, step_fn = backend.prepare(step, state)
     step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
@@ -171,8 +194,11 @@ def run(
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:
-        with preemption or contextlib.nullcontext():
-            state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, schedule, bar, preemption)
+        if config is not None:
+            bar.log_config(run_config(config, step_fn.step, backend, data))
+        with preemption or contextlib.nullcontext(), profiling(profile, backend) as profiler:
+            state = _epochs(step, state, step_fn, data, backend, epochs, max_steps, schedule, bar, preemption,
+                            Hooks(hooks, backend, state.step), profiler)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
         ended = True
@@ -187,26 +213,36 @@ def run(
 
 def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int | None,
             max_steps: int | None, schedule: Schedule | None, bar: Progress,
-            preemption: Preemption | None) -> TrainState:
+            preemption: Preemption | None, hooks: Hooks, profiler: Any = None) -> TrainState:
     if max_steps is not None and state.step >= max_steps:
         return state
     step_once = step_fn.__call__  # a bound method is called without the slower instance-call path
+    after_update = hooks.after_update if hooks else None
+    profiler_step = profiler.step if profiler is not None else None
     while epochs is None or state.epoch < epochs:
         epoch, consumed = state.epoch, state.micro_step
         for batch, last in backend.batches(data, step, epoch, start=state.epoch_micro_step):
             state, metrics = step_once(state, batch, flush=last)
             if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
                 state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+            if metrics:
+                bar.update(state.step, metrics)
+                if profiler_step is not None:
+                    profiler_step()
+                if after_update is not None:  # before a checkpoint of this step, which then holds their changes
+                    bar.log(state.step, after_update(state, last))
             if preemption is not None and preemption.requested():
                 preemption.stop(state, schedule)
             if not metrics:
                 continue
-            bar.update(state.step, metrics)
             if schedule is not None:
                 if schedule.maybe_save(state) is not None:
                     bar.flush()  # the points up to a checkpoint survive a kill after it
             if max_steps is not None and state.step >= max_steps:
                 break
+            if after_update is not None and hooks.stop_reason is not None:
+                backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
+                return state
         if max_steps is not None and state.step >= max_steps:
             return state
         if state.epoch == epoch:  # nothing (left) to read in this epoch

@@ -15,6 +15,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 import orjson
 
 from accelfn.errors import check_directory, check_file
+from accelfn.tracking._config import flatten
 
 
 @runtime_checkable
@@ -31,6 +32,16 @@ class Tracker(Protocol):
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ConfigTracker(Tracker, Protocol):
+    """A tracker that also takes the run configuration: ``log_config(config)``, called by
+    ``run`` once, on the main process, before the first ``log``. ``config`` is a nested
+    mapping of plain values (numbers, strings, bools, None, lists), the user's
+    ``run(config=...)`` with accelfn's own under ``"accelfn"``."""
+
+    def log_config(self, config: Mapping[str, Any]) -> None: ...
 
 
 class TensorBoard:
@@ -97,6 +108,19 @@ class TensorBoard:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Writes the configuration as TensorBoard hparams (nested keys joined by dots) to an
+        event file of its own (``*.hparams``) in ``logdir``: the same run as the scalars, so
+        the HParams dashboard shows it beside ``loss``."""
+        from tensorboardX.summary import hparams
+        from tensorboardX.writer import FileWriter
+
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        writer = FileWriter(str(self.logdir), filename_suffix=".hparams")
+        for summary in hparams(flatten(config), {"loss": None}):
+            writer.add_summary(summary)
+        writer.close()
 
 
 class JSONL:

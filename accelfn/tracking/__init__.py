@@ -1,0 +1,15 @@
+"""Trackers: where ``run`` writes metrics, one point per optimizer update at ``x = state.step``,
+and the run configuration.
+
+``run`` calls trackers on the main process only, with values already reduced over ranks,
+so a multi-process run writes one TensorBoard event file, one JSONL file, one MLflow run and
+one W&B run. A tracker is any object with ``log(metrics, step)`` and ``close()``
+(:class:`Tracker`); one that also has ``log_config(config)`` (:class:`ConfigTracker`)
+receives ``run(config=...)`` once per run.
+"""
+
+from accelfn.tracking._files import JSONL, ConfigTracker, TensorBoard, Tracker
+from accelfn.tracking._mlflow import MLflow
+from accelfn.tracking._wandb import WandB
+
+__all__ = ["JSONL", "ConfigTracker", "MLflow", "TensorBoard", "Tracker", "WandB"]

@@ -1,0 +1,90 @@
+"""``WandB``: metrics and the run configuration in a Weights & Biases run (``wandb.init``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from accelfn.tracking._config import plain, require
+
+Mode = Literal["online", "offline", "disabled"]
+_MODES = ("online", "offline", "disabled")
+
+
+class WandB:
+    """Logs metrics (``run.log(metrics, step=step)``) and the run configuration (``run.config``)
+    to Weights & Biases.
+
+    ``mode="offline"`` needs no account and no network: the run is written under
+    ``dir/wandb/offline-run-*`` (upload it later with ``wandb sync``, or read it with
+    ``wandb leet inspect``). With ``mode=None`` W&B decides, from ``WANDB_MODE`` or
+    ``wandb offline``/``wandb login``. The W&B run starts at the first call, on the process
+    that logs (the main process), and ``close`` finishes it; a ``log`` after ``close``
+    resumes the same run (same ``run_id``). Installed by ``pip install "accelfn[wandb]"``.
+
+    Args:
+        project: the W&B project.
+        dir: the directory W&B writes its run files under (``dir/wandb``), created if missing.
+        name: the run's display name, or None for W&B's generated one.
+        mode: ``"online"``, ``"offline"``, ``"disabled"``, or None for W&B's own setting.
+        entity: the W&B user or team, or None for the default one.
+        tags: tags of the run.
+
+    Raises:
+        ImportError: wandb is not installed (the message says which extra installs it).
+        ValueError: an unknown ``mode``, or ``dir`` is a file.
+
+    Example:
+        >>> import accelfn as af
+        >>> tracker = af.WandB("mnist", dir="runs", mode="offline")
+    """
+
+    def __init__(self, project: str = "accelfn", *, dir: str | os.PathLike[str] = ".", name: str | None = None,
+                 mode: Mode | None = None, entity: str | None = None, tags: Sequence[str] = ()):
+        require("wandb", "WandB", "wandb")
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"WandB(mode={mode!r}): accepted values are {', '.join(map(repr, _MODES))} or None "
+                             "(W&B's own setting)")
+        self.dir = Path(dir)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ValueError(f"WandB(dir={str(dir)!r}) is a file; give a directory for W&B's run files")
+        self.project, self.name, self.mode, self.entity, self.tags = project, name, mode, entity, tuple(tags)
+        self.run_id: str | None = None
+        self._run: Any = None
+        self._config: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"WandB({self.project!r}, dir={str(self.dir)!r}, mode={self.mode!r})"
+
+    def _started(self) -> Any:
+        if self._run is None:
+            import wandb
+
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._run = wandb.init(
+                project=self.project, dir=str(self.dir), name=self.name, mode=self.mode, entity=self.entity,
+                tags=list(self.tags) or None, config=self._config or None, id=self.run_id,
+                resume="allow" if self.run_id is not None else None,
+                settings=wandb.Settings(console="off", silent=True), reinit="create_new",
+            )
+            self.run_id = self._run.id
+        return self._run
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Logs the metrics as one row at W&B step ``step`` (rows of the same step merge)."""
+        self._started().log(dict(metrics), step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Adds the configuration to ``run.config`` (nested keys stay nested)."""
+        config = plain(config)
+        self._config.update(config)
+        if self._run is not None:
+            self._run.config.update(config, allow_val_change=True)
+
+    def close(self) -> None:
+        """Finishes the W&B run (its files are complete on disk)."""
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
