@@ -47,7 +47,7 @@ class ArrivalError(RuntimeError):
 _arrivals = 0
 
 
-def arrive(what: str, timeout_s: float | None = None) -> None:
+def arrive(what: str, timeout_s: float | None = None, *, detail: str = "") -> None:
     """Waits at most ``timeout_s`` seconds for every rank to reach this call too.
 
     A collective called inside ``if backend.is_main_process:`` would otherwise wait the
@@ -60,12 +60,15 @@ def arrive(what: str, timeout_s: float | None = None) -> None:
 
     Args:
         what: the API the ranks must all call, e.g. ``"af.save"`` (named in the error).
+        detail: what must agree too, e.g. the checkpoint's path: a rank that arrived at
+            another call (``af.save`` of another path, or ``af.evaluate``) is named.
         timeout_s: how long a rank waits for the others (seconds); by default a tenth of
             the process group's timeout (``accelfn launch --timeout-s``, 600 s by default).
 
     Raises:
         ArrivalError: on rank 0, the ranks that did not arrive within ``timeout_s``
-            (named); on another rank, rank 0 did not arrive.
+            (named); on another rank, rank 0 did not arrive; on every rank, some rank
+            arrived at another call (each rank's named).
     """
     global _arrivals
     n = world_size()
@@ -81,7 +84,8 @@ def arrive(what: str, timeout_s: float | None = None) -> None:
     timeout = group_timeout / 10 if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     timeout_s, me = timeout.total_seconds(), rank()
     mark = f"{_arrivals}/{me}"
-    store.set(mark, what)
+    call = f"{what}({detail})" if detail else what
+    store.set(mark, call)
     try:
         if me == 0:
             marks = [f"{_arrivals}/{r}" for r in range(n)]
@@ -93,7 +97,21 @@ def arrive(what: str, timeout_s: float | None = None) -> None:
                     f"{what} was called on rank 0, but rank(s) {missing} did not call it within {timeout_s:g} s: "
                     f"{what} is a collective, call it on every rank (not inside `if backend.is_main_process:`)"
                 ) from None
-            store.set(f"{_arrivals}/go", "")
+            called = [store.get(m).decode() for m in marks]
+            others = [f"rank {r}: {c}" for r, c in enumerate(called) if c != call]
+            verdict = ""
+            if others:  # every rank arrived, but at another call: collectives would pair wrongly
+                verdict = (f"{call} was called on rank 0 while other ranks called something else "
+                           f"({'; '.join(others)}): {what} is a collective, call it on every rank at the same "
+                           "point of the script (not inside `if backend.is_main_process:`)")
+            store.set(f"{_arrivals}/go", verdict)
+            if verdict:
+                for m in marks:
+                    store.delete_key(m)
+                if _arrivals:
+                    store.delete_key(f"{_arrivals - 1}/go")
+                _arrivals += 1  # every rank arrived: this round is over on all of them
+                raise ArrivalError(verdict)
             for m in marks:
                 store.delete_key(m)
             if _arrivals:
@@ -107,6 +125,10 @@ def arrive(what: str, timeout_s: float | None = None) -> None:
                     "a collective, call it on every rank (if rank 0 was only busier, raise the collective "
                     "timeout: accelfn launch --timeout-s)"
                 ) from None
+            verdict = store.get(f"{_arrivals}/go").decode()
+            if verdict:
+                _arrivals += 1  # every rank arrived: this round is over on all of them
+                raise ArrivalError(verdict)
     except ArrivalError:
         store.delete_key(mark)  # as if this call never happened: the next one checks afresh
         raise

@@ -37,7 +37,8 @@ def evaluate(
     its first forward (a rotary table, ``nn.LazyLinear``'s weights) may do so inside
     ``evaluate``, and inference tensors left there would break the next ``af.run``
     ("Inference tensors cannot be saved for backward"). And ``fn`` may compute gradients
-    itself, e.g. a saliency map under ``torch.enable_grad()``.
+    itself, e.g. a saliency map under ``torch.enable_grad()``; the parameters' ``.grad``
+    are put back as they were afterwards, so such gradients never reach the next update.
 
     A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
     ranks first check that all of them arrived (``collectives.arrive``).
@@ -101,6 +102,7 @@ def evaluate(
     if backend.forward_is_collective(model):
         batches = _in_step(backend, batches)
     modes = [(module, module.training) for module in model.modules()]
+    grads = [(p, p.grad) for p in model.parameters()]  # fn may take gradients (enable_grad)
     model.eval()
     try:
         with torch.no_grad():
@@ -117,6 +119,8 @@ def evaluate(
     finally:  # each module's own flag: model.train(flag) would set every submodule to it
         for module, training in modes:
             module.training = training
+        for param, grad in grads:  # gradients fn took do not leak into the next update
+            param.grad = grad
     return _gather_in_order(backend, keys, outputs)
 
 

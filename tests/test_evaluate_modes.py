@@ -124,3 +124,25 @@ def test_evaluate_fn_may_compute_input_gradients_under_enable_grad() -> None:
     (expected,) = torch.autograd.grad(model(inputs).sum(), inputs)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_parameter_gradients_taken_in_evaluate_do_not_reach_the_next_update() -> None:
+    """fn calling backward() under torch.enable_grad (parameter gradients, say for an
+    attribution method) leaves every .grad as it was, so the next run's first update equals
+    a plain SGD step on the training batch alone."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def attribution(m: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            m(batch).sum().backward()
+        return m.weight.grad.expand(len(batch), -1).clone()
+
+    af.evaluate(attribution, state, [x], backend=CPU)
+    assert all(p.grad is None for p in model.parameters())
+    w, b = model.weight.detach().clone().requires_grad_(), model.bias.detach().clone().requires_grad_()
+    F.mse_loss(x @ w.T + b, y).backward()
+    af.run(af.train_step(_mse), state, [(x, y)], backend=CPU, progress=False)
+    torch.testing.assert_close(model.weight, (w - 0.1 * w.grad).detach(), rtol=1e-6, atol=1e-7)

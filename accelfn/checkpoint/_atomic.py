@@ -38,7 +38,7 @@ def leftovers(parent: Path) -> Iterator[tuple[str, str, Path]]:
     """``(name, kind, path)`` of every leftover of an interrupted write or delete in ``parent``."""
     try:
         entries = list(os.scandir(parent))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing was ever written there
         return
     for entry in entries:
         match = _LEFTOVER.match(entry.name)

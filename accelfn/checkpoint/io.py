@@ -111,11 +111,11 @@ def is_sharded(state: TrainState) -> bool:
     return _sharded.is_sharded(state)
 
 
-def _arrived(backend: ProcessContext, what: str) -> None:
-    """Raises CheckpointError unless every rank called ``what`` (``collectives.arrive``)."""
+def _arrived(backend: ProcessContext, what: str, path: Path | None = None) -> None:
+    """Raises CheckpointError unless every rank called ``what`` for ``path`` (``collectives.arrive``)."""
     if backend.world_size > 1:
         try:
-            collectives.arrive(what)
+            collectives.arrive(what, detail="" if path is None else repr(str(path)))
         except collectives.ArrivalError as e:
             raise CheckpointError(str(e)) from None
 
@@ -132,7 +132,7 @@ class Collected:
 
 def collect(state: TrainState, backend: ProcessContext, transforms: Any, *,
             to_host: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            what: str = "Checkpoints.save") -> Collected | None:
+            what: str = "Checkpoints.save", path: Path | None = None) -> Collected | None:
     """The training thread's half of a save (a collective): this rank's snapshot, and every
     rank's own part gathered to rank 0. Returns what rank 0 writes (None on other ranks).
 
@@ -144,6 +144,7 @@ def collect(state: TrainState, backend: ProcessContext, transforms: Any, *,
             the result no longer depends on ``state``; None leaves tensors aliasing the live
             ones, to be written at once.
         what: the API named when a rank does not call it (``collectives.arrive``).
+        path: the checkpoint's path, which every rank must give alike.
 
     Raises:
         TypeError: ``state`` is not a TrainState.
@@ -155,7 +156,7 @@ def collect(state: TrainState, backend: ProcessContext, transforms: Any, *,
     if is_sharded(state):
         raise CheckpointError("a sharded state (FSDP2 parameters) is saved by every rank through "
                               "torch.distributed.checkpoint, not collected to rank 0: use save_checkpoint")
-    _arrived(backend, what)
+    _arrived(backend, what, path)
     if to_host is None:
         snap = _snapshot.capture(state, copy=False)
     else:
@@ -179,9 +180,9 @@ def save_checkpoint(state: TrainState, path: Path, backend: ProcessContext | Non
     """``save`` without checking ``path``; ``what`` is the API named when a rank does not call it."""
     backend = default_context(backend)
     if is_sharded(state):
-        _arrived(backend, what)
+        _arrived(backend, what, path)
         return _sharded.save(state, path, backend, transforms)
-    collected = collect(state, backend, transforms, what=what)
+    collected = collect(state, backend, transforms, what=what, path=path)
     world_size = backend.world_size
     failure: BaseException | None = None
     if collected is not None:

@@ -70,7 +70,7 @@ class Schedule:
         buffers = background.buffers if main else None
         if buffers is not None:
             buffers.begin()
-        collected = collect(state, self._backend, self._transforms, to_host=buffers)
+        collected = collect(state, self._backend, self._transforms, to_host=buffers, path=path)
         if buffers is not None:
             buffers.synchronize()
         if collected is not None:

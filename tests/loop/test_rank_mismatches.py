@@ -56,3 +56,18 @@ def test_save_and_evaluate_on_rank_zero_alone_fail_naming_the_call(mismatches) -
     assert rank1["alone"] == {}
     assert not (mismatches["out"] / "main_only").exists()
     assert [r["saved"] for r in mismatches["ranks"]] == [["manifest.json", "manifest.sha256", "model.safetensors"]] * 2
+
+
+def test_ranks_that_arrive_at_other_calls_fail_on_every_rank_naming_each_call(mismatches) -> None:
+    """af.save of another path on each rank, or af.save on rank 0 while rank 1 evaluates, fail
+    on both ranks with one message naming each rank's call; nothing is written."""
+    out = mismatches["out"]
+    rank0, rank1 = (r["crossed"] for r in mismatches["ranks"])
+    tail = ("af.save is a collective, call it on every rank at the same point of the script (not inside "
+            "`if backend.is_main_process:`)")
+    paths = (f"af.save({str(out / 'one')!r}) was called on rank 0 while other ranks called something else "
+             f"(rank 1: af.save({str(out / 'all')!r})): {tail}")
+    calls = (f"af.save({str(out / 'two')!r}) was called on rank 0 while other ranks called something else "
+             f"(rank 1: af.evaluate): {tail}")
+    assert rank0 == rank1 == {"paths": paths, "calls": calls}
+    assert not any((out / name).exists() for name in ("one", "all", "two"))

@@ -74,6 +74,19 @@ def main() -> None:
             alone["af.evaluate"] = str(e)
     backend.barrier()
     result["alone"] = alone
+    crossed: dict[str, str] = {}  # every rank arrives, but at another call
+    try:
+        af.save(state, out / ("one" if backend.is_main_process else "all"), backend=backend)
+    except af.CheckpointError as e:
+        crossed["paths"] = str(e)
+    try:
+        if backend.is_main_process:
+            af.save(state, out / "two", backend=backend)
+        else:
+            af.evaluate(lambda m, x: m(x), state, [torch.randn(2, 4)], backend=backend)
+    except RuntimeError as e:  # CheckpointError on rank 0, ArrivalError on rank 1
+        crossed["calls"] = str(e)
+    result["crossed"] = crossed
     result["saved"] = sorted(p.name for p in af.save(state, out / "every_rank", backend=backend).iterdir())
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
