@@ -62,7 +62,8 @@ class Checkpoints:
         every_seconds: save at most once per this many seconds of training, or None.
         keep: how many checkpoints to keep (the newest by step), or None for all.
         asynchronous: write ``run``'s checkpoints in the background (``save`` itself is
-            always synchronous).
+            always synchronous; so are the checkpoints of a sharded state, which every rank
+            writes through ``torch.distributed.checkpoint``).
 
     Raises:
         TypeError: a directory that is not a path, counts of the wrong type, or an

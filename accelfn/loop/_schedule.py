@@ -16,7 +16,7 @@ import torch
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
 from accelfn.checkpoint.background import BackgroundSaves
-from accelfn.checkpoint.io import collect
+from accelfn.checkpoint.io import collect, is_sharded
 from accelfn.loop._agreement import Agreement
 from accelfn.state import TrainState
 
@@ -98,7 +98,9 @@ class Schedule:
         if not due or state.step == self.last_step:
             return None
         self._saved_period = max(self._saved_period, period)
-        return self._save_in_background(state) if self._background is not None else self.save(state)
+        if self._background is None or is_sharded(state):  # every rank writes a sharded state's own shards
+            return self.save(state)
+        return self._save_in_background(state)
 
     def _check_background(self) -> None:
         """Raises a finished background save's error, on every rank at the same update."""
