@@ -19,7 +19,8 @@ def check_eval_loader(data: Any) -> None:
         TypeError: ``data`` is not a DataLoader, or one over an IterableDataset (its padding
             could not be told apart), or with a sampler other than ``shuffle=False``/
             ``shuffle=True``'s (which ``eval_batches`` replaces).
-        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler).
+        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler), or with
+            ``drop_last=True`` (evaluation reads every sample).
     """
     if not isinstance(data, DataLoader):
         raise TypeError(
@@ -36,6 +37,12 @@ def check_eval_loader(data: Any) -> None:
         raise ValueError(
             "eval_batches() needs a DataLoader built with batch_size=...; this one has "
             "batch_size=None (a custom batch_sampler, or unbatched samples)"
+        )
+    if data.drop_last:
+        raise ValueError(
+            "eval_batches() reads every sample once (the padding of the last batches is dropped by "
+            "gather_for_metrics), so it cannot honour drop_last=True; build the evaluation DataLoader "
+            "with drop_last=False"
         )
     if not isinstance(data.sampler, (SequentialSampler, RandomSampler)):
         raise TypeError(

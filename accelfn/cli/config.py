@@ -64,7 +64,8 @@ def _gpu_ids(instance: object, attribute: attrs.Attribute, value: str | None) ->
                          "(CUDA_VISIBLE_DEVICES's syntax: indices or GPU-/MIG- UUIDs, no spaces)")
 
 
-_GPU_IDS = re.compile(r"all|(?:[A-Za-z0-9-]+(?:,[A-Za-z0-9-]+)*)?")  # "" hides every GPU
+_GPU_ID = r"(?:\d+|(?:GPU|MIG)-[A-Za-z0-9-]+)"  # an index, or a GPU-/MIG- UUID
+_GPU_IDS = re.compile(rf"all|(?:{_GPU_ID}(?:,{_GPU_ID})*)?")  # "" hides every GPU
 
 
 def _boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:

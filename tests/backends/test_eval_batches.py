@@ -33,7 +33,8 @@ def test_eval_batches_keeps_the_loaders_collate_function() -> None:
 
 
 def test_eval_batches_refuses_data_it_cannot_shard_by_samples() -> None:
-    """A list, an IterableDataset, a batch sampler: each names the problem and points to af.evaluate."""
+    """A list, an IterableDataset, a batch sampler, drop_last=True: each names the problem (the
+    first two point to af.evaluate)."""
     with pytest.raises(TypeError, match=r"eval_batches\(\) takes a torch.utils.data.DataLoader, got list; .*af.evaluate"):
         CPU.eval_batches([torch.ones(2)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"map-style dataset .* for an IterableDataset use af.evaluate"):
@@ -41,6 +42,9 @@ def test_eval_batches_refuses_data_it_cannot_shard_by_samples() -> None:
     batch_sampler = torch.utils.data.BatchSampler(range(4), batch_size=2, drop_last=False)
     with pytest.raises(ValueError, match=r"batch_size=None \(a custom batch_sampler"):
         CPU.eval_batches(DataLoader(torch.arange(4), batch_sampler=batch_sampler))
+    with pytest.raises(ValueError, match=r"cannot honour drop_last=True; build the evaluation DataLoader with "
+                                         r"drop_last=False"):
+        CPU.eval_batches(DataLoader(torch.arange(5), batch_size=3, drop_last=True))
 
 
 @pytest.mark.multiprocess

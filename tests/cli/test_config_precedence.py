@@ -107,6 +107,7 @@ def test_accelfn_config_user_writes_the_user_file(monkeypatch: pytest.MonkeyPatc
     ({"ACCELFN_COMPILE": "maybe"}, "ACCELFN_COMPILE='maybe': must be 1, 0, true or false"),
     ({"ACCELFN_PRECISION": "fp12"}, "ACCELFN_PRECISION='fp12': precision='fp12': accepted values are fp32"),
     ({"CUDA_VISIBLE_DEVICES": "0, 1"}, "CUDA_VISIBLE_DEVICES='0, 1': gpu_ids='0, 1': must be \"all\" or GPU ids"),
+    ({"CUDA_VISIBLE_DEVICES": "0,x"}, "CUDA_VISIBLE_DEVICES='0,x': gpu_ids='0,x': must be \"all\" or GPU ids"),
 ])
 def test_a_bad_variable_is_an_error_naming_it(places: dict[str, Path], variables: dict[str, str],
                                               message: str) -> None:
