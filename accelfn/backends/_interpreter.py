@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 
 from accelfn.backends import _fsdp
 from accelfn.backends._loss_output import NO_METRICS, detach, unpack
+from accelfn.backends._primitives import Primitives
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
@@ -45,25 +46,6 @@ from accelfn.transforms import (
     numerics,
 )
 from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_policy
-
-
-class Primitives(Protocol):
-    """What the interpreter asks of a backend (``Backend`` has all of it): the hardware
-    primitives each backend file overrides, and nothing else."""
-
-    world_size: int
-    #: XLA's graph cut after each micro-batch (``torch_xla.sync``), None elsewhere
-    graph_cut: Callable[[], None] | None
-
-    def autocast(self, policy: Policy) -> contextlib.AbstractContextManager[Any]: ...
-
-    def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]: ...
-
-    def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None: ...
-
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def reduce(self, tensor: torch.Tensor, op: Literal["sum", "mean", "max", "min"] = "mean") -> torch.Tensor: ...
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")

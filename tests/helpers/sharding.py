@@ -1,7 +1,8 @@
-"""Sharded (FSDP2) test states: one function shards a test model, the rest builds and reads states.
+"""Sharded (FSDP2) test states: ``af.shard_params`` in the program shards a test model (in
+``backend.prepare``), the rest builds and reads states.
 
-``shard`` is the only place a test model gets sharded; the sharded-checkpoint tests and their
-worker all go through it.
+``build(sharded=True)`` and ``program()`` are the only places a test model gets sharded; the
+sharded-checkpoint tests and their worker all go through them.
 """
 
 from __future__ import annotations
@@ -13,21 +14,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
-
-
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with its parameters sharded over the default process group by FSDP2
-    ``fully_shard``: each module of every ``nn.ModuleList`` is a unit, then the root."""
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                fully_shard(block)
-    fully_shard(model)
-    return model
 
 
 class Blocks(torch.nn.Module):
@@ -59,14 +48,17 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def build(*, sharded: bool, tied: bool = False) -> af.TrainState:
-    """Blocks (seeded) with AdamW and a step schedule; sharded by ``shard`` if asked."""
+    """Blocks (seeded) with AdamW and a step schedule; with ``sharded``, prepared with
+    ``program()`` by the launch environment's backend, which shards it over the processes
+    (each block of the ModuleList a unit, then the root)."""
     torch.manual_seed(0)
     model = Blocks(tied=tied)
-    if sharded:
-        shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
-    return af.TrainState.create(model, optimizer, scheduler=scheduler)
+    state = af.TrainState.create(model, optimizer, scheduler=scheduler)
+    if sharded:
+        state, _ = af.backends.auto().prepare(program(), state)
+    return state
 
 
 def loader() -> DataLoader:
@@ -76,8 +68,10 @@ def loader() -> DataLoader:
                       batch_size=4, shuffle=True)
 
 
-def program() -> af.Step:
-    return af.compose(af.shard_data(seed=3))(af.train_step(loss_fn))
+def program(*, sharded: bool = True) -> af.Step:
+    """shard_data, and shard_params (which shards nothing in one process) unless ``sharded`` is False."""
+    transforms = (af.shard_data(seed=3), af.shard_params()) if sharded else (af.shard_data(seed=3),)
+    return af.compose(*transforms)(af.train_step(loss_fn))
 
 
 def full_state(state: af.TrainState) -> dict[str, torch.Tensor]:

@@ -56,7 +56,7 @@ def test_a_skipped_fp16_update_logs_skipped_and_no_grad_norm():
     state, record = _fp16_overflowing_run(log_every=1)
     assert state.step == 0 and state.transforms_state["skips"].num_skipped == 6
     assert [(step, sorted(m)) for step, m in record.points] == [
-        (0, ["loss", "loss_scale", "lr", "samples_per_s", "skipped"])] * 6
+        (0, ["loss", "loss_scale", "lr", "rss_mib", "samples_per_s", "skipped", "updates_per_s"])] * 6
     assert [m["skipped"] for _, m in record.points] == [1] * 6
     assert [m["loss_scale"] for _, m in record.points] == [2.0**16 / 2**k for k in range(6)]
 
@@ -119,7 +119,7 @@ def test_groups_with_one_learning_rate_log_lr_alone(cpu):
     af.run(af.train_step(_mse), af.TrainState.create(model, optimizer), [(torch.randn(8, 4), torch.randn(8, 1))],
            backend=cpu, trackers=[record], progress=False)
     assert [(step, sorted(m), m["lr"]) for step, m in record.points] == [
-        (1, ["loss", "lr", "samples_per_s"], 0.01)]
+        (1, ["loss", "lr", "rss_mib", "samples_per_s", "updates_per_s"], 0.01)]
 
 
 def test_a_metric_named_like_a_groups_lr_is_refused(cpu):
@@ -131,4 +131,5 @@ def test_a_metric_named_like_a_groups_lr_is_refused(cpu):
         af.run(step, state, [(torch.randn(8, 4), torch.randn(8, 1))], backend=cpu, progress=False)
     assert str(error.value) == (
         "loss_fn returned a metric named 'lr/group1', which accelfn reports itself; rename it (reserved: grad_norm, "
-        "loss, loss_scale, lr, num_samples, samples_per_s, skipped, and names starting with 'lr/')")
+        "items_per_s, loss, loss_scale, lr, num_items, num_samples, peak_device_mib, rss_mib, samples_per_s, skipped, "
+        "updates_per_s, and names starting with 'lr/')")

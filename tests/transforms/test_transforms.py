@@ -90,7 +90,7 @@ def test_compose_rejects_non_transforms():
     """Passing the verb instead of calling it is a TypeError that says how to fix it."""
     with pytest.raises(TypeError, match=r"call it: af.clip\(...\), not af.clip"):
         af.compose(af.clip)
-    with pytest.raises(TypeError, match=r"takes transforms such as af.clip\(1.0\), got <function loss_fn"):
+    with pytest.raises(TypeError, match=r"takes transforms such as af.clip\(1.0\), got <function mse"):
         af.compose(loss_fn)
     with pytest.raises(TypeError, match="transforms a Step"):
         af.clip(1.0)(loss_fn)

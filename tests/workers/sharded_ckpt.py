@@ -108,7 +108,7 @@ def main() -> None:
     if args.mode == "train":
         checkpoints = (af.Checkpoints(args.checkpoints, every_steps=args.every_steps, keep=args.keep)
                        if args.checkpoints else None)
-        step = program()
+        step = program(sharded=not args.unsharded)
         if args.sigterm:
             step = af.Step(_preempted(args.sigterm, backend.rank, args.out.parent / "sigterm-sent"), step.transforms)
         state = af.run(step, state, loader(), backend=backend, epochs=2, max_steps=args.max_steps,
@@ -132,7 +132,8 @@ def main() -> None:
             (args.out.parent / f"error{backend.rank}.txt").write_text(str(e))
         return
     elif args.mode == "export":
-        state = af.run(program(), state, loader(), backend=backend, epochs=1, max_steps=2, progress=False)
+        state = af.run(program(sharded=not args.unsharded), state, loader(), backend=backend, epochs=1, max_steps=2,
+                       progress=False)
         af.save_model(state, args.export, max_shard_size=300, backend=backend)
     else:
         tensors = _window(args.save, backend)
