@@ -5,48 +5,28 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import accelfn as af
+from tests.helpers.models import frozen_backbone_model, shifted_regression, trainable
+from tests.helpers.programs import mse
 
 CPU = af.backends.CPU(af.backends.LaunchEnv())
 
-
-def _frozen_backbone_model() -> torch.nn.Sequential:
-    """Sequential(backbone, head) with the backbone (Linear + BatchNorm) frozen and in eval mode."""
-    torch.manual_seed(0)
-    backbone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
-    model = torch.nn.Sequential(backbone, torch.nn.Linear(8, 1))
-    backbone.requires_grad_(False)
-    backbone.eval()
-    return model
-
-
-def _regression() -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(32, 4, generator=g) * 2 + 3, torch.randn(32, 1, generator=g))
-
-
-def _mse(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    return F.mse_loss(model(batch[0]), batch[1])
-
-
-def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def test_evaluate_puts_every_submodule_back_in_its_own_mode() -> None:
     """fn sees every module in eval mode; afterwards the root and head are in train mode and the
     frozen backbone still in eval mode (model.train(was_training) would flip it)."""
-    model = _frozen_backbone_model()
-    state = af.TrainState.create(model, torch.optim.SGD(_trainable(model), lr=0.1))
+    model = frozen_backbone_model()
+    state = af.TrainState.create(model, torch.optim.SGD(trainable(model), lr=0.1))
     seen = []
 
     def fn(m: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         seen.append([module.training for module in m.modules()])
         return m(batch[0])
 
-    af.evaluate(fn, state, DataLoader(_regression(), batch_size=16), backend=CPU)
+    af.evaluate(fn, state, DataLoader(shifted_regression(), batch_size=16), backend=CPU)
     assert seen == [[False] * 5] * 2
     assert [module.training for module in model.modules()] == [True, False, False, False, True]
 
@@ -75,7 +55,7 @@ def test_a_cache_first_built_inside_evaluate_trains_like_a_plain_loop_afterwards
         reference(data[0][0])
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in data:
-        _mse(reference, batch).backward()
+        mse(reference, batch).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -84,7 +64,7 @@ def test_a_cache_first_built_inside_evaluate_trains_like_a_plain_loop_afterwards
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     af.evaluate(lambda m, b: m(b[0]), state, data, backend=CPU)
     assert model.table is not None and not model.table.is_inference()
-    state = af.run(af.train_step(_mse), state, data, backend=CPU, progress=False)
+    state = af.run(af.train_step(mse), state, data, backend=CPU, progress=False)
     torch.testing.assert_close(model.lin.weight, reference.lin.weight, rtol=1e-6, atol=1e-7)
 
 
@@ -99,7 +79,7 @@ def test_lazy_linear_first_run_inside_evaluate_then_trains() -> None:
     weight = model[0].weight
     assert weight.shape == (1, 4) and weight.requires_grad and not weight.is_inference()
     before = weight.detach().clone(), model[0].bias.detach().clone()
-    af.run(af.train_step(_mse), state, [(x, y)], backend=CPU, progress=False)
+    af.run(af.train_step(mse), state, [(x, y)], backend=CPU, progress=False)
     w, b = before[0].requires_grad_(), before[1].requires_grad_()
     F.mse_loss(x @ w.T + b, y).backward()
     torch.testing.assert_close(model[0].weight, before[0] - 0.1 * w.grad, rtol=1e-6, atol=1e-7)
@@ -144,5 +124,5 @@ def test_parameter_gradients_taken_in_evaluate_do_not_reach_the_next_update() ->
     assert all(p.grad is None for p in model.parameters())
     w, b = model.weight.detach().clone().requires_grad_(), model.bias.detach().clone().requires_grad_()
     F.mse_loss(x @ w.T + b, y).backward()
-    af.run(af.train_step(_mse), state, [(x, y)], backend=CPU, progress=False)
+    af.run(af.train_step(mse), state, [(x, y)], backend=CPU, progress=False)
     torch.testing.assert_close(model.weight, (w - 0.1 * w.grad).detach(), rtol=1e-6, atol=1e-7)

@@ -9,37 +9,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 
 import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers.events import read_tensorboard
-
-
-class Recorder:
-    """A tracker that keeps every point it is given."""
-
-    def __init__(self) -> None:
-        self.points: list[tuple[int, dict[str, float]]] = []
-
-    def log(self, metrics, step):
-        self.points.append((step, dict(metrics)))
-
-    def close(self):
-        pass
-
-
-def _regression(num_batches: int = 10, seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 1)
-    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(num_batches)]
-    return state, data
-
-
-def _mse(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
+from tests.helpers.programs import mse
+from tests.helpers.tracking import Recorder, linear_job
 
 
 def _as_tensorboard(points, name):
@@ -50,9 +25,9 @@ def _as_tensorboard(points, name):
 def test_points_logged_after_run_closed_the_file_keep_the_runs_points(tmp_path, cpu):
     """A TensorBoard that logs again after run closed it writes a second file; TensorBoard
     shows the run's 10 loss and lr points and the added one."""
-    state, data = _regression()
+    state, data = linear_job()
     tb, record = af.TensorBoard(tmp_path / "tb"), Recorder()
-    state = af.run(af.train_step(_mse), state, data, backend=cpu, trackers=[tb, record], progress=False)
+    state = af.run(af.train_step(mse), state, data, backend=cpu, trackers=[tb, record], progress=False)
     tb.log({"eval/acc": 0.75}, state.step)
     tb.close()
     shown = read_tensorboard(tmp_path / "tb")
@@ -79,9 +54,9 @@ def test_a_run_resumed_after_a_crash_shows_each_step_once(tmp_path, cpu):
     """A run that crashes during update 8, after a checkpoint at step 5, and resumes from
     it with a new TensorBoard on the same directory shows steps 1..10 once each, with the
     uninterrupted run's values (the resume is exact)."""
-    state, data = _regression()
+    state, data = linear_job()
     reference = Recorder()
-    af.run(af.train_step(_mse), state, data, backend=cpu, trackers=[reference], progress=False)
+    af.run(af.train_step(mse), state, data, backend=cpu, trackers=[reference], progress=False)
 
     calls = []
 
@@ -89,15 +64,15 @@ def test_a_run_resumed_after_a_crash_shows_each_step_once(tmp_path, cpu):
         calls.append(1)
         if len(calls) == 8:
             raise RuntimeError("the machine died")
-        return _mse(model, batch)
+        return mse(model, batch)
 
     checkpoints = af.Checkpoints(tmp_path / "ckpt", every_steps=5)
-    state, data = _regression()
+    state, data = linear_job()
     with pytest.raises(RuntimeError, match="the machine died"):
         af.run(af.train_step(crashing), state, data, backend=cpu, checkpoints=checkpoints,
                trackers=[af.TensorBoard(tmp_path / "tb")], progress=False)
-    state, data = _regression()
-    af.run(af.train_step(_mse), state, data, backend=cpu, checkpoints=checkpoints, resume="auto",
+    state, data = linear_job()
+    af.run(af.train_step(mse), state, data, backend=cpu, checkpoints=checkpoints, resume="auto",
            trackers=[af.TensorBoard(tmp_path / "tb")], progress=False)
 
     shown = read_tensorboard(tmp_path / "tb")
@@ -106,7 +81,7 @@ def test_a_run_resumed_after_a_crash_shows_each_step_once(tmp_path, cpu):
     assert [step for step, _ in shown["samples_per_s"]] == list(range(1, 11))
 
 
-# trains _regression()'s job with a checkpoint every 5 steps and kills itself (SIGKILL: no
+# trains linear_job()'s job with a checkpoint every 5 steps and kills itself (SIGKILL: no
 # cleanup, nothing flushed on the way out) during update 8
 _KILLED_JOB = """\
 import os, signal, sys
@@ -134,9 +109,9 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_shows_each_step_once(tmp_pa
     """A process killed (SIGKILL) during update 8, after its checkpoint at step 5, has
     written the points up to the checkpoint; resumed, TensorBoard shows steps 1..10 once
     each with the uninterrupted run's values."""
-    state, data = _regression()
+    state, data = linear_job()
     reference = Recorder()
-    af.run(af.train_step(_mse), state, data, backend=cpu, trackers=[reference], progress=False)
+    af.run(af.train_step(mse), state, data, backend=cpu, trackers=[reference], progress=False)
 
     (tmp_path / "job.py").write_text(_KILLED_JOB)
     killed = subprocess.run([sys.executable, str(tmp_path / "job.py"), str(tmp_path)], env=_launch.environment(),
@@ -144,7 +119,7 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_shows_each_step_once(tmp_pa
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert [step for step, _ in read_tensorboard(tmp_path / "tb")["loss"]] == [1, 2, 3, 4, 5]
 
-    state, data = _regression()
-    af.run(af.train_step(_mse), state, data, backend=cpu, checkpoints=af.Checkpoints(tmp_path / "ckpt", every_steps=5),
+    state, data = linear_job()
+    af.run(af.train_step(mse), state, data, backend=cpu, checkpoints=af.Checkpoints(tmp_path / "ckpt", every_steps=5),
            resume="auto", trackers=[af.TensorBoard(tmp_path / "tb")], progress=False)
     assert read_tensorboard(tmp_path / "tb")["loss"] == _as_tensorboard(reference.points, "loss")

@@ -9,31 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import accelfn as af
-
-
-class Recorder:
-    """A tracker that keeps every point it is given."""
-
-    def __init__(self) -> None:
-        self.points: list[tuple[int, dict[str, float]]] = []
-
-    def log(self, metrics, step):
-        self.points.append((step, dict(metrics)))
-
-    def close(self):
-        pass
-
-
-def _regression(num_batches: int = 10, seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 1)
-    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(num_batches)]
-    return state, data
-
-
-def _mse(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
+from tests.helpers.programs import mse
+from tests.helpers.tracking import Recorder
 
 
 def _fp16_overflowing_run(log_every: int):
@@ -77,7 +54,7 @@ def test_skipped_counts_the_skipped_updates_of_each_logging_window(cpu, log_ever
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = af.compose(af.skip_nonfinite(), af.clip(1.0))(af.train_step(_mse))
+    step = af.compose(af.skip_nonfinite(), af.clip(1.0))(af.train_step(mse))
     record = Recorder()
     state = af.run(step, state, _nonfinite_batches(bad), backend=cpu, trackers=[record], progress=False,
                    log_every=log_every)
@@ -103,7 +80,7 @@ def test_lr_is_the_first_parameter_group_the_update_uses(cpu):
                                  scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
     record = Recorder()
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
-    af.run(af.train_step(_mse), state, data, backend=cpu, trackers=[record], progress=False)
+    af.run(af.train_step(mse), state, data, backend=cpu, trackers=[record], progress=False)
     assert [(step, m["lr"], m["lr/group0"], m["lr/group1"]) for step, m in record.points] == [
         (1, 0.1, 0.0, 0.1), (2, 0.1, 0.0, 0.1), (3, 0.05, 0.0, 0.05), (4, 0.05, 0.0, 0.05)]
 
@@ -116,7 +93,7 @@ def test_groups_with_one_learning_rate_log_lr_alone(cpu):
     optimizer = torch.optim.AdamW([{"params": [model.weight], "weight_decay": 0.1},
                                    {"params": [model.bias], "weight_decay": 0.0}], lr=0.01)
     record = Recorder()
-    af.run(af.train_step(_mse), af.TrainState.create(model, optimizer), [(torch.randn(8, 4), torch.randn(8, 1))],
+    af.run(af.train_step(mse), af.TrainState.create(model, optimizer), [(torch.randn(8, 4), torch.randn(8, 1))],
            backend=cpu, trackers=[record], progress=False)
     assert [(step, sorted(m), m["lr"]) for step, m in record.points] == [
         (1, ["loss", "lr", "rss_mib", "samples_per_s", "updates_per_s"], 0.01)]
@@ -126,7 +103,7 @@ def test_a_metric_named_like_a_groups_lr_is_refused(cpu):
     """A metric named lr/group1 would hide a group's learning rate: refused, naming the rule."""
     model = torch.nn.Linear(4, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = af.train_step(lambda m, b: (_mse(m, b), {"lr/group1": 0.5}))
+    step = af.train_step(lambda m, b: (mse(m, b), {"lr/group1": 0.5}))
     with pytest.raises(ValueError) as error:
         af.run(step, state, [(torch.randn(8, 4), torch.randn(8, 1))], backend=cpu, progress=False)
     assert str(error.value) == (
