@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -22,7 +21,8 @@ from accelfn import collectives
 from accelfn.backends import _fsdp
 from accelfn.backends._context import ProcessContext
 from accelfn.backends._eval_batches import check_eval_loader
-from accelfn.backends._interpreter import StepFn, step_function
+from accelfn.backends._interpreter import StepFn
+from accelfn.backends._launch_defaults import with_launch_defaults
 from accelfn.backends._placement import (
     check_placement,
     move_module,
@@ -30,21 +30,18 @@ from accelfn.backends._placement import (
     rebind_optimizer,
     unchanged,
 )
+from accelfn.backends._plain_step import step_function
 from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import (
-    Accumulate,
     Compile,
     Replicate,
     ShardData,
     ShardParams,
     WithPrecision,
-    accumulate,
-    with_precision,
 )
-from accelfn.transforms import compile as compile_transform
 from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -216,7 +213,7 @@ class Backend(ProcessContext, abc.ABC):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
         if not isinstance(state, TrainState):
             raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
-        step = self._with_launch_defaults(step)
+        step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)
         compiled = step.find(Compile)
@@ -242,36 +239,6 @@ class Backend(ProcessContext, abc.ABC):
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
         return state, step_function(self, step, state, model)
-
-    def _with_launch_defaults(self, step: Step) -> Step:
-        """``step`` with the transforms ``accelfn launch --precision/--accumulate/--compile``
-        asked for, added where the script set none of that kind. A script's own transform
-        wins, with a warning where it differs from the launch's."""
-        env = self.env
-        if env.precision is not None:
-            present = step.find(WithPrecision)
-            if present is None:
-                step = with_precision(env.precision)(step)
-            elif present.policy.name != env.precision:
-                origin = env.precision_from
-                asked = (f"accelfn launch --precision {env.precision}" if origin == "--precision"
-                         else f"ACCELFN_PRECISION={env.precision}" if origin is None
-                         else f"precision: {env.precision} in the launch config {origin}")
-                self._overridden(asked, f"with_precision({present.policy.name!r})")
-        if env.accumulate is not None:
-            window = step.find(Accumulate)
-            if window is None:
-                step = accumulate(env.accumulate)(step)
-            elif window.num_micro_batches != env.accumulate:
-                self._overridden(f"accelfn launch --accumulate {env.accumulate}",
-                                 f"accumulate({window.num_micro_batches})")
-        if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
-            step = compile_transform()(step)
-        return step
-
-    def _overridden(self, asked: str, script: str) -> None:
-        if self.is_main_process:  # a job's warning: once, not per rank
-            warnings.warn(f"{asked} is overridden by the script's {script}", stacklevel=4)
 
     def check_compile(self, spec: Compile) -> None:
         """Raises NotImplementedError if this backend cannot run ``compile`` (before anything

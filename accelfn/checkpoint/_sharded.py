@@ -32,11 +32,8 @@ reduce-scatter are each rank's own, kept with its RNG states (``_fsdp_window``).
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +48,17 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from accelfn.checkpoint import _atomic, _manifest, _serialize, _tensorfiles
+from accelfn.checkpoint import _atomic, _manifest, _serialize
 from accelfn.checkpoint import restoring as _restore
 from accelfn.checkpoint import snapshots as _snapshot
 from accelfn.checkpoint._context import ProcessContext
+from accelfn.checkpoint._dcp_files import (
+    DCP_DIR,
+    GROUP,
+    own_files,
+    unexpected_files,
+    verify_files,
+)
 from accelfn.checkpoint._exchange import exchange
 from accelfn.checkpoint._fsdp_window import hidden_gradients, put_hidden_gradients
 from accelfn.checkpoint._manifest import (
@@ -70,9 +74,6 @@ from accelfn.state import TrainState
 __all__ = ["DCP_DIR", "is_sharded", "load", "put_unsharded", "save"]
 
 #: the folder of a checkpoint that holds DCP's files
-DCP_DIR = "dcp"
-_GROUP = "dcp"
-_RANK_FILE = re.compile(r"^shard-(\d{5})-model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def is_sharded(state: TrainState) -> bool:
@@ -146,16 +147,6 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _own_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """Checksum and size of the DCP files rank ``rank`` wrote into ``folder``."""
-    mine = sorted(e.name for e in os.scandir(folder)
-                  if (m := _RANK_FILE.match(e.name)) is not None and int(m[1]) == rank + 1)
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
-        digests = list(pool.map(lambda n: _tensorfiles.hash_file(folder / n), mine))
-    return {name: {algorithm: digest, "num_bytes": (folder / name).stat().st_size}
-            for name, (algorithm, digest) in zip(mine, digests)}
-
-
 def _failure(e: BaseException, rank: int) -> str:
     """What went wrong, by rank: DCP's CheckpointException carries every failed rank's error."""
     if isinstance(e, CheckpointException):
@@ -173,14 +164,14 @@ def _write_shards(backend: ProcessContext, directory: Path, flat: dict[str, torc
         with _single_process_quiet():
             dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
                      no_dist=_no_dist(backend))
-        report = {"files": _own_files(folder, backend.rank)}
+        report = {"files": own_files(folder, backend.rank)}
     except (Exception, CheckpointException) as e:  # every rank reports, so that all agree on the outcome
         report = {"error": _failure(e, backend.rank)}
     reports = exchange(backend, report)
     errors = [r["error"] for r in reports if "error" in r]
     if errors:
         return errors[0]
-    return {f"{DCP_DIR}/{name}": FileEntry(group=_GROUP, num_bytes=f["num_bytes"], rank=rank,
+    return {f"{DCP_DIR}/{name}": FileEntry(group=GROUP, num_bytes=f["num_bytes"], rank=rank,
                                             **{k: v for k, v in f.items() if k != "num_bytes"})
             for rank, r in enumerate(reports) for name, f in r["files"].items()}
 
@@ -238,39 +229,6 @@ def save(state: TrainState, path: Path, backend: ProcessContext, transforms: Any
     if failure is not None:
         raise failure
     return path
-
-
-def _verify_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry]) -> None:
-    """Checks the size and sha256 of every DCP file, the ranks sharing the work.
-
-    Raises:
-        CheckpointError: on every rank, naming each missing, truncated or corrupted file.
-    """
-    names = sorted(name for name, entry in files.items() if entry.group == _GROUP)
-    mine = names[backend.rank::backend.world_size]
-
-    def check(name: str) -> str | None:
-        try:
-            _tensorfiles.verify_file(directory / name, files[name])
-        except CheckpointError as e:
-            return str(e)
-        return None
-
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
-        found = [problem for problem in pool.map(check, mine) if problem is not None]
-    problems = [p for found_by_rank in exchange(backend, found) for p in found_by_rank]
-    if problems:
-        raise CheckpointError("\n".join(problems))
-
-
-def _unexpected_files(directory: Path, files: Mapping[str, FileEntry]) -> list[str]:
-    """Files in ``dcp/`` the manifest does not list (DCP's reader would read them too)."""
-    listed = {name.removeprefix(f"{DCP_DIR}/") for name, e in files.items() if e.group == _GROUP}
-    try:
-        present = {e.name for e in os.scandir(directory / DCP_DIR)}
-    except FileNotFoundError:
-        return []
-    return sorted(present - listed)
 
 
 def _placeholder(meta: ShardedTensor, key: str) -> torch.Tensor:
@@ -333,17 +291,17 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
     """
     tables = manifest.sharded
     assert tables is not None
-    unexpected = _unexpected_files(directory, manifest.files)
+    unexpected = unexpected_files(directory, manifest.files)
     if unexpected:
         raise CheckpointError(f"{directory / DCP_DIR}: files the manifest does not list: {', '.join(unexpected)}; "
                               "the checkpoint was changed after it was written")
-    _verify_files(backend, directory, manifest.files)
+    verify_files(backend, directory, manifest.files)
     if tables.grads and backend.world_size != manifest.world_size:
         raise CheckpointError(
             f"{directory} was saved by {manifest.world_size} processes in the middle of an accumulation window, "
             f"whose gradients are per process; resume it with {manifest.world_size} processes "
             f"(this world has {backend.world_size})")
-    own = {name: e for name, e in manifest.files.items() if e.group != _GROUP}
+    own = {name: e for name, e in manifest.files.items() if e.group != GROUP}
     shell = _serialize.read(directory, attrs.evolve(manifest, files=own), rank=backend.rank,
                             world_size=backend.world_size)
     try:

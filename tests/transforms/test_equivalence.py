@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import accelfn as af
+from accelfn.backends import StepFn
+from accelfn.backends._plain_step import PlainStepFn
 from tests.helpers.models import classification_data, loss_fn, make_mlp
 
 
@@ -337,9 +339,6 @@ def with_metrics(model, batch):
 def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
     """A program without per-step transforms runs on ``PlainStepFn``, whose states, metrics and
     parameters equal the general ``StepFn``'s bitwise, for each form of loss, with a scheduler."""
-    from accelfn.backends import StepFn
-    from accelfn.backends._interpreter import PlainStepFn
-
     step = af.with_precision("fp32")(af.train_step(loss))
     batches = [(x, y) for x, y in DataLoader(classification_data(20), batch_size=4)]
     runs = []
