@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import datetime
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from accelfn.backends._exit import leave_at_exit
 from accelfn.backends.env import LaunchEnv
 from accelfn.errors import LaunchError
 from accelfn.transforms import Replicate
@@ -34,6 +32,7 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
                 f"a process group already exists with world size {dist.get_world_size()} and "
                 f"rank {dist.get_rank()}, but the launch environment says {env.world_size} and {env.rank}"
             )
+        leave_at_exit()  # a group the script made: accelfn's collectives still run on its workers
         return
     try:
         dist.init_process_group(
@@ -51,25 +50,7 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
             "all ranks together with `accelfn launch`, and check that MASTER_ADDR is reachable "
             "from every node"
         ) from e
-    atexit.register(_destroy)
-
-
-def _destroy() -> None:
-    """At exit, the ranks leave the process group together, then destroy it.
-
-    Rank 0 hosts the group's store: a rank that destroys its group and exits while a peer
-    still tears its own down can abort that peer at exit (``terminate called without an
-    active exception`` from gloo, in about 1 of 4 two-process runs here, even after a
-    complete run). A barrier first makes them leave together. It is skipped after an
-    unhandled exception, so that a failing rank exits at once (torchrun then stops the
-    others) instead of waiting for peers that may be waiting for it.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if getattr(sys, "last_value", None) is None:  # set when an exception ended the program
-        with contextlib.suppress(RuntimeError, dist.DistError):  # a peer already gone: no one to wait for
-            dist.barrier()
-    dist.destroy_process_group()
+    leave_at_exit()
 
 
 def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,

@@ -11,7 +11,6 @@ already holds (a state restored before ``prepare``) is sharded the same way.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import math
 from collections import defaultdict
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accelfn.backends._exit import leave_at_exit
 from accelfn.collectives import ReduceOp
 from accelfn.transforms import ShardParams
 from accelfn.transforms.precision import Policy
@@ -65,7 +65,7 @@ def mesh(device: torch.device, world_size: int) -> DeviceMesh:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
-        atexit.register(dist.destroy_process_group)
+        leave_at_exit()
     return init_device_mesh(device.type, (world_size,))
 
 
