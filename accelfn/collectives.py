@@ -10,15 +10,31 @@ of that.
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 ReduceOp = Literal["sum", "mean", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
 T = TypeVar("T")
+
+
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """True for a ``DTensor`` (a tensor sharded over ranks, as FSDP2's parameters).
+
+    ``torch.distributed.tensor`` is only looked up among the modules already imported: no
+    DTensor can exist before it is, and importing it (with FSDP2 and DCP, which accelfn
+    imports when it first shards or saves shards) takes about 0.7 s that every process
+    start would otherwise pay.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def world_size() -> int:

@@ -102,6 +102,17 @@ def boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
         raise wrong_type(call_name(instance), attribute.name, "True or False", value)
 
 
+def to_path(call: str, name: str, value: object) -> Path:
+    """``value`` as a Path.
+
+    Raises:
+        TypeError: not a str or os.PathLike (``call(name=...) must be a path (str or os.PathLike), got 3``).
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise wrong_type(call, name, "a path (str or os.PathLike)", value)
+    return Path(value)
+
+
 def check_directory(path: Path, what: str) -> None:
     """Raises unless ``path`` is a directory this process can write in, or can be created as one.
 

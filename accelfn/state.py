@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from accelfn.errors import check_int
+from accelfn.errors import check_int, wrong_type
 
 
 @runtime_checkable
@@ -35,7 +35,7 @@ def _frozen_mapping(value: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 def _check_model(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, torch.nn.Module):
-        raise TypeError(f"TrainState.model must be a torch.nn.Module, got {type(value).__name__}")
+        raise wrong_type("TrainState", "model", "a torch.nn.Module", value)
     if isinstance(value, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         raise TypeError(
             f"TrainState.model is wrapped in {type(value).__name__}; pass the model itself "
@@ -76,9 +76,7 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
 
 def _check_optimizer(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, torch.optim.Optimizer):
-        raise TypeError(
-            f"TrainState.optimizer must be a torch.optim.Optimizer, got {type(value).__name__}"
-        )
+        raise wrong_type("TrainState", "optimizer", "a torch.optim.Optimizer", value)
 
 
 def _check_counter(instance: object, attribute: attrs.Attribute, value: int) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, Union
 import attrs
 import torch
 
-from accelfn.errors import TransformError
+from accelfn.errors import TransformError, wrong_value
 
 if TYPE_CHECKING:
     from accelfn.state import TrainState
@@ -110,7 +110,7 @@ class Loss:
             raise ValueError(f"Loss(count=...) must be a number or a scalar tensor, got a tensor of shape "
                              f"{tuple(value.shape)}: pass the number of items summed (mask.sum())")
         if not isinstance(value, torch.Tensor) and not value >= 0:
-            raise ValueError(f"Loss(count={value!r}): the number of items summed must be >= 0")
+            raise wrong_value("Loss", "count", ">= 0 (the number of items summed)", value)
         # a sum over no items is 0 (read from the device only in this rare case)
         if not isinstance(value, torch.Tensor) and value == 0 and bool(self.total.detach() != 0):
             raise ValueError(

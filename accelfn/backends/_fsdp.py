@@ -13,50 +13,54 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from accelfn.backends._exit import leave_at_exit
-from accelfn.collectives import ReduceOp
+from accelfn.collectives import ReduceOp, is_dtensor
 from accelfn.transforms import ShardParams
 from accelfn.transforms.precision import Policy
 
-try:  # FSDP2 and DTensor are public from torch 2.6
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - torch < 2.6
-    fully_shard = None  # type: ignore[assignment]
-
-    class DTensor:  # type: ignore[no-redef]
-        """Stands in for torch.distributed.tensor.DTensor, which this torch lacks."""
-
-    class FSDPModule:  # type: ignore[no-redef]
-        """Stands in for torch.distributed.fsdp.FSDPModule, which this torch lacks."""
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
-def check_available() -> None:
-    """Raises NotImplementedError if this torch has no FSDP2."""
-    if fully_shard is None:
+def fsdp2() -> ModuleType:
+    """``torch.distributed.fsdp``, imported on first use (with DTensor it takes about 0.7 s,
+    which a process that never shards should not pay).
+
+    Raises:
+        NotImplementedError: this torch has no FSDP2 (``fully_shard``, public from torch 2.6).
+    """
+    try:
+        import torch.distributed.fsdp as fsdp
+    except ImportError:  # pragma: no cover - a torch built without distributed
+        fsdp = ModuleType("torch.distributed.fsdp")  # without fully_shard
+    if not hasattr(fsdp, "fully_shard"):
         raise NotImplementedError(
             f"shard_params() needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6); this is "
             f"torch {torch.__version__}: upgrade torch, or use replicate()"
         )
+    return fsdp
+
+
+def check_available() -> None:
+    """Raises NotImplementedError if this torch has no FSDP2."""
+    fsdp2()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """True when ``fully_shard`` was applied to ``model`` (a state prepared with ``shard_params``)."""
-    return isinstance(model, FSDPModule)
+    """True when ``fully_shard`` was applied to ``model`` (a state prepared with ``shard_params``).
+    Nothing is sharded before ``torch.distributed.fsdp`` is imported, so it is not imported here."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def mesh(device: torch.device, world_size: int) -> DeviceMesh:
@@ -66,15 +70,18 @@ def mesh(device: torch.device, world_size: int) -> DeviceMesh:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
         leave_at_exit()
+    from torch.distributed.device_mesh import init_device_mesh  # with FSDP2, on first use (fsdp2())
+
     return init_device_mesh(device.type, (world_size,))
 
 
 def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
     """bf16/fp16 autocast policies gather parameters in the compute dtype and reduce gradients
     in fp32 (the sharded master parameters stay fp32); others use FSDP2's defaults."""
+    fsdp = fsdp2()
     if policy.autocast:
-        return MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return fsdp.MixedPrecisionPolicy(param_dtype=policy.compute_dtype, reduce_dtype=torch.float32)
+    return fsdp.MixedPrecisionPolicy()
 
 
 def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: ShardParams, policy: Policy,
@@ -90,11 +97,12 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     if device_mesh.size() > 1:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
-    offload: OffloadPolicy = CPUOffloadPolicy() if shard.offload else OffloadPolicy()
+    fsdp = fsdp2()
+    offload = fsdp.CPUOffloadPolicy() if shard.offload else fsdp.OffloadPolicy()
     options: dict[str, Any] = dict(mesh=device_mesh, mp_policy=mixed_precision(policy), offload_policy=offload)
     for _, unit in shard.select(model):
-        fully_shard(unit, reshard_after_forward=shard.reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=shard.reshard_after_forward, **options)
+        fsdp.fully_shard(unit, reshard_after_forward=shard.reshard_after_forward, **options)
+    fsdp.fully_shard(model, reshard_after_forward=shard.reshard_after_forward, **options)
     sharded = dict(model.named_parameters())
     _rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
 
@@ -112,13 +120,15 @@ def _rebind(optimizer: torch.optim.Optimizer, new: dict[int, torch.nn.Parameter]
         group["params"] = params
     optimizer.state = state
     for param in (p for group in optimizer.param_groups for p in group["params"]):
-        assert isinstance(param, DTensor), "every optimizer parameter is sharded"
+        assert is_dtensor(param), "every optimizer parameter is sharded"
 
 
 def _like(value: Any, param: torch.Tensor) -> Any:
-    if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not isinstance(param, DTensor)
+    if (not isinstance(value, torch.Tensor) or is_dtensor(value) or not is_dtensor(param)
             or value.shape != param.shape):
         return value
+    from torch.distributed.tensor import DTensor, distribute_tensor  # imported: param is a DTensor
+
     local = distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
                               src_data_rank=None).to_local()
     return DTensor.from_local(local.to(param.to_local().device), param.device_mesh, param.placements,
@@ -137,7 +147,7 @@ def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
 
 def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter's gradient on this rank: a DTensor's local shard (in-place ops on it change the gradient)."""
-    return [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+    return [g.to_local() if is_dtensor(g) else g for g in (p.grad for p in params) if g is not None]
 
 
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: float,

@@ -121,6 +121,7 @@ class StepFn:
         # grad_norm out without the ranks reducing different names
         self._skips_agree = data_parallel or backend.world_size == 1
         self._world_size = backend.world_size if data_parallel else 1
+        self._loss_kind_agreed = not data_parallel  # checked at the first micro-batch (_agree_loss_kind)
         sync_every = shard is not None and sharded and shard.reduce_every_micro_batch
         self._no_sync: Callable[[], Any] = (
             backend.no_sync(model) if data_parallel and not sync_every else lambda: _NULL)
@@ -173,8 +174,30 @@ class StepFn:
     def _forward(self, batch: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
         if self._autocast is not None:
             with self._autocast(self._policy):
-                return unpack(self._loss_fn(self._model, batch))
-        return unpack(self._loss_fn(self._model, batch))
+                out = unpack(self._loss_fn(self._model, batch))
+        else:
+            out = unpack(self._loss_fn(self._model, batch))
+        if not self._loss_kind_agreed:
+            self._agree_loss_kind(out[3], out[0].device)
+        return out
+
+    def _agree_loss_kind(self, is_sum: bool, device: torch.device) -> None:
+        """Raises on every rank unless all ranks' first ``loss_fn`` result is of one kind.
+
+        An ``af.Loss`` adds all-reduces of its counts that a plain (mean) loss does not: with
+        the kinds mixed across data-parallel ranks, one rank's count would pair with another's
+        gradients and the job would wait out the process-group timeout. One all-reduce of two
+        numbers, before the first backward of the run, finds it out instead.
+        """
+        self._loss_kind_agreed = True
+        kind = float(is_sum)
+        highest, lowest = self._backend.reduce(torch.tensor([kind, -kind], device=device), "max").tolist()
+        if highest != -lowest:
+            raise ValueError(
+                f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank "
+                f"{self._backend.rank}: {'an af.Loss' if is_sum else 'a plain loss'}); the ranks reduce "
+                "an af.Loss's counts together, so loss_fn must return the same kind on every rank"
+            )
 
     def _window_part(self, state: TrainState, batch: Any, window: Window | None,
                      last: bool) -> tuple[TrainState, Mapping[str, Any]]:

@@ -20,6 +20,7 @@ class Primitives(Protocol):
     primitives each backend file overrides, and nothing else."""
 
     world_size: int
+    rank: int
     #: XLA's graph cut after each micro-batch (``torch_xla.sync``), None elsewhere
     graph_cut: Callable[[], None] | None
 

@@ -165,7 +165,7 @@ class Backend(ProcessContext, abc.ABC):
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
         (FSDP2) of non-final micro-batches."""
-        if isinstance(wrapped, _fsdp.FSDPModule):
+        if _fsdp.is_sharded(wrapped):
             return functools.partial(_fsdp.no_gradient_sync, wrapped)
         return getattr(wrapped, "no_sync", contextlib.nullcontext)
 

@@ -35,18 +35,12 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import (
-    HuggingFaceStorageReader,
-    HuggingFaceStorageWriter,
-)
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accelfn.checkpoint import _atomic, _manifest, _serialize
 from accelfn.checkpoint import restoring as _restore
@@ -68,6 +62,7 @@ from accelfn.checkpoint._manifest import (
     ShardedTensor,
 )
 from accelfn.checkpoint.snapshots import Snapshot, clean_name, unwrap
+from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
 
@@ -78,7 +73,15 @@ __all__ = ["DCP_DIR", "is_sharded", "load", "put_unsharded", "save"]
 
 def is_sharded(state: TrainState) -> bool:
     """True if any parameter of the state's model is a DTensor (FSDP2 ``fully_shard``)."""
-    return any(isinstance(p, DTensor) for p in unwrap(state.model).parameters())
+    return any(is_dtensor(p) for p in unwrap(state.model).parameters())
+
+
+def _dcp() -> ModuleType:
+    """``torch.distributed.checkpoint``, imported when a sharded checkpoint is first written
+    or read: it brings DTensor, about 0.7 s that a process that never shards should not pay."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
 def _meta(t: torch.Tensor) -> ShardedTensor:
@@ -149,7 +152,7 @@ def _single_process_quiet() -> Iterator[None]:
 
 def _failure(e: BaseException, rank: int) -> str:
     """What went wrong, by rank: DCP's CheckpointException carries every failed rank's error."""
-    if isinstance(e, CheckpointException):
+    if isinstance(e, _dcp().api.CheckpointException):
         return "; ".join(f"rank {r}: {type(error).__name__}: {error}" for r, (error, _) in sorted(e.failures.items()))
     return f"rank {rank}: {type(e).__name__}: {e}"
 
@@ -160,12 +163,13 @@ def _write_shards(backend: ProcessContext, directory: Path, flat: dict[str, torc
     files (the same on every rank), or the first error a rank met."""
     folder = directory / DCP_DIR
     report: dict[str, Any]
+    dcp = _dcp()
     try:
         with _single_process_quiet():
-            dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True),
+            dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True),
                      no_dist=_no_dist(backend))
         report = {"files": own_files(folder, backend.rank)}
-    except (Exception, CheckpointException) as e:  # every rank reports, so that all agree on the outcome
+    except (Exception, dcp.api.CheckpointException) as e:  # every rank reports, so that all agree on the outcome
         report = {"error": _failure(e, backend.rank)}
     reports = exchange(backend, report)
     errors = [r["error"] for r in reports if "error" in r]
@@ -265,7 +269,7 @@ def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor
     def like_param(name: str, meta: ShardedTensor, key: str) -> torch.Tensor:
         dtype = _dtype(meta.dtype, key)
         param = params.get(name)
-        if isinstance(param, DTensor) and tuple(param.shape) == meta.shape:
+        if is_dtensor(param) and tuple(param.shape) == meta.shape:
             return torch.empty_like(param, dtype=dtype)
         device = param.device if param is not None and key.startswith("grad/") else torch.device("cpu")
         return torch.empty(meta.shape, dtype=dtype, device=device)
@@ -315,11 +319,12 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
         start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
         shell = attrs.evolve(shell, counters={**counters, "epoch_micro_step": start})
     targets = _targets(into, tables)
+    dcp = _dcp()
     try:
         with _single_process_quiet():
-            dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory / DCP_DIR)),
+            dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory / DCP_DIR)),
                      no_dist=_no_dist(backend))
-    except CheckpointException as e:  # DCP's; it raises on every rank alike
+    except dcp.api.CheckpointException as e:  # DCP's; it raises on every rank alike
         raise CheckpointError(f"{directory / DCP_DIR}: reading the shards failed: {_failure(e, backend.rank)}; "
                               "the state may be partly loaded, build it again before retrying") from None
     snap = joined(attrs.evolve(shell, grads={}), tables, lambda key, meta: targets[key])
@@ -340,7 +345,9 @@ def put_unsharded(state: TrainState, snap: Snapshot) -> TrainState:
     params = {clean_name(n): p for n, p in model.named_parameters()}
 
     def local(like: Any, t: torch.Tensor) -> torch.Tensor:
-        if isinstance(like, DTensor) and tuple(like.shape) == tuple(t.shape) and not isinstance(t, DTensor):
+        if is_dtensor(like) and tuple(like.shape) == tuple(t.shape) and not is_dtensor(t):
+            from torch.distributed.tensor import distribute_tensor  # imported: like is a DTensor
+
             return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
         return t
 
@@ -348,7 +355,7 @@ def put_unsharded(state: TrainState, snap: Snapshot) -> TrainState:
     optimizer_state = {i: {k: local(params.get(names[i]), v) if isinstance(v, torch.Tensor) else v
                            for k, v in entries.items()}
                        for i, entries in snap.optimizer["state"].items()}
-    sharded = {k for k in snap.grads if isinstance(params.get(k), DTensor)}
+    sharded = {k for k in snap.grads if is_dtensor(params.get(k))}
     state = _restore.put(state, attrs.evolve(
         snap,
         model={k: local(live.get(k), v) for k, v in snap.model.items()},

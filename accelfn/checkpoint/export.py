@@ -29,13 +29,13 @@ from typing import Any
 import orjson
 import safetensors.torch
 import torch
-from torch.distributed.tensor import DTensor
 
 from accelfn.checkpoint import _atomic
 from accelfn.checkpoint._context import ProcessContext, default_context
 from accelfn.checkpoint._exchange import exchange
 from accelfn.checkpoint.snapshots import clean_name, unwrap
-from accelfn.errors import CheckpointError
+from accelfn.collectives import is_dtensor
+from accelfn.errors import CheckpointError, to_path
 from accelfn.state import TrainState
 
 __all__ = ["INDEX", "WEIGHTS", "parse_size", "save_model"]
@@ -137,10 +137,8 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save_model() takes a TrainState first, got {type(state).__name__}")
-    if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"save_model() takes a path (str or os.PathLike), got {type(directory).__name__}")
+    directory = to_path("save_model", "directory", directory)
     limit = parse_size(max_shard_size)
-    directory = Path(directory)
     backend = default_context(backend)
     main = backend.is_main_process
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
@@ -162,7 +160,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         shard = {}
         for key in keys:  # every rank takes part in each gather, even after rank 0 failed
             t = by_name[key]
-            full = t.full_tensor() if isinstance(t, DTensor) else t
+            full = t.full_tensor() if is_dtensor(t) else t
             if main and failure is None:
                 shard[key] = full.detach().to("cpu", copy=True).contiguous()
             del full

@@ -24,7 +24,7 @@ from accelfn.checkpoint import _atomic, _manifest, _serialize, _sharded
 from accelfn.checkpoint import restoring as _restore
 from accelfn.checkpoint import snapshots as _snapshot
 from accelfn.checkpoint._context import ProcessContext, default_context
-from accelfn.errors import CheckpointError, check_directory
+from accelfn.errors import CheckpointError, check_directory, to_path
 from accelfn.state import TrainState
 
 if TYPE_CHECKING:
@@ -39,12 +39,6 @@ __all__ = [
 #: its ``epoch_micro_step`` and the world size that wrote it, once the checkpoint is
 #: verified and before it is loaded; returns the micro-batch to continue at, or raises
 ResumePosition = Callable[[int, int, int], int]
-
-
-def to_path(value: Any, fn: str) -> Path:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{fn}() takes a path (str or os.PathLike), got {type(value).__name__}")
-    return Path(value)
 
 
 def transforms_record(program: Step | None) -> Any:
@@ -100,7 +94,7 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
         >>> af.load(path, into=state).step
         0
     """
-    checked = to_path(path, "save")
+    checked = to_path("save", "path", path)
     check_directory(checked, f"save(path={str(path)!r})")
     return save_checkpoint(state, checked, backend, transforms=None, what="af.save")
 
@@ -250,7 +244,7 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
             newer format; a mismatch with ``into``; or a checkpoint saved
             mid-accumulation-window loaded by another number of processes.
     """
-    state, _ = load_with_manifest(to_path(path, "load"), into, backend)
+    state, _ = load_with_manifest(to_path("load", "path", path), into, backend)
     return state
 
 

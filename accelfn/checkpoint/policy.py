@@ -15,15 +15,15 @@ import attrs
 
 from accelfn.checkpoint import _atomic
 from accelfn.checkpoint._context import ProcessContext, default_context
-from accelfn.checkpoint.io import Collected, save_checkpoint, to_path, write_collected
-from accelfn.errors import boolean, check_directory, count_at_least_one, finite_positive
+from accelfn.checkpoint.io import Collected, save_checkpoint, write_collected
+from accelfn.errors import boolean, check_directory, count_at_least_one, finite_positive, to_path
 from accelfn.state import TrainState
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
 def _directory(value: Any) -> Path:
-    return to_path(value, "Checkpoints")
+    return to_path("Checkpoints", "directory", value)
 
 
 def _writable(instance: Any, attribute: Any, value: Path) -> None:

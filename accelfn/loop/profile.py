@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from accelfn.backends.base import Backend
+from accelfn.errors import to_path
 
 
 def _count(minimum: int) -> Any:
@@ -62,7 +63,7 @@ class Profile:
         >>> profile = af.Profile("runs/profile", wait=5, warmup=1, active=3)
     """
 
-    dir: Path = attrs.field(converter=Path, validator=_directory)
+    dir: Path = attrs.field(converter=lambda value: to_path("Profile", "dir", value), validator=_directory)
     wait: int = attrs.field(default=1, kw_only=True, validator=_count(0))
     warmup: int = attrs.field(default=1, kw_only=True, validator=_count(0))
     active: int = attrs.field(default=3, kw_only=True, validator=_count(1))

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
 
-from accelfn.errors import check_directory, check_file
+from accelfn.errors import check_directory, check_file, to_path
 from accelfn.tracking._config import flatten
 
 
@@ -69,7 +68,7 @@ class TensorBoard:
     """
 
     def __init__(self, logdir: str | os.PathLike[str]):
-        self.logdir = Path(logdir)
+        self.logdir = to_path("TensorBoard", "logdir", logdir)
         check_directory(self.logdir, f"TensorBoard(logdir={str(logdir)!r})")
         self._writer: Any = None
         self._purge_step: int | None = None
@@ -135,7 +134,7 @@ class JSONL:
     """
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+        self.path = to_path("JSONL", "path", path)
         check_file(self.path, f"JSONL(path={str(path)!r})")
         self._file: IO[bytes] | None = None
 

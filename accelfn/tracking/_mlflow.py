@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from accelfn.errors import to_path
 from accelfn.tracking._config import flatten, require
 
 # MLflow's own limits on one log_batch call (mlflow.utils.validation)
@@ -52,7 +52,7 @@ class MLflow:
         if (dir is None) == (tracking_uri is None):
             raise ValueError(f"MLflow(dir={dir!r}, tracking_uri={tracking_uri!r}): give one of them, a directory "
                              "for a local store (MLflow('runs/mlflow')) or the URI of a tracking server")
-        self.dir = Path(dir) if dir is not None else None
+        self.dir = to_path("MLflow", "dir", dir) if dir is not None else None
         if self.dir is not None and self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"MLflow(dir={str(dir)!r}) is a file; give a directory for the MLflow store")
         if not isinstance(experiment, str) or not experiment:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
+from accelfn.errors import to_path
 from accelfn.tracking._config import plain, require
 
 Mode = Literal["online", "offline", "disabled"]
@@ -47,7 +47,7 @@ class WandB:
         if mode is not None and mode not in _MODES:
             raise ValueError(f"WandB(mode={mode!r}): accepted values are {', '.join(map(repr, _MODES))} or None "
                              "(W&B's own setting)")
-        self.dir = Path(dir)
+        self.dir = to_path("WandB", "dir", dir)
         if self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"WandB(dir={str(dir)!r}) is a file; give a directory for W&B's run files")
         self.project, self.name, self.mode, self.entity, self.tags = project, name, mode, entity, tuple(tags)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -142,9 +140,8 @@ def test_evaluate_on_xla_matches_the_cpu_backend(cpu, xla):
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return _launch.python("-c", textwrap.dedent(code), cwd=ROOT, env=_launch.environment(PJRT_DEVICE="CPU", **env),
+                          timeout_s=120)
 
 
 def test_a_backend_created_after_a_backward_pass_says_how_to_fix_it():

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -106,8 +104,7 @@ def test_rank_without_its_peer_fails_with_a_launch_error_instead_of_hanging(tmp_
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_launch.free_port()), ACCELFN_TIMEOUT_S="2",
                               ACCELFN_BACKEND="cpu")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, str(_launch.WORKERS / "hello.py"), "--out", str(tmp_path)],
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = _launch.python(_launch.WORKERS / "hello.py", "--out", tmp_path, env=env)
     assert result.returncode != 0
     assert "LaunchError: rank 0 of WORLD_SIZE=2 could not form the gloo process group" in result.stderr
     assert time.monotonic() - started < 60
@@ -116,8 +113,7 @@ def test_rank_without_its_peer_fails_with_a_launch_error_instead_of_hanging(tmp_
 def test_inconsistent_launch_variables_fail_before_any_group_is_formed(tmp_path: Path) -> None:
     """RANK without WORLD_SIZE makes a worker exit at once with a LaunchError that names both variables."""
     env = _launch.environment(RANK="1")
-    result = subprocess.run([sys.executable, str(_launch.WORKERS / "hello.py"), "--out", str(tmp_path)],
-                            env=env, capture_output=True, text=True, timeout=60)
+    result = _launch.python(_launch.WORKERS / "hello.py", "--out", tmp_path, env=env)
     assert result.returncode != 0
     assert "LaunchError: RANK is set but WORLD_SIZE is not" in result.stderr
 

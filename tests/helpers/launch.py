@@ -60,6 +60,15 @@ def finish(proc: subprocess.Popen, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> s
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def python(*args: str | os.PathLike[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``python ARGS...`` with this interpreter and the test environment (``environment()``
+    unless ``env``), in its own process session, to completion (any exit code)."""
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=env or environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return finish(proc, timeout_s=timeout_s)
+
+
 def run(*args: str | os.PathLike[str], cwd: Path | None = None, env: dict[str, str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
     """``python -m accelfn ARGS...`` to completion; with ``check``, a non-zero exit fails the test."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
@@ -17,17 +16,12 @@ import torch
 
 import accelfn as af
 from accelfn.errors import CheckpointError
-from tests.helpers.launch import environment, launch
+from tests.helpers.launch import launch, python
 from tests.helpers.states import assert_same_state, build
 from tests.workers.resume_script import job, total_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "workers" / "resume_script.py"
-ENV = environment()
-
-
-def _run(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
 
 
 def _launch(tmp: Path, *extra: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
@@ -53,9 +47,8 @@ def test_sigterm_mid_epoch_checkpoints_and_the_same_command_finishes_bitwise(cpu
     finish the micro-batch, write a checkpoint and exit with 143; rerunning the same command
     with resume="auto" ends with exactly the parameters, optimizer state and RNG state of an
     uninterrupted run."""
-    command = (sys.executable, str(SCRIPT), str(tmp_path / "ckpts"), str(tmp_path / "result"),
-               str(tmp_path / "logs"), "--interrupt", "sigterm:0:13")
-    first = _run(*command)
+    command = (SCRIPT, tmp_path / "ckpts", tmp_path / "result", tmp_path / "logs", "--interrupt", "sigterm:0:13")
+    first = python(*command)
     assert first.returncode == 143, first.stderr
     assert "SIGTERM received; saved" in first.stderr
     latest = af.Checkpoints(tmp_path / "ckpts").latest()
@@ -63,7 +56,7 @@ def test_sigterm_mid_epoch_checkpoints_and_the_same_command_finishes_bitwise(cpu
     assert _manifest(latest)["counters"] == {"step": 6, "micro_step": 13, "epoch": 1, "epoch_micro_step": 3}
     assert _manifest(latest)["ranks"][0]["grads"]  # saved mid-window, with its gradients
 
-    second = _run(*command)
+    second = python(*command)
     assert second.returncode == 0, second.stderr
     assert _log(tmp_path, 0) == [["-", "step_00000006", "17", "15", "30"]]  # resumed at micro-batch 13 of 30
 
@@ -80,14 +73,14 @@ def test_sigterm_to_the_process_group_with_dataloader_workers_checkpoints(cpu, t
     the process finishes the micro-batch, checkpoints and exits with 143 (instead of failing
     with "DataLoader worker is killed by signal"); the resumed run ends bitwise like an
     uninterrupted one."""
-    command = (sys.executable, str(SCRIPT), str(tmp_path / "ckpts"), str(tmp_path / "result"),
-               str(tmp_path / "logs"), "--interrupt", "sigterm-group:0:13", "--workers", "2")
-    first = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300, start_new_session=True)
+    command = (SCRIPT, tmp_path / "ckpts", tmp_path / "result", tmp_path / "logs", "--interrupt",
+               "sigterm-group:0:13", "--workers", "2")
+    first = python(*command)
     assert first.returncode == 143, first.stderr
     assert "SIGTERM received; saved" in first.stderr
     assert _manifest(af.Checkpoints(tmp_path / "ckpts").latest())["counters"]["micro_step"] == 13
 
-    second = _run(*command)
+    second = python(*command)
     assert second.returncode == 0, second.stderr
     step, state, data, _ = job(1, workers=2)
     uninterrupted = af.run(step, state, data, backend=cpu, epochs=3, progress=False)

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
+from tests.helpers.programs import mse
 
 
 def hparams_of(path) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def test_config_reaches_tensorboard_hparams_and_every_config_tracker_once(tmp_pa
     model = torch.nn.Linear(3, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     step = af.compose(af.accumulate(2), af.clip(1.0), af.with_precision("bf16"))(
-        af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])))
+        af.train_step(mse))
     collector = Collector()
     af.run(step, state, data, backend=cpu, progress=False, config={"lr": 0.1, "net": {"width": 3}, "flag": True},
            trackers=[af.TensorBoard(tmp_path / "tb"), collector])

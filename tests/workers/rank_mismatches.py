@@ -2,7 +2,7 @@
 
 Usage: accelfn launch --nproc-per-node 2 --timeout-s 30 rank_mismatches.py --out DIR
 Each rank writes DIR/rank{r}.json with the error each case raised on it: metric names that
-differ across ranks, evaluate outputs of another structure, af.save and af.evaluate called
+differ across ranks, an af.Loss on rank 0 and a mean loss on rank 1, evaluate outputs of another structure, af.save and af.evaluate called
 on rank 0 alone; and the files of a save on every rank afterwards. Rank 0 logs the same
 metric names in another order to DIR/reordered.jsonl.
 """
@@ -45,6 +45,15 @@ def main() -> None:
         run(backend, extra_on_rank_one, out / "extra.jsonl")
     except ValueError as e:
         result["names"] = str(e)
+
+    def sum_on_rank_zero(m: torch.nn.Module, b: Any) -> Any:  # af.Loss on rank 0, a mean loss on rank 1
+        errors = (m(b[0]) - b[1]) ** 2
+        return af.Loss(total=errors.sum(), count=errors.numel()) if rank == 0 else errors.mean()
+
+    try:
+        run(backend, sum_on_rank_zero, out / "kinds.jsonl")
+    except ValueError as e:
+        result["kinds"] = str(e)
 
     def reordered(m: torch.nn.Module, b: Any) -> Any:  # the same names, in another order on rank 1
         metrics = {"a": 1.0 + 9 * rank, "b": 2.0 + 18 * rank}
