@@ -3,7 +3,7 @@
 Usage: accelfn launch --nproc-per-node N sharded_ckpt.py MODE --out FILE [options]
 
 ``train``: runs ``helpers.sharding.program`` for 2 epochs (``--max-steps`` fewer) with
-``--checkpoints DIR --every-steps K --keep N`` and ``--resume``; ``--sigterm RANK:CALL``
+``--checkpoints DIR --every-steps K --keep N`` (``--asynchronous``: background saves) and ``--resume``; ``--sigterm RANK:CALL``
 makes rank RANK send itself SIGTERM in its CALL-th loss call, once (a marker file next to
 ``--out`` remembers it across restarts). ``load``: loads ``--load
 CKPT`` with ``pickle.load``/``pickle.loads``/``torch.load`` patched to raise, then optionally
@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=Path)
     parser.add_argument("--every-steps", type=int)
     parser.add_argument("--keep", type=int)
+    parser.add_argument("--asynchronous", action="store_true")
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--resume")
     parser.add_argument("--load", type=Path)
@@ -106,8 +107,8 @@ def main() -> None:
     backend = af.backends.auto()
     state = build(sharded=not args.unsharded, tied=args.mode == "export")
     if args.mode == "train":
-        checkpoints = (af.Checkpoints(args.checkpoints, every_steps=args.every_steps, keep=args.keep)
-                       if args.checkpoints else None)
+        checkpoints = (af.Checkpoints(args.checkpoints, every_steps=args.every_steps, keep=args.keep,
+                                      asynchronous=args.asynchronous) if args.checkpoints else None)
         step = program(sharded=not args.unsharded)
         if args.sigterm:
             step = af.Step(_preempted(args.sigterm, backend.rank, args.out.parent / "sigterm-sent"), step.transforms)
