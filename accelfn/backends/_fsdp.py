@@ -12,6 +12,7 @@ already holds (a state restored before ``prepare``) is sharded the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from collections import defaultdict
@@ -63,16 +64,21 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def mesh(device: torch.device, world_size: int) -> DeviceMesh:
-    """The 1-D device mesh of all ranks; on one process, a single-process group is made first
-    (FSDP2 needs one even there; only offloading asks for FSDP on one process)."""
+def mesh(device: torch.device, world_size: int, shard_size: int | None = None) -> DeviceMesh:
+    """The device mesh FSDP2 shards over: 1-D over all ranks, or, given a ``shard_size``
+    below ``world_size``, 2-D ``(replicate, shard)`` of shape ``(world_size // shard_size,
+    shard_size)`` (consecutive ranks share a copy of the model: hybrid sharding). On one
+    process, a single-process group is made first (FSDP2 needs one even there; only
+    offloading asks for FSDP on one process)."""
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
         leave_at_exit()
     from torch.distributed.device_mesh import init_device_mesh  # with FSDP2, on first use (fsdp2())
 
-    return init_device_mesh(device.type, (world_size,))
+    if shard_size is None or shard_size == world_size:
+        return init_device_mesh(device.type, (world_size,))
+    return init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
@@ -160,11 +166,14 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: f
     collective runs on the process group's device, so it also works when the shards are
     offloaded to CPU memory under NCCL (DTensor's own norm would all-reduce a CPU tensor).
 
+    Under hybrid sharding (a 2-D mesh) the replicas hold the same shards, so the sum is taken
+    over the ranks of one copy of the model (the mesh's ``"shard"`` group) only.
+
     Args:
         params: the parameters (DTensors), each with a gradient or None.
         max_norm: the largest allowed total norm.
         norm_type: p of the p-norm, or ``math.inf``.
-        all_reduce: ``backend.reduce``.
+        all_reduce: ``backend.reduce`` (over all ranks).
 
     Returns:
         The total norm before clipping, a scalar tensor equal on every rank: the unsharded
@@ -174,6 +183,9 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: f
     if not grads:
         return torch.zeros(())
     device = grads[0].device
+    mesh = next(p.device_mesh for p in params if is_dtensor(p))
+    if mesh.ndim > 1:
+        all_reduce = functools.partial(_reduce_in_group, mesh)
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type).float().to(device) for g in grads])
     if math.isinf(norm_type):
         total = all_reduce(norms.max(), "max").to(device)
@@ -183,3 +195,11 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: f
     for g in grads:
         g.mul_(coefficient.to(g.device, g.dtype))
     return total
+
+
+def _reduce_in_group(mesh: DeviceMesh, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """``tensor`` summed (or its max taken) over the ranks of ``mesh``'s ``"shard"`` dimension,
+    on the mesh's device (a CUDA mesh's collectives need CUDA tensors, even of offloaded shards)."""
+    out = tensor.detach().to(mesh.device_type).clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=mesh.get_group("shard"))
+    return out

@@ -228,6 +228,7 @@ class Backend(ProcessContext, abc.ABC):
             )
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
+            shard.shard_degree(self.world_size, self.local_world_size)  # a world that groups cannot split
         if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:

@@ -56,4 +56,6 @@ class CPU(Backend):
         _fsdp.check_available()
 
     def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
-        _fsdp.shard_model(state.model, state.optimizer, shard, policy, _fsdp.mesh(self.device, self.world_size))
+        shard_size = shard.shard_degree(self.world_size, self.local_world_size)
+        _fsdp.shard_model(state.model, state.optimizer, shard, policy,
+                          _fsdp.mesh(self.device, self.world_size, shard_size))

@@ -15,12 +15,12 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ClassVar, Union
+from typing import Any, ClassVar, Literal, Union
 
 import attrs
 import torch
 
-from accelfn.errors import boolean
+from accelfn.errors import boolean, check_int, wrong_type
 from accelfn.step import Phase, TransformBase
 from accelfn.transforms.replicate import Replicate
 
@@ -50,6 +50,14 @@ def _to_units(value: object) -> Units:
             f"got {sorted(map(repr, bad)) or 'an empty set'}"
         )
     return classes
+
+
+def _shard_size(instance: Any, attribute: attrs.Attribute, value: object) -> None:
+    if value is None or value == "node":
+        return
+    if isinstance(value, str):
+        raise wrong_type("shard_params", "shard_size", 'an int, "node" or None', value)
+    check_int("shard_params", "shard_size", value, minimum=1)
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -86,6 +94,9 @@ class ShardParams(TransformBase):
         reduce_every_micro_batch: under ``accumulate(n)``, reduce-scatter the gradients of
             every micro-batch and accumulate sharded gradients (memory 1/W, n reduce-scatters
             per update) instead of accumulating unsharded gradients locally and reducing once.
+        shard_size: the number of ranks each copy of the model is sharded over (None: all of
+            them; ``"node"``: the processes of one node, ``LOCAL_WORLD_SIZE``); the world is
+            split into groups of that many consecutive ranks, replicated across groups.
     """
 
     phase: ClassVar[Phase] = Phase.MODEL
@@ -96,6 +107,25 @@ class ShardParams(TransformBase):
     reshard_after_forward: bool = attrs.field(default=True, validator=boolean)
     offload: bool = attrs.field(default=False, validator=boolean)
     reduce_every_micro_batch: bool = attrs.field(default=False, validator=boolean)
+    shard_size: int | Literal["node"] | None = attrs.field(default=None, validator=_shard_size)
+
+    def shard_degree(self, world_size: int, local_world_size: int) -> int:
+        """The number of ranks a copy of the model is sharded over in a world of ``world_size``
+        processes, ``local_world_size`` per node.
+
+        Raises:
+            ValueError: ``world_size`` is not a multiple of it.
+        """
+        if world_size == 1:  # nothing is sharded on one process
+            return 1
+        size = (world_size if self.shard_size is None else local_world_size if self.shard_size == "node"
+                else self.shard_size)
+        if world_size % size:
+            asked = "LOCAL_WORLD_SIZE" if self.shard_size == "node" else "it"
+            raise ValueError(f"shard_params(shard_size={self.shard_size!r}): the world of {world_size} processes "
+                             f"cannot be split into groups of {size} ranks; make the world size a multiple "
+                             f"of {asked}, or leave shard_size out to shard over all ranks")
+        return size
 
     def select(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """The submodules that become units, innermost first (the order ``fully_shard`` needs);
@@ -134,6 +164,7 @@ def shard_params(
     reshard_after_forward: bool = True,
     offload: bool = False,
     reduce_every_micro_batch: bool = False,
+    shard_size: int | Literal["node"] | None = None,
 ) -> ShardParams:
     """Fully sharded data parallel (ZeRO-3, FSDP2's ``fully_shard``) over all processes.
 
@@ -155,17 +186,26 @@ def shard_params(
             (CUDA only).
         reduce_every_micro_batch: under ``accumulate(n)``, reduce-scatter after every
             micro-batch (sharded accumulation: less memory, n times the communication).
+        shard_size: hybrid sharding (HSDP, Accelerate's ``HYBRID_SHARD``): each copy of the
+            model is sharded over groups of ``shard_size`` consecutive ranks and replicated
+            across the groups, as a 2-D device mesh ``(replicate, shard)`` of FSDP2: gradients
+            are reduce-scattered within a group, then all-reduced across groups. ``"node"``
+            shards within each node (``LOCAL_WORLD_SIZE`` ranks), so the large collectives
+            stay on the node's fast links; ``None`` (default) shards over all ranks. Each rank
+            then holds 1/shard_size of the model. The world size must be a multiple of it.
 
     Returns:
         ShardParams: the transform.
 
     Raises:
         TypeError: ``units`` is not None, a module class, an iterable of module classes or a
-            callable; a flag that is not a bool.
+            callable; a flag that is not a bool; ``shard_size`` not an int, ``"node"`` or None.
+        ValueError: ``shard_size`` below 1 (a world size that is not a multiple of it is
+            refused when the program is prepared).
 
     Example:
         >>> import accelfn as af
         >>> af.shard_params(reshard_after_forward=False)
-        ShardParams(units=None, reshard_after_forward=False, offload=False, reduce_every_micro_batch=False)
+        ShardParams(units=None, reshard_after_forward=False, offload=False, reduce_every_micro_batch=False, shard_size=None)
     """
-    return ShardParams(units, reshard_after_forward, offload, reduce_every_micro_batch)
+    return ShardParams(units, reshard_after_forward, offload, reduce_every_micro_batch, shard_size)

@@ -62,11 +62,13 @@ def loader(batch_size: int) -> DataLoader:
     return DataLoader(P.regression_data(), batch_size=batch_size, shuffle=True)
 
 
-def hand_written(optimizer: str, *, clip_value: float | None = None) -> tuple[torch.nn.Module, list[float]]:
-    """One process, no accelfn: what ``train_program`` does on 2 ranks x batch 3.
+def hand_written(optimizer: str, *, clip_value: float | None = None,
+                 world_size: int = 2) -> tuple[torch.nn.Module, list[float]]:
+    """One process, no accelfn: what ``train_program`` does on ``world_size`` ranks x batch 3.
 
     Each update is one window of 2 micro-batches of 3 samples on each of 2 ranks, i.e. 12
-    samples of the epoch's shard_data order (the last window of an epoch holds 4); its
+    samples of the epoch's shard_data order (the last window of an epoch holds 4; on 4
+    ranks, 24 samples and then 4); its
     gradient is the mean over the window's samples, clipped to norm CLIP (or, given
     ``clip_value``, clamped to it element-wise).
 
@@ -81,8 +83,9 @@ def hand_written(optimizer: str, *, clip_value: float | None = None) -> tuple[to
         sampler = DistributedSampler(P.regression_data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
         sampler.set_epoch(epoch)
         order = list(sampler)
-        for start in range(0, len(order), 12):
-            window = order[start:start + 12]
+        window_size = world_size * P.PER_RANK_BATCH * 2
+        for start in range(0, len(order), window_size):
+            window = order[start:start + window_size]
             F.mse_loss(model(x[window]), y[window]).backward()
             if clip_value is None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))

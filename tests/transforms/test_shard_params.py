@@ -35,10 +35,10 @@ def _names(units: list[tuple[str, torch.nn.Module]]) -> list[str]:
 
 def test_shard_params_is_a_frozen_hashable_record_with_zero3_defaults() -> None:
     """shard_params() builds ShardParams(units=None, reshard_after_forward=True, offload=False,
-    reduce_every_micro_batch=False), equal and hashable by value, at the model phase."""
+    reduce_every_micro_batch=False, shard_size=None), equal and hashable by value, at the model phase."""
     t = af.shard_params()
     assert repr(t) == ("ShardParams(units=None, reshard_after_forward=True, offload=False, "
-                       "reduce_every_micro_batch=False)")
+                       "reduce_every_micro_batch=False, shard_size=None)")
     assert t == af.shard_params() and hash(t) == hash(af.shard_params())
     step = af.compose(af.clip(1.0), t, af.shard_data())(af.train_step(P.mse))
     assert [type(x).__name__ for x in step.transforms] == ["ShardData", "ShardParams", "Clip"]
@@ -74,6 +74,27 @@ def test_flags_must_be_booleans() -> None:
     """shard_params(offload=1) raises TypeError naming the field."""
     with pytest.raises(TypeError, match=r"shard_params\(offload=...\) must be True or False, got 1"):
         af.shard_params(offload=1)  # type: ignore[arg-type]
+
+
+def test_shard_size_groups_the_world_or_is_refused() -> None:
+    """shard_size: None shards over the world, "node" over LOCAL_WORLD_SIZE ranks, an int over
+    that many; a world it cannot split, 0, a float or another string is refused."""
+    assert af.shard_params().shard_degree(8, 4) == 8
+    assert af.shard_params(shard_size="node").shard_degree(8, 4) == 4
+    assert af.shard_params(shard_size=2).shard_degree(8, 4) == 2
+    assert af.shard_params(shard_size=3).shard_degree(1, 1) == 1  # one process trains unsharded
+    with pytest.raises(ValueError, match=r"shard_params\(shard_size=3\): the world of 4 processes cannot be split "
+                       r"into groups of 3 ranks; make the world size a multiple of it"):
+        af.shard_params(shard_size=3).shard_degree(4, 4)
+    with pytest.raises(ValueError, match=r"shard_params\(shard_size='node'\): the world of 6 processes cannot be split "
+                       r"into groups of 4 ranks; make the world size a multiple of LOCAL_WORLD_SIZE"):
+        af.shard_params(shard_size="node").shard_degree(6, 4)
+    with pytest.raises(ValueError, match=r"shard_params\(shard_size=0\): must be >= 1"):
+        af.shard_params(shard_size=0)
+    with pytest.raises(TypeError, match=r"shard_params\(shard_size=...\) must be an int, got 2.0"):
+        af.shard_params(shard_size=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"shard_params\(shard_size=...\) must be an int, \"node\" or None, got 'rack'"):
+        af.shard_params(shard_size="rack")  # type: ignore[arg-type]
 
 
 def test_shard_params_with_replicate_is_refused_saying_why() -> None:

@@ -1,0 +1,66 @@
+"""Hybrid sharding (``shard_params(shard_size=2)``, a 2-D FSDP2 mesh) on 4 real gloo processes.
+
+One launch of tests/workers/hybrid_checks.py records everything: 2 copies of the model, each
+sharded over 2 ranks, trained whole, and stopped after 3 updates and resumed from its checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelfn as af
+from tests.helpers import launch as _launch
+from tests.helpers import sharded as S
+
+pytestmark = pytest.mark.multiprocess
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("hybrid")
+    _launch.launch("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60", script="hybrid_checks.py",
+                   script_args=("--out", out), cwd=out)
+    return {"json": _launch.read_ranks(out, WORLD), "tensors": [load_file(out / f"rank{r}.safetensors")
+                                                                for r in range(WORLD)], "out": out}
+
+
+def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_four_processes_in_two_sharded_copies_equal_a_hand_written_loop_with_four_times_the_batch(run) -> None:
+    """4 processes x batch 3, each copy of the model sharded over 2 of them (mesh 2 x 2), with
+    SGD + accumulate(2) + clip(1.0): the gathered parameters and the logged grad norms are a
+    hand-written 1-process loop's over windows of 24 samples (1e-5), the same bitwise on every
+    rank, and each rank holds half of the model."""
+    model, norms = S.hand_written("sgd", world_size=WORLD)
+    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    whole = [_part(t, "whole.") for t in run["tensors"]]
+    for name, value in reference.items():
+        torch.testing.assert_close(whole[0][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert all(torch.equal(whole[r][k], whole[0][k]) for r in range(WORLD) for k in reference)
+    torch.testing.assert_close(torch.tensor(run["json"][0]["grad_norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert min(norms) > S.CLIP  # every update was clipped: the norm over one copy's shards is what matched
+    for rank in run["json"]:
+        assert rank["mesh"] == [2, 2]
+        assert rank["local_numel"] <= 0.55 * rank["full_numel"]
+    assert sum(r["local_numel"] for r in run["json"][:2]) == run["json"][0]["full_numel"]
+
+
+def test_a_hybrid_checkpoint_resumes_bitwise_and_loads_into_one_unsharded_process(run) -> None:
+    """Stopped after 3 updates with a checkpoint and resumed from it by a fresh state (another
+    seed), the run ends bitwise like the whole one; the checkpoint, loaded into one unsharded
+    process, holds bitwise the parameters the stopped run gathered."""
+    for tensors in run["tensors"]:
+        assert _part(tensors, "resumed.").keys() == _part(tensors, "whole.").keys()
+        assert all(torch.equal(_part(tensors, "resumed.")[k], v) for k, v in _part(tensors, "whole.").items())
+    assert [r["resumed_step"] for r in run["json"]] == [4] * WORLD
+    loaded = af.load(run["out"] / "checkpoints" / "step_00000003", into=S.make_state("sgd", seed=2))
+    stopped = _part(run["tensors"][0], "stopped.")
+    assert loaded.step == 3
+    assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in stopped.items())
