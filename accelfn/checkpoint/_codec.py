@@ -177,6 +177,8 @@ def decode(plain: Any, tensors: Mapping[str, torch.Tensor], path: str = "") -> A
             record field of the wrong type.
     """
     if isinstance(plain, list):
+        if _scalars(plain):  # a JSON scalar decodes to itself (an RNG state is 600+ of them)
+            return list(plain)
         return [decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain)]
     if not isinstance(plain, dict):
         return plain
@@ -193,7 +195,10 @@ def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.
     if tag == TENSOR:
         return _lookup(tensors, plain[TENSOR], path)
     if tag == TUPLE:
-        return tuple(decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(plain[TUPLE]))
+        items = plain[TUPLE]
+        if _scalars(items):
+            return tuple(items)
+        return tuple(decode(v, tensors, f"{path}[{i}]") for i, v in enumerate(items))
     if tag == DICT:
         items = [(decode(k, tensors, path), v) for k, v in plain[DICT]]
         return {k: decode(v, tensors, _child(path, k)) for k, v in items}
@@ -219,6 +224,11 @@ def _decode_tagged(tag: str, plain: dict[str, Any], tensors: Mapping[str, torch.
         return cls(**fields)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _scalars(items: list[Any]) -> bool:
+    """True if no item of ``items`` (JSON data) is a list or an object."""
+    return not any(isinstance(v, (list, dict)) for v in items)
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -261,6 +271,8 @@ def conforms(value: Any, kind: Any) -> bool:
         if not isinstance(value, (tuple, list)):
             return False
         if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] is int:  # the common long case (RNG states), without a call per item
+                return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
             return all(conforms(v, args[0]) for v in value)
         return len(value) == len(args) and all(conforms(v, a) for v, a in zip(value, args))
     if origin in (Mapping, dict) or kind in (Mapping, dict):
