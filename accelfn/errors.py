@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import attrs
@@ -155,7 +156,15 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_parent(existing: Path, path: Path, what: str) -> None:
+    """Raises unless a file can be made in the directory ``existing``: it is tried (an empty
+    file made and removed), since permission bits do not tell for root, nor for read-only
+    or virtual file systems (``/sys``, ``/proc``)."""
     if not existing.is_dir():
         raise ValueError(f"{what}: {path} cannot be created, since {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"{what}: {path} cannot be written, since {existing} is not writable by this process")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".accelfn-write-check-")
+    except OSError as e:
+        raise PermissionError(f"{what}: {path} cannot be written, since {existing} refuses new files "
+                              f"({e.strerror}); give a directory this process can write in") from None
+    os.close(fd)
+    os.unlink(probe)

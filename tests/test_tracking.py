@@ -124,3 +124,18 @@ def test_tracker_paths_are_checked_when_built(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         af.TensorBoard(tmp_path / "file")
+
+
+def test_jsonl_appending_after_a_partial_last_line_starts_a_new_line(tmp_path):
+    """A file whose last line a killed run left unfinished keeps that fragment on its own line;
+    the appended points are whole lines (a file ending with a newline gets none added)."""
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    tracker = af.JSONL(path)
+    tracker.log({"loss": 0.25}, 3)
+    tracker.close()
+    tracker = af.JSONL(path)
+    tracker.log({"loss": 0.125}, 4)
+    tracker.close()
+    assert path.read_bytes().splitlines() == [b'{"step": 1, "loss": 0.5}', b'{"step": 2, "lo',
+                                              b'{"step":3,"loss":0.25}', b'{"step":4,"loss":0.125}']

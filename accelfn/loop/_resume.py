@@ -111,7 +111,10 @@ def _fallback(checkpoints: Checkpoints, failed: Path, into: TrainState, backend:
     head = (f"run(resume='auto'): the latest checkpoint, {failed}, failed to load; it is not skipped, since "
             "that could hide a bug.")
     if not earlier:
-        return f"{head} If it is damaged, start a fresh run (there is no earlier checkpoint)"
+        return (f"{head} There is no earlier checkpoint: if the state is not built like the one that wrote it "
+                "(model, optimizer, scheduler, extra), build it the same way; if the checkpoint is damaged, or to "
+                f"train this state from scratch, start a fresh run in another checkpoint directory than "
+                f"{checkpoints.directory}")
     previous = checkpoints.path_for(earlier[-1])
     try:
         read_fitting(previous, into, backend)

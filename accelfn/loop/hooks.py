@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from accelfn.backends.base import Backend
+from accelfn.errors import check_int, wrong_type
 from accelfn.state import TrainState
 
 
@@ -44,14 +45,13 @@ def _every_steps(instance: Hook, attribute: attrs.Attribute, value: Any) -> None
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Hook(every_steps={value!r}) must be an int (optimizer updates) or None")
-    if value < 1:
-        raise ValueError(f"Hook(every_steps={value!r}) must be >= 1")
+        raise wrong_type("Hook", "every_steps", "an int (optimizer updates) or None", value)
+    check_int("Hook", "every_steps", value, minimum=1)
 
 
 def _callable(instance: Hook, attribute: attrs.Attribute, value: Any) -> None:
     if not callable(value):
-        raise TypeError(f"Hook(fn={value!r}) must be a function fn(state, backend) -> metrics or None")
+        raise wrong_type("Hook", "fn", "a function fn(state, backend) -> metrics or None", value)
 
 
 @attrs.frozen

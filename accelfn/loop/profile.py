@@ -12,22 +12,20 @@ import attrs
 import torch
 
 from accelfn.backends.base import Backend
-from accelfn.errors import to_path
+from accelfn.errors import check_directory, check_int, to_path, wrong_type
 
 
 def _count(minimum: int) -> Any:
     def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"Profile({attribute.name}={value!r}) must be an int (optimizer updates)")
-        if value < minimum:
-            raise ValueError(f"Profile({attribute.name}={value!r}) must be >= {minimum}")
+            raise wrong_type("Profile", attribute.name, "an int (optimizer updates)", value)
+        check_int("Profile", attribute.name, value, minimum=minimum)
 
     return check
 
 
 def _directory(instance: Any, attribute: attrs.Attribute, value: Path) -> None:
-    if value.exists() and not value.is_dir():
-        raise ValueError(f"Profile(dir={str(value)!r}) is a file; give a directory for the trace files")
+    check_directory(value, f"Profile(dir={str(value)!r})")
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 import orjson
@@ -146,6 +147,8 @@ class JSONL:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
+            if _ends_mid_line(self.path):  # a run killed while writing: its partial line stays on its own
+                self._file.write(b"\n")
         self._file.write(orjson.dumps({"step": step, **metrics}) + b"\n")
 
     def flush(self) -> None:
@@ -158,3 +161,12 @@ class JSONL:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """True if the file at ``path`` is not empty and its last byte is not a newline."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"

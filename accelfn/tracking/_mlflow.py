@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from accelfn.errors import to_path
+from accelfn.errors import check_directory, to_path
 from accelfn.tracking._config import flatten, require
 
 # MLflow's own limits on one log_batch call (mlflow.utils.validation)
@@ -53,8 +53,8 @@ class MLflow:
             raise ValueError(f"MLflow(dir={dir!r}, tracking_uri={tracking_uri!r}): give one of them, a directory "
                              "for a local store (MLflow('runs/mlflow')) or the URI of a tracking server")
         self.dir = to_path("MLflow", "dir", dir) if dir is not None else None
-        if self.dir is not None and self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(f"MLflow(dir={str(dir)!r}) is a file; give a directory for the MLflow store")
+        if self.dir is not None:
+            check_directory(self.dir, f"MLflow(dir={str(dir)!r})")
         if not isinstance(experiment, str) or not experiment:
             raise ValueError(f"MLflow(experiment={experiment!r}): give a non-empty experiment name")
         self.experiment = experiment

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from accelfn.errors import to_path
+from accelfn.errors import check_directory, to_path
 from accelfn.tracking._config import plain, require
 
 Mode = Literal["online", "offline", "disabled"]
@@ -48,8 +48,7 @@ class WandB:
             raise ValueError(f"WandB(mode={mode!r}): accepted values are {', '.join(map(repr, _MODES))} or None "
                              "(W&B's own setting)")
         self.dir = to_path("WandB", "dir", dir)
-        if self.dir.exists() and not self.dir.is_dir():
-            raise ValueError(f"WandB(dir={str(dir)!r}) is a file; give a directory for W&B's run files")
+        check_directory(self.dir, f"WandB(dir={str(dir)!r})")
         self.project, self.name, self.mode, self.entity, self.tags = project, name, mode, entity, tuple(tags)
         self.run_id: str | None = None
         self._run: Any = None

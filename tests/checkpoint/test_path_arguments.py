@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,3 +82,25 @@ def test_save_under_a_file_is_refused_before_writing(tmp_path) -> None:
         af.save(state, tmp_path / "file" / "ckpt")
     assert str(error.value) == (f"save(path={str(tmp_path / 'file' / 'ckpt')!r}): {tmp_path / 'file' / 'ckpt'} "
                                 f"cannot be created, since {tmp_path / 'file'} is a file, not a directory")
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (lambda p: af.TensorBoard(p / "tb"), "TensorBoard(logdir="),
+    (lambda p: af.JSONL(p / "metrics.jsonl"), "JSONL(path="),
+    (lambda p: af.Checkpoints(p / "ckpt"), "Checkpoints("),
+    (lambda p: af.Profile(p / "profile"), "Profile("),
+])
+def test_paths_where_no_file_can_be_made_are_refused_even_for_root(make, what) -> None:
+    """Under /sys no file can be made, whatever the permission bits say (the tests run as root,
+    for whom they always say yes): the path is refused when given, naming the directory."""
+    with pytest.raises(PermissionError) as error:
+        make(Path("/sys"))
+    assert str(error.value).startswith(what)
+    assert " cannot be written, since /sys refuses new files (" in str(error.value)
+
+
+def test_a_writable_directory_is_accepted_and_left_as_it_was(tmp_path) -> None:
+    """Checking a path tries a file in the nearest existing directory and removes it."""
+    af.Checkpoints(tmp_path / "a" / "ckpt", every_steps=5)
+    af.JSONL(tmp_path / "metrics.jsonl")
+    assert list(tmp_path.iterdir()) == []

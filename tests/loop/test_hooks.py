@@ -160,9 +160,10 @@ def test_bad_hooks_are_refused_with_the_fix(cpu):
     with pytest.raises(ValueError, match=re.escape("Hook(fn) needs a trigger: every_steps=<updates> and/or "
                                                    "at_epoch_end=True")):
         af.Hook(lambda s, b: None)
-    with pytest.raises(TypeError, match=r"Hook\(fn='val'\) must be a function fn\(state, backend\)"):
+    with pytest.raises(TypeError, match=r"^Hook\(fn=...\) must be a function fn\(state, backend\) -> metrics or None, "
+                       r"got 'val'$"):
         af.Hook("val", every_steps=1)
-    with pytest.raises(ValueError, match=r"Hook\(every_steps=0\) must be >= 1"):
+    with pytest.raises(ValueError, match=r"^Hook\(every_steps=0\): must be >= 1$"):
         af.Hook(lambda s, b: None, every_steps=0)
     model = torch.nn.Linear(2, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01))

@@ -81,12 +81,14 @@ def test_profile_writes_a_chrome_trace_of_the_chosen_window(tmp_path, cpu):
 
 def test_profile_checks_its_window(tmp_path):
     """A zero active window, a negative wait and a file as directory are refused at once."""
-    with pytest.raises(ValueError, match=r"Profile\(active=0\) must be >= 1"):
+    with pytest.raises(ValueError, match=r"^Profile\(active=0\): must be >= 1$"):
         af.Profile(tmp_path, active=0)
-    with pytest.raises(ValueError, match=r"Profile\(wait=-1\) must be >= 0"):
+    with pytest.raises(ValueError, match=r"^Profile\(wait=-1\): must be >= 0$"):
         af.Profile(tmp_path, wait=-1)
+    with pytest.raises(TypeError, match=r"^Profile\(repeat=...\) must be an int \(optimizer updates\), got 1.5$"):
+        af.Profile(tmp_path, repeat=1.5)  # type: ignore[arg-type]
     (tmp_path / "f").write_text("")
-    with pytest.raises(ValueError, match="is a file; give a directory for the trace files"):
+    with pytest.raises(ValueError, match="is a file, not a directory; give a directory"):
         af.Profile(tmp_path / "f")
 
 

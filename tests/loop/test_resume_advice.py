@@ -37,3 +37,19 @@ def test_another_models_checkpoints_do_not_suggest_the_previous_one(tmp_path) ->
         "wrote them (model, optimizer, scheduler, extra), build it the same way; to train this state from scratch, "
         f"start a fresh run in another checkpoint directory than {tmp_path}")
     assert "resume from the previous one" not in str(error.value)
+
+
+def test_a_single_checkpoint_of_another_model_advises_both_fixes(tmp_path) -> None:
+    """With one checkpoint only, the advice names both causes (another state, a damaged file)
+    and, for a fresh run, another checkpoint directory."""
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    step = af.train_step(lambda m, b: F.mse_loss(m(b[0])[:, :1], b[1]))
+    checkpoints = af.Checkpoints(tmp_path, every_steps=2)
+    af.run(step, _state(1), data, backend=CPU, checkpoints=checkpoints, progress=False)
+    with pytest.raises(af.CheckpointError) as error:
+        af.run(step, _state(2), data, backend=CPU, checkpoints=checkpoints, resume="auto", progress=False)
+    assert str(error.value).endswith(
+        f"run(resume='auto'): the latest checkpoint, {checkpoints.path_for(2)}, failed to load; it is not skipped, "
+        "since that could hide a bug. There is no earlier checkpoint: if the state is not built like the one that "
+        "wrote it (model, optimizer, scheduler, extra), build it the same way; if the checkpoint is damaged, or to "
+        f"train this state from scratch, start a fresh run in another checkpoint directory than {tmp_path}")
