@@ -73,6 +73,21 @@ def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(ru
             == json.loads((runs / "step3" / "manifest.json").read_bytes())["counters"])
 
 
+def test_a_snapshot_of_a_sharded_state_restores_it_in_memory(tmp_path: Path) -> None:
+    """af.snapshot of a sharded state after 2 updates, restored after 2 more, gives back bitwise
+    the state it took (parameters, optimizer state, counters), and training on from it repeats
+    updates 3 and 4 bitwise."""
+    _launch_worker(2, "snapshot", "--out", tmp_path / "snap.safetensors")
+    tensors = safetensors.torch.load_file(tmp_path / "snap.safetensors")
+
+    def part(prefix: str) -> dict[str, torch.Tensor]:
+        return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+
+    assert_same(part("restored/"), part("at_snapshot/"))
+    assert_same(part("again/"), part("first/"))
+    assert not all(torch.equal(v, part("first/")[k]) for k, v in part("at_snapshot/").items())
+
+
 def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(tmp_path: Path) -> None:
     """Saved after a micro-batch that skipped FSDP2's reduce-scatter, each rank's unsharded
     window gradients are kept in its own file; loaded into fresh sharded states, the window

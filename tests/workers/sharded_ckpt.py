@@ -12,6 +12,9 @@ instead. ``export``: trains 2 updates of a tied model, then ``af.save_model`` to
 ``fail``: loads ``--load`` and saves it back over itself while rank 1's safetensors
 writer raises OSError("No space left on device"); each rank writes its CheckpointError to
 ``error<rank>.txt`` next to ``--out``.
+``snapshot``: trains 2 updates, takes ``af.snapshot``, trains 2 more, ``af.restore``s it and
+trains the last 2 again; rank 0 writes ``at_snapshot/...``, ``restored/...``, ``first/...``
+(the full state after the first 4 updates) and ``again/...`` (after the restored run's 4).
 ``window``: a hand-written FSDP2 accumulation window of 2 micro-batches, the first without
 reduce-scatter (``set_requires_gradient_sync(False)``), then an update; run whole, and
 interrupted after the first micro-batch by ``af.save`` to ``--save`` and ``af.load`` into a
@@ -90,7 +93,7 @@ def _window(path: Path, backend: Any) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "load", "export", "window", "fail"])
+    parser.add_argument("mode", choices=["train", "load", "export", "window", "fail", "snapshot"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--unsharded", action="store_true")
     parser.add_argument("--checkpoints", type=Path)
@@ -136,6 +139,20 @@ def main() -> None:
         state = af.run(program(sharded=not args.unsharded), state, loader(), backend=backend, epochs=1, max_steps=2,
                        progress=False)
         af.save_model(state, args.export, max_shard_size=300, backend=backend)
+    elif args.mode == "snapshot":
+        step = program(sharded=True)
+        state = af.run(step, state, loader(), backend=backend, epochs=1, max_steps=2, progress=False)
+        snap = af.snapshot(state)
+        tensors = {f"at_snapshot/{k}": v for k, v in full_state(state).items()}
+        state = af.run(step, state, loader(), backend=backend, epochs=1, max_steps=4, progress=False)
+        tensors |= {f"first/{k}": v for k, v in full_state(state).items()}
+        state = af.restore(state, snap)
+        tensors |= {f"restored/{k}": v for k, v in full_state(state).items()}
+        state = af.run(step, state, loader(), backend=backend, epochs=1, max_steps=4, progress=False)
+        tensors |= {f"again/{k}": v for k, v in full_state(state).items()}
+        if backend.is_main_process:
+            safetensors.torch.save_file(tensors, args.out)
+        return
     else:
         tensors = _window(args.save, backend)
         if backend.is_main_process:
