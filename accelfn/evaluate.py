@@ -117,6 +117,7 @@ def evaluate(
                 if backend.graph_cut is not None:
                     backend.graph_cut()
     finally:  # each module's own flag: model.train(flag) would set every submodule to it
+        backend.reshard(model)  # a sharded model's parameters gathered and kept by the forwards
         for module, training in modes:
             module.training = training
         for param, grad in grads:  # gradients fn took do not leak into the next update

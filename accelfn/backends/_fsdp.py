@@ -64,6 +64,18 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Frees the parameters every FSDP2 unit of ``model`` gathered and registers its shards
+    again (``FSDPModule.reshard``): after forwards without a backward, as in evaluation, a
+    unit with ``reshard_after_forward=False`` would otherwise keep the whole unsharded model."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            module.reshard()
+
+
 def mesh(device: torch.device, world_size: int, shard_size: int | None = None) -> DeviceMesh:
     """The device mesh FSDP2 shards over: 1-D over all ranks, or, given a ``shard_size``
     below ``world_size``, 2-D ``(replicate, shard)`` of shape ``(world_size // shard_size,

@@ -30,6 +30,8 @@ class PlainStepFn(StepFn):
         samples = num_samples(batch)
         out = unpack(self._loss_fn(self._model, batch))
         loss, _, user_metrics, is_sum = out
+        if not self._loss_kind_agreed:  # sharded, several processes: the first call only
+            self._agree_loss_kind(is_sum, loss.device)
         if is_sum:
             return self._whole_window(state, samples, out)
         loss.backward()

@@ -55,7 +55,7 @@ def _to_units(value: object) -> Units:
 def _shard_size(instance: Any, attribute: attrs.Attribute, value: object) -> None:
     if value is None or value == "node":
         return
-    if isinstance(value, str):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise wrong_type("shard_params", "shard_size", 'an int, "node" or None', value)
     check_int("shard_params", "shard_size", value, minimum=1)
 

@@ -64,3 +64,48 @@ def test_a_hybrid_checkpoint_resumes_bitwise_and_loads_into_one_unsharded_proces
     stopped = _part(run["tensors"][0], "stopped.")
     assert loaded.step == 3
     assert all(torch.equal(loaded.model.state_dict()[k], v) for k, v in stopped.items())
+
+
+def test_a_sharded_state_is_not_sharded_again_with_other_options(run) -> None:
+    """Preparing the trained (2 x 2) state with shard_params() (all 4 ranks in one group) is
+    refused on every rank, naming the option that differs."""
+    assert [r["reshard_error"] for r in run["json"]] == [
+        "this state's model is sharded already, and shard_params() asks for another layout (shard_size=2 before, "
+        "None now); a model is sharded once: give the step the shard_params(...) it was prepared with, or build the "
+        "state again (a new model and optimizer) to shard it otherwise"] * WORLD
+
+
+def test_evaluate_leaves_a_model_that_keeps_its_gathered_parameters_sharded(run) -> None:
+    """With reshard_after_forward=False, the forwards of af.evaluate (no backward) would keep every
+    parameter gathered; evaluate shards them again, so the model still holds its DTensor shards
+    (the optimizer's parameters) and af.save writes a sharded checkpoint that loads."""
+    for rank in run["json"]:
+        after = rank["after_evaluate"]
+        assert after == {**after, "param_types": ["DTensor"], "optimizer_params_are_model_params": True,
+                         "evaluated": 9}
+        assert after["local_numel"] <= 0.55 * rank["full_numel"]
+    files = sorted(p.name for p in (run["out"] / "after_evaluate" / "dcp").iterdir())
+    assert len(files) == WORLD
+    af.load(run["out"] / "after_evaluate", into=S.make_state("adamw", seed=3))
+
+
+def test_nodes_of_unequal_size_refuse_shard_size_node_on_every_rank(tmp_path) -> None:
+    """shard_size="node" on a node of 2 processes and a node of 1 (two launchers on loopback):
+    every rank raises the same ValueError before anything changes, instead of building
+    different meshes and waiting for each other."""
+    port = _launch.free_port()
+    procs = [_launch.start("launch", "--backend", "cpu", "--nnodes", "2", "--node-rank", str(node),
+                           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           "--timeout-s", "60", _launch.WORKERS / "hybrid_nodes.py", "--out", tmp_path, cwd=tmp_path)
+             for node, nproc in ((0, 2), (1, 1))]
+    for proc in procs:
+        _launch.assert_ok(_launch.finish(proc))
+    ranks = _launch.read_ranks(tmp_path, 3)
+    assert [r["local_world_size"] for r in ranks] == [2, 2, 1]
+    assert all(r["unsharded"] for r in ranks)
+    for rank, r in enumerate(ranks):
+        assert r["error"] == (
+            "shard_params(shard_size='node'): the ranks do not agree on the size of a group (1 on some ranks, on "
+            "others a size that does not divide the world of 3; this rank, "
+            f"{rank}, has LOCAL_WORLD_SIZE={r['local_world_size']}): start the "
+            "same number of processes on every node, or give shard_size as a number that divides the world size")

@@ -32,12 +32,13 @@ def test_metric_names_that_differ_across_ranks_fail_on_every_rank(mismatches) ->
 
 def test_an_af_loss_on_one_rank_and_a_mean_loss_on_the_other_fail_on_every_rank(mismatches) -> None:
     """loss_fn returning af.Loss on rank 0 and a mean loss on rank 1 raises a ValueError on both
-    ranks, naming each rank's kind, before any backward (no hang; nothing logged)."""
-    assert [r["kinds"] for r in mismatches["ranks"]] == [
+    ranks, naming each rank's kind, before any backward (no hang; nothing logged), under
+    replicate() and under shard_params() alone (the plain step function)."""
+    assert [r["kinds"] for r in mismatches["ranks"]] == [r["kinds_sharded"] for r in mismatches["ranks"]] == [
         f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank {rank}: {kind}); "
         "the ranks reduce an af.Loss's counts together, so loss_fn must return the same kind on every rank"
         for rank, kind in ((0, "an af.Loss"), (1, "a plain loss"))]
-    assert not (mismatches["out"] / "kinds.jsonl").exists()
+    assert not (mismatches["out"] / "kinds.jsonl").exists() and not (mismatches["out"] / "kinds_sharded.jsonl").exists()
 
 
 def test_the_same_metric_names_in_another_order_are_averaged_name_by_name(mismatches) -> None:

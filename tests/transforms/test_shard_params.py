@@ -91,7 +91,7 @@ def test_shard_size_groups_the_world_or_is_refused() -> None:
         af.shard_params(shard_size="node").shard_degree(6, 4)
     with pytest.raises(ValueError, match=r"shard_params\(shard_size=0\): must be >= 1"):
         af.shard_params(shard_size=0)
-    with pytest.raises(TypeError, match=r"shard_params\(shard_size=...\) must be an int, got 2.0"):
+    with pytest.raises(TypeError, match=r"shard_params\(shard_size=...\) must be an int, \"node\" or None, got 2.0"):
         af.shard_params(shard_size=2.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"shard_params\(shard_size=...\) must be an int, \"node\" or None, got 'rack'"):
         af.shard_params(shard_size="rack")  # type: ignore[arg-type]

@@ -5,6 +5,9 @@ Usage: accelfn launch --nproc-per-node 4 hybrid_checks.py --out DIR
 ``shard_params(shard_size=2)`` (2 copies of the model, each sharded over 2 ranks) with
 SGD, ``accumulate(2)`` and ``clip(1.0)``, batch 3 per rank, 2 epochs: run whole; run for 3
 updates saving a checkpoint to ``DIR/checkpoints`` and resumed from it by a fresh state.
+Then: preparing the trained state with another ``shard_params(...)`` (the error), and a run with
+``reshard_after_forward=False`` followed by ``af.evaluate`` and ``af.save`` (what the parameters
+are after evaluate, and the saved files).
 Each rank writes DIR/rank{r}.json (the logged grad norms, the mesh, the parameters it holds)
 and DIR/rank{r}.safetensors (``whole.*``: gathered parameters of the whole run;
 ``stopped.*``: after 3 updates; ``resumed.*``: of the resumed run).
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader
 
 import accelfn as af
 from tests.helpers import programs as P
@@ -50,6 +54,23 @@ def main() -> None:
                      epochs=S.EPOCHS, checkpoints=checkpoints, resume="auto", progress=False)
     tensors |= S.full_parameters(resumed.model, "resumed.")
     result["resumed_step"] = resumed.step
+    try:
+        backend.prepare(S.train_program(af.shard_params()), whole)
+    except ValueError as e:
+        result["reshard_error"] = str(e)
+    kept = S.train_program(af.shard_params(shard_size=2, reshard_after_forward=False))
+    kept_state = af.run(kept, S.make_state("adamw"), S.loader(P.PER_RANK_BATCH), backend=backend, epochs=1,
+                        progress=False)
+    outputs = af.evaluate(P.eval_outputs, kept_state, DataLoader(P.IndexDataset(9), batch_size=2), backend=backend)
+    model_params = list(kept_state.model.parameters())
+    result["after_evaluate"] = {
+        "param_types": sorted({type(p).__name__ for p in model_params}),
+        "local_numel": sum(p.to_local().numel() for p in model_params),
+        "optimizer_params_are_model_params": [id(p) for p in model_params] == [
+            id(p) for group in kept_state.optimizer.param_groups for p in group["params"]],
+        "evaluated": outputs["prediction"].shape[0],
+    }
+    af.save(kept_state, out / "after_evaluate")
     (out / f"rank{backend.rank}.json").write_text(json.dumps(result))
     save_file(tensors, out / f"rank{backend.rank}.safetensors")
 

@@ -2,7 +2,8 @@
 
 Usage: accelfn launch --nproc-per-node 2 --timeout-s 30 rank_mismatches.py --out DIR
 Each rank writes DIR/rank{r}.json with the error each case raised on it: metric names that
-differ across ranks, an af.Loss on rank 0 and a mean loss on rank 1, evaluate outputs of another structure, af.save and af.evaluate called
+differ across ranks, an af.Loss on rank 0 and a mean loss on rank 1 (under replicate and
+shard_params), evaluate outputs of another structure, af.save and af.evaluate called
 on rank 0 alone; and the files of a save on every rank afterwards. Rank 0 logs the same
 metric names in another order to DIR/reordered.jsonl.
 """
@@ -20,12 +21,12 @@ import torch.nn.functional as F
 import accelfn as af
 
 
-def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path) -> None:
+def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path, parallel: Any = af.replicate) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
-    step = af.compose(af.shard_data(), af.replicate())(af.train_step(loss_fn))
+    step = af.compose(af.shard_data(), parallel())(af.train_step(loss_fn))
     af.run(step, state, data, backend=backend, trackers=[af.JSONL(jsonl)], progress=False)
 
 
@@ -54,6 +55,10 @@ def main() -> None:
         run(backend, sum_on_rank_zero, out / "kinds.jsonl")
     except ValueError as e:
         result["kinds"] = str(e)
+    try:  # shard_params alone runs the plain step function
+        run(backend, sum_on_rank_zero, out / "kinds_sharded.jsonl", af.shard_params)
+    except ValueError as e:
+        result["kinds_sharded"] = str(e)
 
     def reordered(m: torch.nn.Module, b: Any) -> Any:  # the same names, in another order on rank 1
         metrics = {"a": 1.0 + 9 * rank, "b": 2.0 + 18 * rank}
