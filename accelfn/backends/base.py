@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accelfn import collectives
-from accelfn.backends import _fsdp
+from accelfn.backends import _fsdp, _sharding
 from accelfn.backends._context import ProcessContext
 from accelfn.backends._eval_batches import check_eval_loader
 from accelfn.backends._interpreter import StepFn
@@ -227,17 +227,17 @@ class Backend(ProcessContext, abc.ABC):
                 "must include af.shard_params() too"
             )
         if already_sharded and shard is not None:
-            _check_same_sharding(getattr(state.model, _SHARDED_WITH, None), shard)
+            _sharding.check_same_layout(state.model, shard)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
-            self._check_shard_degree(shard)
+            _sharding.check_group_size(self, shard)
         if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
         if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
-            setattr(state.model, _SHARDED_WITH, shard)
+            _sharding.remember_layout(state.model, shard)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
@@ -345,35 +345,6 @@ class Backend(ProcessContext, abc.ABC):
                 "add af.shard_data() to split one dataset evenly over the ranks"
             )
 
-    def _check_shard_degree(self, shard: ShardParams) -> None:
-        """Raises on every rank unless all ranks split the world into groups of one size.
-
-        ``shard_size="node"`` takes each node's ``LOCAL_WORLD_SIZE``: nodes running other
-        numbers of processes would build different meshes and wait for each other forever.
-        One all-reduce of two numbers finds it out, before anything changes.
-
-        Raises:
-            ValueError: the world is not a multiple of the group size, or the ranks' group
-                sizes differ.
-        """
-        try:
-            degree, error = shard.shard_degree(self.world_size, self.local_world_size), None
-        except ValueError as e:
-            degree, error = 0, e
-        if self.world_size > 1:
-            highest, lowest = self.reduce(torch.tensor([degree, -degree]), "max").tolist()
-            if highest != -lowest:
-                sizes = (f"from {-lowest} to {highest} ranks" if lowest else
-                         f"{highest} on some ranks, on others a size that does not divide the world of {self.world_size}")
-                raise ValueError(
-                    f"shard_params(shard_size={shard.shard_size!r}): the ranks do not agree on the size of a "
-                    f"group ({sizes}; this rank, {self.rank}, has LOCAL_WORLD_SIZE="
-                    f"{self.local_world_size}): start the same number of processes on every node, or give "
-                    "shard_size as a number that divides the world size"
-                )
-        if error is not None:
-            raise error
-
     def reshard(self, model: torch.nn.Module) -> None:
         """Shards again the parameters a sharded model gathered in forwards without a backward
         (``shard_params(reshard_after_forward=False)`` keeps them gathered until a backward);
@@ -413,27 +384,3 @@ class Backend(ProcessContext, abc.ABC):
         """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
 
-
-#: the attribute of a model sharded by ``prepare`` that holds the ShardParams it was sharded with
-_SHARDED_WITH = "_accelfn_sharded_with"
-
-
-def _check_same_sharding(before: ShardParams | None, now: ShardParams) -> None:
-    """Raises if ``now`` asks for another layout than the one the model was sharded with
-    (``before``; None for a model sharded by hand): units, resharding, offload and group
-    size are fixed when the model is sharded. ``reduce_every_micro_batch`` may change.
-
-    Raises:
-        ValueError: naming the options that differ.
-    """
-    if before is None or before is now:
-        return
-    names = ("units", "reshard_after_forward", "offload", "shard_size")
-    differ = [name for name in names if getattr(before, name) != getattr(now, name)]
-    if differ:
-        shown = ", ".join(f"{name}={getattr(before, name)!r} before, {getattr(now, name)!r} now" for name in differ)
-        raise ValueError(
-            f"this state's model is sharded already, and shard_params() asks for another layout ({shown}); "
-            "a model is sharded once: give the step the shard_params(...) it was prepared with, or build the "
-            "state again (a new model and optimizer) to shard it otherwise"
-        )
