@@ -68,13 +68,6 @@ def test_state_dicts_carry_training_across_backends(cpu, xla, reference, first, 
     assert_continues_like(finished, reference)
 
 
-needs_snapshots = pytest.mark.skipif(
-    not all(hasattr(af, name) for name in ("snapshot", "restore", "save", "load")),
-    reason="af.snapshot/af.restore/af.save/af.load are not in this tree yet (checkpoint branch)",
-)
-
-
-@needs_snapshots
 def test_a_checkpoint_saved_on_xla_resumes_on_cpu(cpu, xla, reference, tmp_path):
     """af.save of a state stopped mid-epoch on XLA, af.load into a fresh state, and training
     on the CPU backend end within 1e-4 of two uninterrupted CPU epochs."""
@@ -85,7 +78,6 @@ def test_a_checkpoint_saved_on_xla_resumes_on_cpu(cpu, xla, reference, tmp_path)
     assert_continues_like(af.run(STEP, resumed, LOADER, backend=cpu, epochs=2, progress=False), reference)
 
 
-@needs_snapshots
 def test_a_cpu_snapshot_restores_into_a_state_on_xla(cpu, xla, reference, tmp_path):
     """af.snapshot of a state stopped mid-epoch on the CPU backend, af.restore into a state
     already placed on XLA, and training on XLA end within 1e-4 of two uninterrupted CPU

@@ -100,8 +100,8 @@ def test_a_bad_config_is_refused_before_training(cpu):
 
 def test_mlflow_and_wandb_trackers_check_their_arguments(tmp_path):
     """MLflow needs one of dir and tracking_uri, and a directory; WandB a known mode."""
-    pytest.importorskip("mlflow")
-    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow", reason="the MLflow tracker needs mlflow (the dev extra has it)")
+    pytest.importorskip("wandb", reason="the W&B tracker needs wandb (the dev extra has it)")
     with pytest.raises(ValueError, match=r"give one of them, a directory for a local store"):
         af.MLflow()
     (tmp_path / "file").write_text("")

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.multiprocess
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output directory of one 2-process launch of tracked.py."""
-    pytest.importorskip("mlflow")
-    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow", reason="the MLflow tracker needs mlflow (the dev extra has it)")
+    pytest.importorskip("wandb", reason="the W&B tracker needs wandb (the dev extra has it)")
     out = tmp_path_factory.mktemp("tracked")
     _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="tracked.py",
                    script_args=("--out", out), env=_launch.environment(WANDB_SILENT="true"))
