@@ -18,21 +18,9 @@ import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers.events import read_scalars
+from tests.helpers.tracking import Recorder
 
 pytestmark = pytest.mark.multiprocess
-
-
-class _Record:
-    """A tracker that keeps what it is given."""
-
-    def __init__(self) -> None:
-        self.points: list[tuple[int, dict[str, float]]] = []
-
-    def log(self, metrics: Any, step: int) -> None:
-        self.points.append((step, dict(metrics)))
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +219,7 @@ def test_one_tensorboard_file_from_rank_zero_with_reduced_values(mp: dict[str, A
     files = [p for p in (mp["out"] / "tb").rglob("*") if p.is_file()]
     assert len(files) == 1, files
     scalars = read_scalars(files[0])
-    record = _Record()
+    record = Recorder()
     P.train_case("e2_acc2_clip", _one_process(), 2 * P.PER_RANK_BATCH, trackers=(record,))
     assert [step for step, _ in scalars["loss"]] == [step for step, _ in record.points] == list(range(1, 7))
     for name in ("loss", "grad_norm", "lr"):

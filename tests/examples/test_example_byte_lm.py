@@ -53,6 +53,16 @@ def test_byte_lm_lowers_the_loss_and_a_restarted_run_finishes_bitwise_equal(byte
         assert all(torch.equal(actual[k], expected[k]) for k in expected)
 
 
+def _assert_learned_and_reported_once(stdout: str) -> None:
+    """The held-out loss, printed once before and once after 30 updates, fell by over 1
+    nat per byte, and one text sample was printed."""
+    before = re.findall(r"held-out loss ([0-9.]+) nats/byte before", stdout)
+    after = re.findall(r"held-out loss ([0-9.]+) nats/byte \([0-9.]+ bits/byte\) after 30 optimizer updates", stdout)
+    assert len(before) == len(after) == 1, stdout[-3000:]
+    assert float(after[0]) < float(before[0]) - 1.0
+    assert stdout.count("sample:") == 1
+
+
 @pytest.mark.multiprocess
 def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path):
     """``accelfn launch --nproc-per-node 2 examples/byte_lm.py`` trains, lowers the held-out
@@ -61,12 +71,7 @@ def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path):
     result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120", script=EXAMPLE,
                             script_args=(*flags, "--run-dir", tmp_path / "run", "--every-steps", "10",
                                          "--sample-bytes", "20"), cwd=tmp_path)
-    before = re.findall(r"held-out loss ([0-9.]+) nats/byte before", result.stdout)
-    after = re.findall(r"held-out loss ([0-9.]+) nats/byte \([0-9.]+ bits/byte\) after 30 optimizer updates",
-                       result.stdout)
-    assert len(before) == len(after) == 1, result.stdout[-3000:]
-    assert float(after[0]) < float(before[0]) - 1.0
-    assert result.stdout.count("sample:") == 1
+    _assert_learned_and_reported_once(result.stdout)
     assert af.Checkpoints(tmp_path / "run" / "ckpt").steps() == [20, 30]
 
 
@@ -79,9 +84,4 @@ def test_byte_lm_trains_sharded_under_accelfn_launch_with_two_processes(tmp_path
     result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120", script=EXAMPLE,
                             script_args=(*flags, "--shard", "--run-dir", tmp_path / "run", "--every-steps", "0",
                                          "--sample-bytes", "20"), cwd=tmp_path)
-    before = re.findall(r"held-out loss ([0-9.]+) nats/byte before", result.stdout)
-    after = re.findall(r"held-out loss ([0-9.]+) nats/byte \([0-9.]+ bits/byte\) after 30 optimizer updates",
-                       result.stdout)
-    assert len(before) == len(after) == 1, result.stdout[-3000:]
-    assert float(after[0]) < float(before[0]) - 1.0
-    assert result.stdout.count("sample:") == 1
+    _assert_learned_and_reported_once(result.stdout)
