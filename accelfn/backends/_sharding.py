@@ -10,7 +10,7 @@ from accelfn.collectives import ReduceOp
 from accelfn.transforms import ShardParams
 
 
-class ProcessContext(Protocol):
+class RankedWorld(Protocol):
     """The backend's rank, world and all-reduce (``Backend`` has them)."""
 
     rank: int
@@ -20,7 +20,7 @@ class ProcessContext(Protocol):
     def reduce(self, tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor: ...
 
 
-def check_group_size(backend: ProcessContext, shard: ShardParams) -> None:
+def check_group_size(backend: RankedWorld, shard: ShardParams) -> None:
     """Raises on every rank unless all ranks split the world into groups of one size.
 
     ``shard_size="node"`` takes each node's ``LOCAL_WORLD_SIZE``: nodes running other
