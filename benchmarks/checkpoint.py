@@ -38,9 +38,8 @@ import safetensors.torch
 import torch
 
 import accelfn as af
-from accelfn.checkpoint.background import HostBuffers
-from accelfn.checkpoint.snapshots import capture
-from accelfn.loop._schedule import Schedule
+from accelfn.checkpoint.checkpoints import HostBuffers
+from accelfn.checkpoint.snapshot import capture
 
 
 def build_state(total_mb: float) -> af.TrainState:
@@ -141,17 +140,15 @@ def host_copy_ms(state: af.TrainState, repeats: int) -> float:
 def asynchronous_ms(state: af.TrainState, root: Path, repeats: int) -> tuple[float, float, float, float]:
     """Blocked time of the first and of later background saves; one update's time without
     and with a background save in flight (medians, ms)."""
-    schedule = Schedule(af.Checkpoints(root / "async", every_steps=1, keep=1, asynchronous=True),
-                        af.backends.CPU(), None)
+    schedule = af.Checkpoints(root / "async", every_steps=1, keep=1, asynchronous=True).schedule(
+        af.backends.CPU(), program=None, timeout_s=60)
     blocked, during, alone = [], [], []
     for i in range(repeats + 1):
         state = state.replace(step=i + 1)
         start = time.perf_counter()
         schedule.maybe_save(state)
         blocked.append(time.perf_counter() - start)
-        background = schedule._background
-        assert background is not None
-        while background.in_flight():
+        while schedule.in_flight():
             start = time.perf_counter()
             update(state.model, state.optimizer)
             during.append(time.perf_counter() - start)

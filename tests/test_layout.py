@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def test_the_import_contract_holds() -> None:
 
 @pytest.mark.parametrize(("module", "line", "broken"), [
     ("accelfn/transforms/clip.py", "from accelfn.loop import run", "Layers: arrows point down only BROKEN"),
-    ("accelfn/checkpoint/io.py", "from accelfn.backends import auto", "Layers: arrows point down only BROKEN"),
+    ("accelfn/checkpoint/save_load.py", "from accelfn.backends import auto", "Layers: arrows point down only BROKEN"),
     ("accelfn/cli/commands.py", "import accelfn", "Nothing imports the package root BROKEN"),
 ])
 def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, broken) -> None:
@@ -54,9 +55,23 @@ PACKAGE_FILES = {"__init__.py", "__main__.py", "py.typed", "_version.py", "__pyc
 
 def test_the_top_level_holds_one_entry_per_concept_and_no_module_is_long() -> None:
     """Besides the package's own files, accelfn/ has at most 13 entries, one per concept, and
-    no module is over 420 lines."""
+    no module is over 600 lines (one concept per module; a module is never cut only to stay
+    under the cap)."""
     entries = sorted(p.name for p in (ROOT / "accelfn").iterdir() if p.name not in PACKAGE_FILES)
     assert len(entries) <= 13, entries
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "accelfn").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 420}
+            if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+def test_every_module_names_its_concept_in_its_first_docstring_line() -> None:
+    """Every module of accelfn/ has a docstring whose first line says what it holds."""
+    missing = [str(p.relative_to(ROOT)) for p in (ROOT / "accelfn").rglob("*.py")
+               if not (ast.get_docstring(ast.parse(p.read_text())) or "").strip()]
+    assert not missing, missing
+
+
+def test_the_checkpoint_package_is_cut_along_the_flow_of_a_save() -> None:
+    """accelfn/checkpoint/ holds at most 12 modules (its __init__ included)."""
+    modules = sorted(p.name for p in (ROOT / "accelfn" / "checkpoint").glob("*.py"))
+    assert len(modules) <= 12, modules

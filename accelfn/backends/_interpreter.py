@@ -1,4 +1,5 @@
-"""The generic phase interpreter: a Step, specialized once into a step function.
+"""The generic phase interpreter: a Step, specialized once into a step function
+(``StepFn``, or ``PlainStepFn`` for a program whose transforms add nothing to a step).
 
 Every backend runs this code; a backend contributes only its primitives (device, autocast,
 model wrapping, gradient reduction, graph cut). What the transforms ask for is resolved in
@@ -23,17 +24,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accelfn import collectives
 from accelfn.backends import _fsdp
-from accelfn.backends._loss_output import NO_METRICS, detach, unpack
-from accelfn.backends._primitives import Primitives
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
-from accelfn.step import Step
+from accelfn.step import NO_METRICS, Step, detach, unpack
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -46,6 +46,9 @@ from accelfn.transforms import (
     numerics,
 )
 from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_policy
+
+if TYPE_CHECKING:
+    from accelfn.backends.base import Backend
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
@@ -86,7 +89,7 @@ class StepFn:
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
     """
 
-    def __init__(self, backend: Primitives, step: Step, state: TrainState, model: torch.nn.Module):
+    def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
         accumulate = step.find(Accumulate)
         precision = step.find(WithPrecision)
         skip = step.find(SkipNonfinite)
@@ -129,10 +132,6 @@ class StepFn:
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
         self._graph_cut = backend.graph_cut
-        # nothing to do between backward and update: PlainStepFn can run this program
-        self.plain = (self._n == 1 and not self._guard and self._clip is None and self._clip_value is None
-                      and self._autocast is None and not self._cast_inputs and self._reduce_gradients is None
-                      and self._graph_cut is None)
 
     # -- one micro-batch ---------------------------------------------------------------
 
@@ -178,10 +177,10 @@ class StepFn:
         else:
             out = unpack(self._loss_fn(self._model, batch))
         if not self._loss_kind_agreed:
-            self._agree_loss_kind(out[3], out[0].device)
+            self._agree_loss_kind(out[3])
         return out
 
-    def _agree_loss_kind(self, is_sum: bool, device: torch.device) -> None:
+    def _agree_loss_kind(self, is_sum: bool) -> None:
         """Raises on every rank unless all ranks' first ``loss_fn`` result is of one kind.
 
         An ``af.Loss`` adds all-reduces of its counts that a plain (mean) loss does not: with
@@ -190,9 +189,7 @@ class StepFn:
         numbers, before the first backward of the run, finds it out instead.
         """
         self._loss_kind_agreed = True
-        kind = float(is_sum)
-        highest, lowest = self._backend.reduce(torch.tensor([kind, -kind], device=device), "max").tolist()
-        if highest != -lowest:
+        if not collectives.all_same([int(is_sum)], device=self._backend.collective_device):
             raise ValueError(
                 f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank "
                 f"{self._backend.rank}: {'an af.Loss' if is_sum else 'a plain loss'}); the ranks reduce "
@@ -388,3 +385,51 @@ class StepFn:
                 "learning rate), or the model overflows fp16: use with_precision('bf16'), or compute the "
                 "loss in fp32"
             )
+
+
+class PlainStepFn(StepFn):
+    """``StepFn`` for a program whose transforms add nothing to a step (``step_function``).
+
+    One micro-batch per update, no loss scale, clip or non-finite check, no gradient
+    reduction: forward, backward, update, zero, with none of the interpreter's branches.
+    An ``af.Loss`` takes the general path (its count normalizes the gradient).
+    """
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        if state.model is not self._owner:
+            raise foreign_state()
+        samples = num_samples(batch)
+        out = unpack(self._loss_fn(self._model, batch))
+        loss, _, user_metrics, is_sum = out
+        if not self._loss_kind_agreed:  # sharded, several processes: the first call only
+            self._agree_loss_kind(is_sum)
+        if is_sum:
+            return self._whole_window(state, samples, out)
+        loss.backward()
+        optimizer = self._optimizer
+        metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
+        if user_metrics:
+            for name, value in user_metrics.items():
+                metrics[name] = detach(value)
+        optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return state._advance(step=state.step + 1, micro_step=state.micro_step + 1,
+                              epoch_micro_step=state.epoch_micro_step + 1,
+                              transforms_state=state.transforms_state), metrics
+
+
+def step_function(backend: Backend, step: Step, state: TrainState, model: torch.nn.Module) -> StepFn:
+    """``step`` specialized for ``backend`` and ``state``: a PlainStepFn where nothing acts
+    between backward and update (one micro-batch per update, no loss scale, clip, non-finite
+    check, autocast, input cast, explicit gradient reduction or graph cut), else a StepFn."""
+    accumulate, precision = step.find(Accumulate), step.find(WithPrecision)
+    policy = precision.policy if precision else _FP32
+    plain = ((accumulate is None or accumulate.num_micro_batches == 1) and policy.scaling is None
+             and not policy.autocast and not policy.casts_inputs and step.find(SkipNonfinite) is None
+             and step.find(Clip) is None and step.find(ClipValue) is None and backend.graph_cut is None
+             and not (step.find(Replicate) is not None and backend.world_size > 1))
+    return (PlainStepFn if plain else StepFn)(backend, step, state, model)

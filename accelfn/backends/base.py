@@ -15,14 +15,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _fsdp, _sharding
-from accelfn.backends._context import ProcessContext
-from accelfn.backends._eval_batches import check_eval_loader
-from accelfn.backends._interpreter import StepFn
-from accelfn.backends._launch_defaults import with_launch_defaults
+from accelfn.backends import _fsdp
+from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
     move_module,
@@ -30,9 +27,10 @@ from accelfn.backends._placement import (
     rebind_optimizer,
     unchanged,
 )
-from accelfn.backends._plain_step import step_function
-from accelfn.backends.env import LaunchEnv
+from accelfn.backends.env import LaunchEnv, with_launch_defaults
+from accelfn.collectives import ProcessContext
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
+from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import (
@@ -69,11 +67,9 @@ class Backend(ProcessContext, abc.ABC):
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)
         self.place_batches = place_batches
+        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+                         local_world_size=env.local_world_size)
         self.env = env
-        self.rank = env.rank
-        self.local_rank = env.local_rank
-        self.world_size = env.world_size
-        self.local_world_size = env.local_world_size
         self.device = device
         self._active: EpochBatches | None = None
         self._placer = place_on(device) if place_batches else unchanged
@@ -227,17 +223,17 @@ class Backend(ProcessContext, abc.ABC):
                 "must include af.shard_params() too"
             )
         if already_sharded and shard is not None:
-            _sharding.check_same_layout(state.model, shard)
+            _fsdp.check_same_layout(state.model, shard)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
-            _sharding.check_group_size(self, shard)
+            _fsdp.check_group_size(self, shard)
         if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
         if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
-            _sharding.remember_layout(state.model, shard)
+            _fsdp.remember_layout(state.model, shard)
         replicate = step.find(Replicate)
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
@@ -334,10 +330,8 @@ class Backend(ProcessContext, abc.ABC):
 
     def _check_same_length(self, num_batches: int | None, verb: str) -> None:
         """One collective: every rank must have the same number of batches (or all unknown)."""
-        n = -1 if num_batches is None else num_batches
-        t = torch.tensor([n, -n], dtype=torch.int64, device=self.collective_device)
-        longest, shortest = (int(v) for v in collectives.reduce(t, "max").tolist())
-        shortest = -shortest
+        (shortest,), (longest,) = collectives.extremes([-1 if num_batches is None else num_batches],
+                                                       device=self.collective_device)
         if longest != shortest:
             raise ValueError(
                 f"under {verb}() every rank must run the same number of micro-batches, but the "
@@ -367,20 +361,83 @@ class Backend(ProcessContext, abc.ABC):
         """
         return self._sync_ranks(items)
 
+    def gather_for_metrics(self, tree: Any) -> Any:
+        """``gather`` for evaluation: drops the samples ``shard_data`` added to even out the
+        epoch's last batch, so metrics count every sample exactly once.
+
+        The result is in rank order (rank 0's batch, then rank 1's, ...), as Accelerate's is:
+        with ``shard_data`` each rank reads every world-size-th sample, so that is not the
+        dataset's order. ``af.evaluate`` returns outputs in dataset order.
+
+        Args:
+            tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,
+                computed from the batch most recently read from the iterable the last
+                ``backend.batches(...)`` or ``backend.eval_batches(...)`` call returned (the
+                contract: that iterable's position says whether this is the epoch's last batch
+                and which ranks padded it).
+        """
+        active = self._active
+        drop = active.padding_ranks if active is not None and active.is_last else frozenset()
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            gathered = self.gather(t)
+            if not drop or t.ndim == 0:
+                return gathered
+            per_rank = t.shape[0]
+            keep = [gathered[r * per_rank:(r + 1) * per_rank - (1 if r in drop else 0)]
+                    for r in range(self.world_size)]
+            return torch.cat(keep)
+
+        return map_tensors(one, tree)
+
     def place(self, batch: Any) -> Any:
         """``batch`` with every tensor moved to this backend's device (``batch`` itself when
         the backend was built with ``place_batches=False``)."""
         return self._placer(batch)
 
     def _sync_ranks(self, it: Iterator[Any]) -> Iterator[Any]:
-        def all_reduce_max(values: list[int]) -> list[int]:
-            t = torch.tensor(values, dtype=torch.int64, device=self.collective_device)
-            return [int(v) for v in collectives.reduce(t, "max").tolist()]
-
-        return even_out(it, all_reduce_max)
+        return even_out(it, functools.partial(collectives.any_rank, device=self.collective_device))
 
     @property
     def collective_device(self) -> torch.device:
         """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
 
+
+def check_eval_loader(data: Any) -> None:
+    """Raises unless ``data`` is a DataLoader that ``eval_batches`` can shard by samples.
+
+    Raises:
+        TypeError: ``data`` is not a DataLoader, or one over an IterableDataset (its padding
+            could not be told apart), or with a sampler other than ``shuffle=False``/
+            ``shuffle=True``'s (which ``eval_batches`` replaces).
+        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler), or with
+            ``drop_last=True`` (evaluation reads every sample).
+    """
+    if not isinstance(data, DataLoader):
+        raise TypeError(
+            f"eval_batches() takes a torch.utils.data.DataLoader, got {type(data).__name__}; "
+            "for any other iterable of batches use af.evaluate(fn, state, data, backend=...)"
+        )
+    if isinstance(data.dataset, IterableDataset):
+        raise TypeError(
+            "eval_batches() needs a DataLoader over a map-style dataset (with __len__ and "
+            "__getitem__), so that gather_for_metrics can drop the padding; for an "
+            "IterableDataset use af.evaluate(fn, state, loader, backend=...)"
+        )
+    if data.batch_size is None:
+        raise ValueError(
+            "eval_batches() needs a DataLoader built with batch_size=...; this one has "
+            "batch_size=None (a custom batch_sampler, or unbatched samples)"
+        )
+    if data.drop_last:
+        raise ValueError(
+            "eval_batches() reads every sample once (the padding of the last batches is dropped by "
+            "gather_for_metrics), so it cannot honour drop_last=True; build the evaluation DataLoader "
+            "with drop_last=False"
+        )
+    if not isinstance(data.sampler, (SequentialSampler, RandomSampler)):
+        raise TypeError(
+            f"eval_batches() replaces the DataLoader's sampler, but this one uses "
+            f"{type(data.sampler).__name__}; build the DataLoader with shuffle=False"
+        )

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _ddp, _fsdp
+from accelfn.backends import _distributed, _fsdp
 from accelfn.backends.base import Backend
 from accelfn.backends.env import LaunchEnv
 from accelfn.state import TrainState
@@ -41,10 +41,10 @@ class CPU(Backend):
     def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
         env = LaunchEnv.from_env() if env is None else env
         super().__init__(env, torch.device("cpu"), place_model=place_model, place_batches=place_batches)
-        _ddp.init_process_group(env, "gloo")
+        _distributed.init_process_group(env, "gloo")
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
-        return _ddp.wrap_ddp(model, replicate, self.world_size)
+        return _distributed.wrap_ddp(model, replicate, self.world_size)
 
     def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
         if shard.offload:

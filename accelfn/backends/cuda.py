@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _ddp, _fsdp
+from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.backends.env import LaunchEnv
@@ -51,7 +51,7 @@ class CUDA(Backend):
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         super().__init__(env, device, place_model=place_model, place_batches=place_batches)
-        _ddp.init_process_group(env, "nccl", device)
+        _distributed.init_process_group(env, "nccl", device)
 
     def check_precision(self, policy: Policy) -> None:
         super().check_precision(policy)
@@ -64,7 +64,7 @@ class CUDA(Backend):
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         # a model left where the user put it (maybe over several GPUs) is wrapped where it is
         device_ids = [self.device.index] if self.place_model else None
-        return _ddp.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
+        return _distributed.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
 
     def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
         _fsdp.check_available()

@@ -1,23 +1,26 @@
 """Checkpoints: the snapshot of a TrainState in memory and on disk.
 
 ``snapshot``/``restore`` take and put back a detached CPU copy of everything a run needs
-(``snapshots.py``, ``restoring.py``); ``save``/``load`` write and read it as a directory
-(``io.py``): ``manifest.json`` (orjson via cattrs: format and library versions, counters,
-per-rank RNG and transform states, optimizer/scheduler skeletons, the program's transforms,
-a checksum of every tensor file), ``manifest.sha256`` (the manifest's own) and
-``.safetensors`` tensor files. A directory is written atomically (``_atomic.py``), loaded
-without unpickling anything (``_codec.py``: records by stable tags, ``_tags.py``), verified
-against its checksums, and checked value by value against the state it is loaded into
-before anything in that state changes. ``Checkpoints`` (``policy.py``) is where and how
-often ``run`` saves, and whether in the background (``background.py``). Tensor files are
-written and read with their XXH3-128 checksums in one pass (``_hashed_io.py``,
-``_checksums.py``).
+(``snapshot.py``). ``save``/``load`` write and read it as a directory, collectively and
+atomically, in one flow for sharded and unsharded states (``save_load.py``: a load is
+``open_checkpoint``, which verifies and checks everything, then ``Opened.put``).
+``Checkpoints`` is where and how often ``run`` saves, how many it keeps, and whether in the
+background (``checkpoints.py``); ``save_model`` exports consolidated weights for inference
+(``export.py``).
+
+The layout of a checkpoint directory is described once, in docs/06-checkpoints.md ("The
+format"): ``manifest.json`` written last (``_format.py``), ``manifest.sha256``, the tensor
+files (``_tensorfiles.py``), and ``dcp/`` for a sharded state (``_sharded.py``); the
+directory is written as a hidden sibling and renamed into place (``_atomic.py``), so a
+crash at any instant leaves the old checkpoint or the new one. Nothing in it is a pickle,
+and loading never unpickles: records carry stable tags from one closed registry, never
+module paths (``_codec.py``).
 """
 
+from accelfn.checkpoint.checkpoints import Checkpoints
 from accelfn.checkpoint.export import save_model
-from accelfn.checkpoint.io import load, save
-from accelfn.checkpoint.policy import Checkpoints
-from accelfn.checkpoint.restoring import restore
-from accelfn.checkpoint.snapshots import Snapshot, snapshot
+from accelfn.checkpoint.save_load import Opened, find_checkpoint, load, open_checkpoint, save
+from accelfn.checkpoint.snapshot import Snapshot, restore, snapshot
 
-__all__ = ["Checkpoints", "Snapshot", "load", "restore", "save", "save_model", "snapshot"]
+__all__ = ["Checkpoints", "Opened", "Snapshot", "find_checkpoint", "load", "open_checkpoint", "restore", "save",
+           "save_model", "snapshot"]

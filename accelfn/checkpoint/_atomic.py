@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from accelfn.checkpoint._manifest import MANIFEST
+from accelfn.checkpoint._format import MANIFEST
 from accelfn.errors import CheckpointError
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{16}$")

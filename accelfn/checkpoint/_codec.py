@@ -6,9 +6,15 @@ accumulation window). ``Encoder.encode`` turns a tree into JSON-compatible data 
 every tensor is replaced by a reference ``{"__tensor__": key}`` into a table of tensors
 (written to ``.safetensors`` files); ``decode`` is the inverse. JSON cannot tell a tuple
 from a list, an int key from a str key, or write inf/NaN, so those are tagged. Nothing is
-ever unpickled: a record is written under its stable tag from the closed registry in
-``_tags`` and rebuilt only if the tag is there and each field has the type its annotation
-names.
+ever unpickled: a record is written under its stable tag from the closed registry below
+and rebuilt only if the tag is there and each field has the type its annotation names.
+
+The registry (``RECORDS``): a record in a state tree (the loss scale, the skip count, the
+accumulation window, a rank's RNG states) is written as ``{"__record__": TAG, "fields":
+{...}}``. The tag names the record, never the module that defines it, so moving code breaks
+no checkpoint on disk: renaming a tag or reusing one for another record is a format change.
+Checkpoints of format version 2 named records by module path; ``LEGACY_NAMES`` maps those
+paths to today's tags, so they still load.
 
 Loading checks a decoded tree before it replaces anything: ``field_problems`` against a
 record's annotations, ``mismatches`` against the live value it is loaded over (an edited
@@ -22,14 +28,38 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
 
-from accelfn.checkpoint._tags import RECORDS, TAGS, record_class
+from accelfn.checkpoint._rng import RngState
 from accelfn.errors import CheckpointError
+from accelfn.transforms import LossScale, SkipCount, Window
+
+#: tag -> record class; the only records a checkpoint can hold
+RECORDS: Mapping[str, type] = MappingProxyType({
+    "loss_scale": LossScale,
+    "skip_count": SkipCount,
+    "accumulation_window": Window,
+    "rng_state": RngState,
+})
+TAGS: Mapping[type, str] = MappingProxyType({cls: tag for tag, cls in RECORDS.items()})
+#: the module paths format 2 wrote -> tag
+LEGACY_NAMES: Mapping[str, str] = MappingProxyType({
+    "accelfn._precision.LossScale": "loss_scale",
+    "accelfn._precision.SkipCount": "skip_count",
+    "accelfn.backends._interpreter.Window": "accumulation_window",
+    "accelfn._rng.RngState": "rng_state",
+})
+
+
+def record_class(name: str) -> type | None:
+    """The record class written as ``name`` (a tag, or a format-2 module path), or None."""
+    return RECORDS.get(LEGACY_NAMES.get(name, name))
+
 
 TENSOR, TUPLE, DICT, FLOAT, INT, BYTES, RECORD, NDARRAY, NUMPY = (
     "__tensor__", "__tuple__", "__dict__", "__float__", "__int__", "__bytes__", "__record__",

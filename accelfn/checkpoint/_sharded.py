@@ -1,39 +1,42 @@
-"""Sharded checkpoints: each rank writes and reads only its own shards, and any world loads them.
+"""Sharded checkpoints: the ``torch.distributed.checkpoint`` (DCP) steps of a save and a load.
 
 A state whose model holds DTensor parameters (FSDP2 ``fully_shard``, as ``af.shard_params``
-applies it) is saved with ``torch.distributed.checkpoint`` (DCP) into the checkpoint's
-``dcp/`` folder through DCP's Hugging Face storage (``HuggingFaceStorageWriter`` with
-``save_distributed=True``): every rank writes one ``shard-<rank + 1>-model-00001-of-00001.safetensors``
-holding its shards of the model's parameters and buffers, of the optimizer's per-parameter
-state and of open-window gradients, each under its own key with the shard's offset in the
-file's safetensors header (JSON). DCP's default ``FileSystemWriter`` is not used: it pickles
-its ``.metadata`` file. No file of a sharded checkpoint is a pickle, and loading never
-unpickles: ``HuggingFaceStorageReader`` rebuilds DCP's metadata from the headers.
+applies it) is saved with DCP into the checkpoint's ``dcp/`` folder through DCP's Hugging
+Face storage (``HuggingFaceStorageWriter`` with ``save_distributed=True``): every rank writes
+one ``shard-<rank + 1>-model-00001-of-00001.safetensors`` holding its shards of the model's
+parameters and buffers, of the optimizer's per-parameter state and of open-window gradients,
+each under its own key with the shard's offset in the file's safetensors header (JSON).
+DCP's default ``FileSystemWriter`` is not used: it pickles its ``.metadata`` file. No file of
+a sharded checkpoint is a pickle, and loading never unpickles: ``HuggingFaceStorageReader``
+rebuilds DCP's metadata from the headers. Everything else is what an unsharded checkpoint
+holds, written by the same flow (``save_load``), plus the manifest's ``sharded`` table (where
+each DCP tensor belongs, its global shape and dtype) and the checksum of every DCP file.
 
-Everything else is what an unsharded checkpoint holds, written by the same code
-(``_serialize``): ``manifest.json`` with the counters, every rank's RNG and transform states,
-the optimizer's hyperparameters and the scheduler, ``state.safetensors`` for their tensors,
-plus the ``sharded`` table (where each DCP tensor belongs, its global shape and dtype) and
-the sha256 of every DCP file. Each rank hashes the files it wrote; rank 0 writes the
-manifest last into the temporary directory every rank wrote into, then renames it
-(``_atomic``), so a crash at any instant leaves the old checkpoint or the new one.
-
-Loading verifies every file's sha256 first (the ranks split the files and share what they
-found), then the checkpoint against the state it is loaded into (keys, global shapes,
-dtypes, values; ``restore.verify``, on "meta" tensors of the recorded shapes), and only then
-reads: DCP loads into tensors laid out as the target's own, DTensors of its mesh and
-placements or plain full tensors, so a checkpoint saved by N ranks loads into M ranks
+Loading checks the DCP files (the ranks split the hashing and share what they found) and
+the checkpoint against the state on "meta" placeholders of the recorded shapes, before DCP
+reads anything: it then loads into tensors laid out as the target's own, DTensors of its mesh
+and placements or plain full tensors, so a checkpoint saved by N ranks loads into M ranks
 sharded or into one unsharded process (resharding). An unsharded checkpoint loads into a
 sharded state through ``put_unsharded``, which cuts each rank's shard out of the full tensors.
-Mid-window, the gradients FSDP2 holds unsharded between micro-batches that skip the
-reduce-scatter are each rank's own, kept with its RNG states (``_fsdp_window``).
+
+Mid-window, FSDP2 holds each rank's gradients unsharded and unreduced between micro-batches
+that skip the reduce-scatter (``set_requires_gradient_sync(False)``, what ``accumulate`` does
+under sharding), inside its own records (``FSDPParam.unsharded_accumulated_grad``, or the
+unsharded parameter's ``.grad``), out of reach of the sharded parameters' ``.grad``. A
+checkpoint keeps them per rank, as it keeps DDP's local gradients, with the rank's RNG
+states; on loading they go back into ``unsharded_accumulated_grad``, which FSDP2 adds the
+next micro-batch's gradient to and reduce-scatters at the end of the window. These are FSDP2
+internals (``torch.distributed.fsdp._fully_shard``), read through ``getattr`` so that a torch
+without them only loses this feature, with a clear error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -42,38 +45,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn.checkpoint import _atomic, _manifest, _serialize
-from accelfn.checkpoint import restoring as _restore
-from accelfn.checkpoint import snapshots as _snapshot
-from accelfn.checkpoint._context import ProcessContext
-from accelfn.checkpoint._dcp_files import (
-    DCP_DIR,
-    GROUP,
-    own_files,
-    unexpected_files,
-    verify_files,
-)
-from accelfn.checkpoint._exchange import exchange
-from accelfn.checkpoint._fsdp_window import hidden_gradients, put_hidden_gradients
-from accelfn.checkpoint._manifest import (
-    FileEntry,
-    Manifest,
-    ShardedTables,
-    ShardedTensor,
-)
-from accelfn.checkpoint.snapshots import Snapshot, clean_name, unwrap
-from accelfn.collectives import is_dtensor
+from accelfn import collectives
+from accelfn.checkpoint import _tensorfiles
+from accelfn.checkpoint._format import MANIFEST, ShardedTables, ShardedTensor
+from accelfn.checkpoint._tensorfiles import FileEntry
+from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
+from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
 
-__all__ = ["DCP_DIR", "is_sharded", "load", "put_unsharded", "save"]
-
-#: the folder of a checkpoint that holds DCP's files
-
-
-def is_sharded(state: TrainState) -> bool:
-    """True if any parameter of the state's model is a DTensor (FSDP2 ``fully_shard``)."""
-    return any(is_dtensor(p) for p in unwrap(state.model).parameters())
+#: the folder of a checkpoint holding DCP's files, and their tensor-table group in the manifest
+DCP_DIR = "dcp"
+GROUP = "dcp"
+_RANK_FILE = re.compile(r"^shard-(\d{5})-model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def _dcp() -> ModuleType:
@@ -91,7 +75,7 @@ def _meta(t: torch.Tensor) -> ShardedTensor:
 def _dtype(name: str, key: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{_manifest.MANIFEST}: sharded.{key}: unknown dtype {name!r}")
+        raise CheckpointError(f"{MANIFEST}: sharded.{key}: unknown dtype {name!r}")
     return dtype
 
 
@@ -157,82 +141,142 @@ def _failure(e: BaseException, rank: int) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}"
 
 
-def _write_shards(backend: ProcessContext, directory: Path, flat: dict[str, torch.Tensor]
-                  ) -> dict[str, FileEntry] | str:
-    """Every rank writes its shards into ``directory/dcp``; the FileEntry of every rank's
-    files (the same on every rank), or the first error a rank met."""
+def _fsdp_params(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(parameter name, FSDP2's record of it)`` for each parameter FSDP2 manages."""
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            name = names.get(id(getattr(fsdp_param, "sharded_param", None)))
+            if name is not None:
+                yield name, fsdp_param
+
+
+def hidden_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's unsharded, unreduced window gradients FSDP2 holds, by parameter name
+    (full shape; empty outside a window that skipped the reduce-scatter)."""
+    found = {}
+    for name, fsdp_param in _fsdp_params(model):
+        grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if grad is None and unsharded is not None:
+            grad = unsharded.grad
+        if grad is not None:
+            found[name] = grad.detach()
+    return found
+
+
+def put_hidden_gradients(model: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    """Makes ``grads`` (by parameter name, full shape) the window gradients FSDP2 holds for
+    this rank, to be added to and reduce-scattered at the end of the window.
+
+    Raises:
+        CheckpointError: a gradient for a parameter FSDP2 does not manage here (the state
+            is sharded otherwise than the one saved, or this torch's FSDP2 keeps no such record).
+    """
+    if not grads:
+        return
+    records = dict(_fsdp_params(model))
+    missing = sorted(set(grads) - set(records))
+    if missing or not all(hasattr(r, "unsharded_accumulated_grad") for r in records.values()):
+        raise CheckpointError(
+            f"the checkpoint holds the unsharded gradients of an open accumulation window for {missing or sorted(grads)}, "
+            "which this model's FSDP2 does not manage; resume it with the model sharded as it was saved")
+    for name, grad in grads.items():
+        record = records[name]
+        dtype = getattr(record, "reduce_dtype", None) or grad.dtype
+        record.unsharded_accumulated_grad = grad.to(device=getattr(record, "device", grad.device), dtype=dtype)
+
+
+def announce(backend: ProcessContext, path: Path, directory: Path | None) -> Path | None:
+    """Rank 0's temporary directory for ``path`` (None where it could not make one), on every
+    rank (a collective: rank 0 gives its ``directory``, the others None)."""
+    if backend.world_size == 1:
+        return directory
+    sent = collectives.exchange(directory.name if directory is not None else "", device=backend.collective_device)[0]
+    return path.parent / sent if sent else None
+
+
+def _own_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Checksum and size of the DCP files rank ``rank`` wrote into ``folder``."""
+    mine = sorted(e.name for e in os.scandir(folder)
+                  if (m := _RANK_FILE.match(e.name)) is not None and int(m[1]) == rank + 1)
+    digests = list(_tensorfiles.threads().map(lambda n: _tensorfiles.hash_file(folder / n), mine))
+    return {name: {algorithm: digest, "num_bytes": (folder / name).stat().st_size}
+            for name, (algorithm, digest) in zip(mine, digests)}
+
+
+def write_shards(backend: ProcessContext, path: Path, directory: Path, flat: dict[str, torch.Tensor]
+                 ) -> dict[str, FileEntry]:
+    """Every rank writes its shards into ``directory/dcp`` (a collective): returns the
+    FileEntry of every rank's files, the same on every rank.
+
+    Raises:
+        CheckpointError: on every rank, when some rank failed (each failure named by rank).
+    """
     folder = directory / DCP_DIR
-    report: dict[str, Any]
     dcp = _dcp()
+    files: dict[str, dict[str, Any]] = {}
+    error: str | None = None
     try:
         with _single_process_quiet():
             dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True),
                      no_dist=_no_dist(backend))
-        report = {"files": own_files(folder, backend.rank)}
+        files = _own_files(folder, backend.rank)
     except (Exception, dcp.api.CheckpointException) as e:  # every rank reports, so that all agree on the outcome
-        report = {"error": _failure(e, backend.rank)}
-    reports = exchange(backend, report)
-    errors = [r["error"] for r in reports if "error" in r]
-    if errors:
-        return errors[0]
+        error = _failure(e, backend.rank)
+    failed = collectives.failures(error, device=backend.collective_device)
+    if failed:
+        what = "a rank failed to write its shards" if backend.is_main_process else "the checkpoint was not written"
+        raise CheckpointError(f"{path}: {what}: {'; '.join(failed)}")
+    every = collectives.exchange(files, device=backend.collective_device)
     return {f"{DCP_DIR}/{name}": FileEntry(group=GROUP, num_bytes=f["num_bytes"], rank=rank,
                                             **{k: v for k, v in f.items() if k != "num_bytes"})
-            for rank, r in enumerate(reports) for name, f in r["files"].items()}
+            for rank, rank_files in enumerate(every) for name, f in rank_files.items()}
 
 
-def _announce(backend: ProcessContext, path: Path, directory: Path | None) -> Path | None:
-    """Rank 0's temporary directory for ``path`` (None if it could not make one), on every rank."""
-    if backend.world_size == 1:
-        return directory
-    sent = exchange(backend, directory.name if directory is not None else "")[0]
-    return path.parent / sent if sent else None
+def manifest_files(files: Mapping[str, FileEntry]) -> dict[str, FileEntry]:
+    """The files of ``files`` that are not DCP's (the manifest's tensor files)."""
+    return {name: e for name, e in files.items() if e.group != GROUP}
 
 
-def save(state: TrainState, path: Path, backend: ProcessContext, transforms: Any) -> Path:
-    """Writes the sharded ``state`` as a checkpoint at ``path``: a collective, in which every
-    rank writes its own shards into rank 0's temporary directory and rank 0 then writes the
-    manifest and renames the directory into place.
+def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry]) -> None:
+    """Checks the DCP files of a checkpoint before any is read: none the manifest does not list
+    (DCP's reader would read them too), and the size and checksum of each, the ranks sharing
+    the work (a collective).
 
     Raises:
-        CheckpointError: a rank failed to write its shards (the message names the rank and
-            its error), or as ``af.save``.
-        OSError: the file system refused; ``path`` is untouched.
+        CheckpointError: on every rank, naming each unlisted, missing, truncated or corrupted file.
     """
-    model = unwrap(state.model)
-    shell, flat, tables = split(_snapshot.capture(state, copy=False), model)
-    # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
-    shell = attrs.evolve(shell, grads=hidden_gradients(model))
-    part = _serialize.rank_part(shell)
-    parts = [part] if backend.world_size == 1 else _serialize.gather_parts(backend, part)
-    failure: BaseException | None = None
-    announced = False
+    unexpected = _unexpected_files(directory, files)
+    if unexpected:
+        raise CheckpointError(f"{directory / DCP_DIR}: files the manifest does not list: {', '.join(unexpected)}; "
+                              "the checkpoint was changed after it was written")
+    names = sorted(name for name, entry in files.items() if entry.group == GROUP)
 
-    def fill(directory: Path) -> None:
-        nonlocal announced
-        announced = True
-        _announce(backend, path, directory)
-        files = _write_shards(backend, directory, flat)
-        if isinstance(files, str):
-            raise CheckpointError(f"{path}: a rank failed to write its shards: {files}")
-        _serialize.write(directory, shell, parts, transforms, sharded=tables, files=files)
-
-    if backend.is_main_process:
+    def check(name: str) -> str | None:
         try:
-            _atomic.write_directory(path, fill)
-        except BaseException as e:  # re-raised below, after telling the other ranks
-            failure = e
-            if not announced:
-                _announce(backend, path, None)
-    else:
-        directory = _announce(backend, path, None)
-        files = _write_shards(backend, directory, flat) if directory is not None else "rank 0 could not start"
-        if isinstance(files, str):
-            failure = CheckpointError(f"{path}: the checkpoint was not written: {files}")
-    if backend.world_size > 1 and not exchange(backend, failure is None)[0] and failure is None:
-        raise CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why")
-    if failure is not None:
-        raise failure
-    return path
+            _tensorfiles.verify_file(directory / name, files[name])
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    found = [problem for problem in _tensorfiles.threads().map(check, names[backend.rank::backend.world_size])
+             if problem]
+    problems = collectives.failures("\n".join(found) or None, device=backend.collective_device)
+    if problems:
+        raise CheckpointError("\n".join(problems))
+
+
+def _unexpected_files(directory: Path, files: Mapping[str, FileEntry]) -> list[str]:
+    """Files in ``dcp/`` the manifest does not list (DCP's reader would read them too)."""
+    listed = {name.removeprefix(f"{DCP_DIR}/") for name, e in files.items() if e.group == GROUP}
+    try:
+        present = {e.name for e in os.scandir(directory / DCP_DIR)}
+    except FileNotFoundError:
+        return []
+    return sorted(present - listed)
 
 
 def _placeholder(meta: ShardedTensor, key: str) -> torch.Tensor:
@@ -249,7 +293,7 @@ def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
     state = {i: dict(entries) for i, entries in shell.optimizer["state"].items()}
     for name, entries in tables.optimizer.items():
         if name not in index:
-            raise CheckpointError(f"{_manifest.MANIFEST}: sharded.optimizer names {name!r}, which is not among "
+            raise CheckpointError(f"{MANIFEST}: sharded.optimizer names {name!r}, which is not among "
                                   "optimizer_params")
         state.setdefault(index[name], {}).update(
             {key: tensor(f"optimizer/{name}/{key}", meta) for key, meta in entries.items()})
@@ -282,43 +326,22 @@ def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor
     return targets
 
 
-def load(directory: Path, manifest: Manifest, into: TrainState, backend: ProcessContext,
-         position: Callable[[int, int, int], int] | None = None) -> TrainState:
-    """Restores the sharded checkpoint in ``directory`` into ``into``, sharded or not, at any
-    world size (a collective); nothing in ``into`` changes until every check passed.
+def placeholders(shell: Snapshot, tables: ShardedTables) -> Snapshot:
+    """``shell`` with "meta" tensors of the recorded shapes where DCP's tensors go: what the
+    checkpoint holds, to check against a state before anything is read."""
+    return joined(shell, tables, lambda key, meta: _placeholder(meta, key))
+
+
+def load_into(state: TrainState, directory: Path, shell: Snapshot, tables: ShardedTables,
+              backend: ProcessContext) -> TrainState:
+    """Reads the verified sharded checkpoint in ``directory`` into ``state``, sharded or not
+    (a collective), and puts ``shell`` (its other values) with it.
 
     Raises:
-        CheckpointError: a missing, truncated or corrupted file (named), a file in ``dcp/``
-            the manifest does not list, a mismatch with ``into``, a checkpoint saved
-            mid-accumulation-window loaded by another number of processes (all before
-            anything changes), or DCP failed reading the verified files (each rank's error).
+        CheckpointError: DCP failed reading the verified files (each rank's error; the state
+            may be partly loaded).
     """
-    tables = manifest.sharded
-    assert tables is not None
-    unexpected = unexpected_files(directory, manifest.files)
-    if unexpected:
-        raise CheckpointError(f"{directory / DCP_DIR}: files the manifest does not list: {', '.join(unexpected)}; "
-                              "the checkpoint was changed after it was written")
-    verify_files(backend, directory, manifest.files)
-    if tables.grads and backend.world_size != manifest.world_size:
-        raise CheckpointError(
-            f"{directory} was saved by {manifest.world_size} processes in the middle of an accumulation window, "
-            f"whose gradients are per process; resume it with {manifest.world_size} processes "
-            f"(this world has {backend.world_size})")
-    own = {name: e for name, e in manifest.files.items() if e.group != GROUP}
-    shell = _serialize.read(directory, attrs.evolve(manifest, files=own), rank=backend.rank,
-                            world_size=backend.world_size)
-    try:
-        names = _serialize.field_names(_serialize.section(manifest, backend.rank))
-        _restore.verify(into, joined(shell, tables, lambda key, meta: _placeholder(meta, key)),
-                        source=_manifest.MANIFEST, names=names)
-    except CheckpointError as e:
-        raise CheckpointError(f"{directory}: {e}") from None
-    if position is not None:
-        counters = shell.counters
-        start = position(counters["epoch"], counters["epoch_micro_step"], manifest.world_size)
-        shell = attrs.evolve(shell, counters={**counters, "epoch_micro_step": start})
-    targets = _targets(into, tables)
+    targets = _targets(state, tables)
     dcp = _dcp()
     try:
         with _single_process_quiet():
@@ -328,11 +351,11 @@ def load(directory: Path, manifest: Manifest, into: TrainState, backend: Process
         raise CheckpointError(f"{directory / DCP_DIR}: reading the shards failed: {_failure(e, backend.rank)}; "
                               "the state may be partly loaded, build it again before retrying") from None
     snap = joined(attrs.evolve(shell, grads={}), tables, lambda key, meta: targets[key])
-    if not is_sharded(into):  # a rank's unreduced window gradients are what DDP's .grad holds
-        return _restore.put(into, attrs.evolve(snap, grads={**snap.grads, **shell.grads}), copy=False)
-    state = _restore.put(into, snap, copy=False)
-    put_hidden_gradients(unwrap(into.model), shell.grads)
-    return state
+    if not is_sharded(state):  # a rank's unreduced window gradients are what DDP's .grad holds
+        return put(state, attrs.evolve(snap, grads={**snap.grads, **shell.grads}), copy=False)
+    restored = put(state, snap, copy=False)
+    put_hidden_gradients(unwrap(state.model), shell.grads)
+    return restored
 
 
 def put_unsharded(state: TrainState, snap: Snapshot) -> TrainState:
@@ -356,7 +379,7 @@ def put_unsharded(state: TrainState, snap: Snapshot) -> TrainState:
                            for k, v in entries.items()}
                        for i, entries in snap.optimizer["state"].items()}
     sharded = {k for k in snap.grads if is_dtensor(params.get(k))}
-    state = _restore.put(state, attrs.evolve(
+    state = put(state, attrs.evolve(
         snap,
         model={k: local(live.get(k), v) for k, v in snap.model.items()},
         optimizer={**snap.optimizer, "state": optimizer_state},

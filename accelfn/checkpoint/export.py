@@ -30,11 +30,10 @@ import orjson
 import safetensors.torch
 import torch
 
+from accelfn import collectives
 from accelfn.checkpoint import _atomic
-from accelfn.checkpoint._context import ProcessContext, default_context
-from accelfn.checkpoint._exchange import exchange
-from accelfn.checkpoint.snapshots import clean_name, unwrap
-from accelfn.collectives import is_dtensor
+from accelfn.checkpoint.snapshot import clean_name, unwrap
+from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, to_path
 from accelfn.state import TrainState
 
@@ -139,7 +138,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         raise TypeError(f"save_model() takes a TrainState first, got {type(state).__name__}")
     directory = to_path("save_model", "directory", directory)
     limit = parse_size(max_shard_size)
-    backend = default_context(backend)
+    backend = backend if backend is not None else ProcessContext.default()
     main = backend.is_main_process
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     files = _plan(tensors, limit)
@@ -154,8 +153,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             directory.mkdir(parents=True, exist_ok=True)
         except BaseException as e:  # re-raised below, after telling the other ranks
             failure = e
-    if not _agree(backend, failure, f"save_model(): rank 0 cannot write to {directory}"):
-        raise failure  # type: ignore[misc]
+    _outcome(backend, failure, f"save_model(): rank 0 cannot write to {directory}")
     for filename, keys in zip(names, files):
         shard = {}
         for key in keys:  # every rank takes part in each gather, even after rank 0 failed
@@ -174,8 +172,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             _finish(directory, names, files, sum(_nbytes(t) for _, t in tensors))
         except BaseException as e:
             failure = e
-    if not _agree(backend, failure, f"save_model(): rank 0 failed to write {directory}; its error says why"):
-        raise failure  # type: ignore[misc]
+    _outcome(backend, failure, f"save_model(): rank 0 failed to write {directory}; its error says why")
     return directory
 
 
@@ -192,12 +189,6 @@ def _finish(directory: Path, names: list[str], files: list[list[str]], total_byt
     _atomic.fsync_dir(directory)
 
 
-def _agree(backend: ProcessContext, failure: BaseException | None, message: str) -> bool:
-    """True if rank 0 (whose ``failure`` this is, on rank 0) succeeded; on the other ranks a
-    failure of rank 0 raises CheckpointError(``message``)."""
-    ok = failure is None
-    if backend.world_size > 1:
-        ok = bool(exchange(backend, ok)[0])
-        if not ok and not backend.is_main_process:
-            raise CheckpointError(message)
-    return ok
+def _outcome(backend: ProcessContext, failure: BaseException | None, message: str) -> None:
+    """Rank 0's outcome on every rank: its ``failure`` raised there, ``message`` elsewhere."""
+    collectives.outcome_of_rank_0(failure, lambda: CheckpointError(message), device=backend.collective_device)

@@ -8,7 +8,9 @@ from accelfn.data.batches import (
     epoch_batches,
     even_out,
     keyed_batches,
+    num_batches,
     shard_indices,
 )
 
-__all__ = ["EpochBatches", "ShardedIterable", "epoch_batches", "even_out", "keyed_batches", "shard_indices"]
+__all__ = ["EpochBatches", "ShardedIterable", "epoch_batches", "even_out", "keyed_batches", "num_batches",
+           "shard_indices"]

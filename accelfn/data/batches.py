@@ -11,6 +11,7 @@ global RNG (which would make a resumed run diverge) and ranks draw their own aug
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
@@ -190,6 +191,49 @@ class EpochBatches:
             yield place(previous), True
 
 
+def _check_shardable(loader: DataLoader) -> bool:
+    """Raises unless ``shard_data`` can shard ``loader`` by samples; returns whether it shuffles
+    (a map-style dataset's sampler; an IterableDataset is read in stream order)."""
+    if loader.batch_size is None:
+        raise ValueError(
+            "shard_data() needs a DataLoader built with batch_size=...; this one has "
+            "batch_size=None (unbatched samples, or a custom batch_sampler), which cannot be "
+            "sharded by samples"
+        )
+    return _is_map_style(loader) and _shuffles(loader)
+
+
+def _shard_length(num_samples: int, shard: ShardData, *, rank: int, world_size: int) -> int:
+    """``len(shard_indices(num_samples, ...))``, without drawing the permutation."""
+    if shard.drop_last and num_samples % world_size:  # DistributedSampler's own arithmetic
+        return math.ceil((num_samples - world_size) / world_size)
+    if shard.even_batches or shard.drop_last:
+        return math.ceil(num_samples / world_size)
+    return len(range(rank, num_samples, world_size))
+
+
+def num_batches(data: Iterable[Any], shard: ShardData | None, *, rank: int, world_size: int) -> int | None:
+    """This rank's micro-batches in one epoch of ``data``, as ``epoch_batches`` reads it, without
+    building a loader or reading anything; None when it is not known in advance (an
+    IterableDataset, a generator).
+
+    Raises:
+        ValueError: a DataLoader that ``shard_data`` cannot shard (as ``epoch_batches``).
+    """
+    if shard is None or world_size == 1 and not isinstance(data, DataLoader):
+        return len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
+    if isinstance(data, DataLoader):
+        _check_shardable(data)
+        if not _is_map_style(data):
+            return None
+        samples = _shard_length(len(data.dataset), shard, rank=rank, world_size=world_size)  # type: ignore[arg-type]  # map-style: sized
+        full, partial = divmod(samples, data.batch_size)  # type: ignore[operator]  # checked above
+        return full + (1 if partial and not data.drop_last else 0)
+    if isinstance(data, Sequence):
+        return _shard_length(len(data), shard, rank=rank, world_size=world_size)
+    return None
+
+
 def epoch_batches(
     data: Iterable[Any], shard: ShardData | None, *, rank: int, world_size: int, epoch: int,
     start: int = 0, place: Callable[[Any], Any] = lambda b: b,
@@ -222,18 +266,13 @@ def epoch_batches(
                 RuntimeWarning,
                 stacklevel=4,
             )
-        num = len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
+        num = num_batches(data, shard, rank=rank, world_size=world_size)
         return EpochBatches(_LazySlice(data, start), num_batches=num, start=start, place=place,
                             sync=sync if world_size > 1 and num is None else None)
     if isinstance(data, DataLoader):
-        if data.batch_size is None:
-            raise ValueError(
-                "shard_data() needs a DataLoader built with batch_size=...; this one has "
-                "batch_size=None (unbatched samples, or a custom batch_sampler), which cannot be "
-                "sharded by samples"
-            )
         if _is_map_style(data):
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
+        _check_shardable(data)
         loader = _rebuild(data, dataset=ShardedIterable(cast(Iterable[Any], data.dataset), rank=rank, world_size=world_size),
                           generator=worker_generator(shard.seed, epoch, rank))
         return EpochBatches(_LazySlice(loader, start), num_batches=None, start=start,
@@ -250,7 +289,7 @@ class _LazySlice:
     """Items ``rank, rank + world_size, ...`` of ``data``, from the ``start``-th of those on.
 
     An iterable, not an iterator: ``data`` is first iterated when the epoch is, so building
-    an epoch's batches (``run`` does it once to count them) starts no DataLoader workers and
+    an epoch's batches starts no DataLoader workers and
     draws no random numbers from the global RNG (a shuffled DataLoader draws its seed in
     ``iter``); iterating it is ``itertools.islice`` itself, with no Python frame per batch.
     """
@@ -274,15 +313,15 @@ def _sized(data: Any) -> bool:
 
 def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: int, epoch: int, start: int,
                place: Callable[[Any], Any]) -> EpochBatches:
+    shuffle = _check_shardable(loader)
     num_samples = len(loader.dataset)  # type: ignore[arg-type]  # map-style: sized, unlike Dataset's stub
     indices = shard_indices(
-        num_samples, rank=rank, world_size=world_size, shuffle=_shuffles(loader), seed=shard.seed,
+        num_samples, rank=rank, world_size=world_size, shuffle=shuffle, seed=shard.seed,
         epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches,
     )
     batch_size = loader.batch_size
     assert batch_size is not None
-    full, partial = divmod(len(indices), batch_size)
-    num_batches = full + (1 if partial and not loader.drop_last else 0)
+    total = num_batches(loader, shard, rank=rank, world_size=world_size)
     padded = shard.even_batches and not shard.drop_last and num_samples % world_size
     padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
     generator = worker_generator(shard.seed, epoch, rank)
@@ -293,11 +332,12 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
         keys = [(start + j // batch_size, i) for j, i in enumerate(remaining)]
         rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch, rank),
                            sampler=_IndexSampler(keys), generator=generator)
-    return EpochBatches(rebuilt, num_batches=num_batches, start=start, place=place, padding_ranks=padding_ranks)
+    return EpochBatches(rebuilt, num_batches=total, start=start, place=place, padding_ranks=padding_ranks)
 
 
-def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]) -> Iterator[Any]:
-    """Keeps ranks in step over data of unknown length: one tiny all-reduce per batch.
+def even_out(it: Iterator[Any], any_rank: Callable[[bool], bool]) -> Iterator[Any]:
+    """Keeps ranks in step over data of unknown length: one tiny all-reduce per batch
+    (``any_rank``: whether any rank still has a batch, ``collectives.any_rank``).
 
     While any rank still has batches, a rank that has run out replays its first batch (the
     way DistributedSampler pads by wrapping); the epoch ends for all ranks together.
@@ -305,9 +345,7 @@ def even_out(it: Iterator[Any], all_reduce_max: Callable[[list[int]], list[int]]
     first = _NOTHING
     while True:
         batch = next(it, _NOTHING)
-        have = 0 if batch is _NOTHING else 1
-        (any_left,) = all_reduce_max([have])
-        if not any_left:
+        if not any_rank(batch is not _NOTHING):
             return
         if batch is _NOTHING:
             if first is _NOTHING:

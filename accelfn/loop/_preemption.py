@@ -2,9 +2,10 @@
 
 Clusters announce preemption with SIGTERM and a grace period; Ctrl-C sends SIGINT. While
 ``run`` trains, both only set a flag. After each micro-batch ``run`` asks ``requested()``;
-in a multi-process world the ranks agree (``_agreement``) so that all of them stop after
-the same micro-batch, one micro-batch after the first rank saw the signal. ``stop`` then
-writes a checkpoint, even in the middle of an accumulation window, and exits with the
+in a multi-process world the ranks agree (``collectives.Agreement``, one round late) so
+that all of them stop after the same micro-batch, one micro-batch after the first rank saw
+the signal. ``stop`` then writes a checkpoint, even in the middle of an accumulation
+window, and exits with the
 shell's status for death by that signal (143 for SIGTERM, 130 for SIGINT), which tells
 ``torchrun`` and schedulers that the job was interrupted, not finished.
 """
@@ -17,11 +18,11 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from accelfn.loop._agreement import Agreement
+from accelfn.collectives import Agreement
 
 if TYPE_CHECKING:
     from accelfn.backends.base import Backend
-    from accelfn.loop._schedule import Schedule
+    from accelfn.checkpoint.checkpoints import Schedule
     from accelfn.state import TrainState
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

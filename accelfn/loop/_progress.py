@@ -1,19 +1,33 @@
-"""Metrics of a run: reduced over ranks and turned into floats only at log points, and only
-when something reads them (a tracker, or the progress bar)."""
+"""What a run reports: metrics reduced over ranks and turned into floats only at log points,
+and only when something reads them (a tracker, or the progress bar); the process's memory;
+and the run configuration handed to trackers (the user's hyperparameters and what accelfn
+knows)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import IO, Any
+
+import attrs
 
 import torch
 from tqdm.auto import tqdm
 
+from accelfn import collectives
+from accelfn._version import __version__
 from accelfn.backends.base import Backend
-from accelfn.loop._memory import rss_bytes
+from accelfn.step import Step
 from accelfn.tracking import ConfigTracker, Tracker
+from accelfn.transforms import WithPrecision
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
 
 #: the bar alone (one process, no tracker) reads the metrics at most this often
 BAR_INTERVAL_S = 0.5
@@ -180,13 +194,70 @@ def _check_same_names(backend: Backend, names: list[str]) -> None:
     finds out first; only when they differ are the names themselves gathered, for the message.
     """
     fingerprint = zlib.crc32("\0".join(names).encode())
-    t = torch.tensor([fingerprint, len(names), -fingerprint, -len(names)], dtype=torch.int64,
-                     device=backend.collective_device)
-    highest, longest, lowest, shortest = backend.reduce(t, "max").tolist()
-    if highest == -lowest and longest == -shortest:
+    if collectives.all_same([fingerprint, len(names)], device=backend.collective_device):
         return
     each = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(backend.gather_object(names)))
     raise ValueError(
         f"loss_fn returned other metrics on some ranks ({each}); metrics are averaged over the "
         "ranks name by name, so loss_fn must return the same metric names on every rank"
     )
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_statm: tuple[int, IO[bytes]] | None = None  # (pid, open /proc/self/statm of that process)
+
+
+def rss_bytes() -> int:
+    """This process's resident set size in bytes: the current one on Linux (the second field of
+    ``/proc/self/statm``, kept open: a few microseconds a read), elsewhere the peak so far
+    (``getrusage``, which on Linux can take a hundred microseconds); 0 where neither exists."""
+    global _statm
+    if sys.platform.startswith("linux"):
+        if _statm is None or _statm[0] != os.getpid():  # opened by this process, not a parent
+            _statm = (os.getpid(), open("/proc/self/statm", "rb"))  # noqa: SIM115 - kept open on purpose
+        handle = _statm[1]
+        handle.seek(0)
+        return int(handle.read().split()[1]) * _PAGE_BYTES
+    if resource is None:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def check_config(config: Any) -> None:
+    """Raises TypeError/ValueError for a ``run(config=...)`` that is not a mapping or uses ``"accelfn"``."""
+    if config is None:
+        return
+    if not isinstance(config, Mapping):
+        raise TypeError(f"run(config=...) takes a mapping of hyperparameters, e.g. config={{'lr': 3e-4}}, "
+                        f"got {type(config).__name__}")
+    if "accelfn" in config:
+        raise ValueError("run(config=...) has a key 'accelfn', which is where run puts what it knows (transforms, "
+                         "world size, ...); rename that key")
+
+
+def _options(record: Any) -> Any:
+    """A record's fields as plain values (nested records as mappings, dtypes as strings)."""
+    if attrs.has(type(record)):
+        return {f.name: _options(getattr(record, f.name)) for f in attrs.fields(type(record))}
+    if record is None or isinstance(record, (bool, int, float, str)):
+        return record
+    return str(record)
+
+
+def run_config(config: Mapping[str, Any] | None, step: Step, backend: Backend, data: Iterable[Any]) -> dict[str, Any]:
+    """``config`` plus ``"accelfn"``: versions, backend, world size, precision, per-process
+    batch size (the DataLoader's, else None) and each transform's options by its verb."""
+    precision = step.find(WithPrecision)
+    return {
+        **(config or {}),
+        "accelfn": {
+            "version": __version__,
+            "torch_version": torch.__version__,
+            "backend": backend.name,
+            "world_size": backend.world_size,
+            "precision": precision.policy.name if precision is not None else "fp32",
+            "batch_size": getattr(data, "batch_size", None),
+            "transforms": {t.verb: _options(t) for t in step.transforms},
+        },
+    }

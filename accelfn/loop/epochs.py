@@ -3,29 +3,27 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
-from accelfn.checkpoint.io import transforms_record
 from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
-from accelfn.loop._progress import Progress
+from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
-from accelfn.loop._run_config import check_config, run_config
-from accelfn.loop._schedule import Schedule
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
 from accelfn.loop.profile import Profile, profiling
+from accelfn.loop.updates import count_updates
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.tracking import Tracker
-from accelfn.transforms import Accumulate
+
+if TYPE_CHECKING:
+    from accelfn.checkpoint.checkpoints import Schedule
 
 
 def _check_count(name: str, value: Any, *, allow_none: bool = False) -> None:
@@ -55,31 +53,6 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
     for tracker in trackers:
         if not isinstance(tracker, Tracker):
             raise TypeError(f"run(trackers=...) takes objects with log(metrics, step) and close(), got {tracker!r}")
-
-
-def _total_steps(backend: Backend, data: Any, step: Step, state: TrainState, epochs: int | None,
-                 max_steps: int | None) -> int | None:
-    """The step the run will end at, when the data's length is known: ``state.step`` plus
-    the updates left from ``state``'s position (its epoch and micro-batch in it) on this
-    world size. Counted from the position, not as ``epochs`` x updates per epoch, so a run
-    resumed from a checkpoint of another world size (whose steps were of other sizes) or
-    in the middle of a window ends the bar at its total."""
-    if epochs is None:
-        return max_steps
-    try:
-        per_epoch = backend.batches(data, step, 0).num_batches
-    except (TypeError, ValueError):
-        per_epoch = None
-    if per_epoch is None:
-        return max_steps
-    accumulate = step.find(Accumulate)
-    n = accumulate.num_micro_batches if accumulate else 1
-    windows = math.ceil(per_epoch / n)  # updates per epoch (a partial last window is flushed)
-    left = 0
-    if state.epoch < epochs:
-        left = windows - min(state.epoch_micro_step // n, windows) + (epochs - state.epoch - 1) * windows
-    total = state.step + left
-    return total if max_steps is None else min(total, max_steps)
 
 
 def run(
@@ -186,11 +159,11 @@ def run(
     step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation
         state.model.train()
-    schedule = Schedule(checkpoints, backend, transforms_record(step)) if checkpoints is not None else None
-    state = resume_state(state, schedule, resume, backend, program=step,
-                         position=functools.partial(_resume_position, backend, data, step))
+    schedule = (checkpoints.schedule(backend, program=step, timeout_s=backend.env.timeout_s)
+                if checkpoints is not None else None)
+    state = resume_state(state, schedule, resume, backend, program=step, data=data)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
-                   total=_total_steps(backend, data, step, state, epochs, max_steps), initial=state.step)
+                   total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step)
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:
@@ -209,6 +182,16 @@ def run(
         finally:
             bar.close()
     return state
+
+
+def _total_steps(step: Step, data: Iterable[Any], backend: Backend, state: TrainState, epochs: int | None,
+                 max_steps: int | None) -> int | None:
+    """The step the run ends at (for the bar), when the data's length is known or
+    ``max_steps`` gives it: ``count_updates`` from ``state``'s position."""
+    try:
+        return count_updates(step, data, backend=backend, epochs=epochs, max_steps=max_steps, state=state).total
+    except ValueError:  # data of unknown length without max_steps
+        return None
 
 
 def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], backend: Backend, epochs: int | None,
@@ -259,47 +242,6 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             stacklevel=3,
         )
     return state
-
-
-def _resume_position(backend: Backend, data: Iterable[Any], step: Step, epoch: int, position: int,
-                     world_size: int) -> int:
-    """The micro-batch of ``epoch`` a run resumed at ``position`` (of a checkpoint written by
-    ``world_size`` processes) continues at. In another world size, each process's position
-    is scaled to keep the epoch's consumed samples (approximate: the rest of the epoch is
-    batched differently), with a warning.
-
-    Raises:
-        ValueError: ``position`` beyond this process's epoch (other data or batch size).
-    """
-    if not position:
-        return 0  # an epoch boundary: the same in any world size
-    total = backend.batches(data, step, epoch).num_batches  # None: the data's length is not known
-    if world_size != backend.world_size:
-        start = position * world_size // backend.world_size
-        start = start if total is None else min(start, total)
-        if backend.is_main_process:  # the job's warning: once, not per rank
-            warnings.warn(
-                f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
-                f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
-                f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
-                "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
-                "epoch is batched in another order, so the run differs from an uninterrupted one",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        return start
-    if total is not None and position > total:
-        raise ValueError(
-            f"cannot resume at micro-batch {position} of epoch {epoch}: the data has {total} "
-            f"micro-batch{'es' if total != 1 else ''} per epoch on this process. The batch size or the dataset "
-            f"probably differs from the run that wrote the checkpoint (on {_processes(world_size)}, as this run); "
-            "resume with the same data and batch size, or start a fresh run (without resume=...)"
-        )
-    return position
-
-
-def _processes(n: int) -> str:
-    return f"{n} process{'es' if n > 1 else ''}"
 
 
 def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:

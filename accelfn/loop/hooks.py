@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import attrs
-import torch
 
+from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.errors import check_int, wrong_type
 from accelfn.state import TrainState
@@ -149,12 +149,9 @@ class Hooks:
 
     def _agree(self, reason: str | None) -> str | None:
         """A stop asked on any process stops every process (one scalar all-reduce per firing)."""
-        if self._backend.world_size == 1:
-            return reason
-        asked = torch.tensor([1 if reason is not None else 0], dtype=torch.int64, device=self._backend.collective_device)
-        if int(self._backend.reduce(asked, "max").item()):
-            return reason or "another process's hook asked to stop"
-        return None
+        if not collectives.any_rank(reason is not None, device=self._backend.collective_device):
+            return None
+        return reason or "another process's hook asked to stop"
 
 
 def _number(name: Any, value: Any, hook: Hook) -> float:

@@ -9,7 +9,8 @@ from typing import Any
 import attrs
 
 from accelfn.backends.base import Backend
-from accelfn.data import epoch_batches
+from accelfn.data import num_batches
+from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, ShardData
 
@@ -22,7 +23,8 @@ class UpdateCount:
         per_epoch: optimizer updates in each epoch: ``ceil(micro_batches_per_epoch / n)``
             under ``accumulate(n)`` (an epoch's last, partial window is one more update);
             None for data of unknown length.
-        total: optimizer updates of the whole job: ``epochs * per_epoch``, capped at ``max_steps``.
+        total: optimizer updates of the whole job: ``epochs * per_epoch``, capped at
+            ``max_steps``; counted from a given ``state``'s position, the step the job ends at.
         micro_batches_per_epoch: this process's micro-batches in each epoch (after sharding),
             or None for data of unknown length.
     """
@@ -33,7 +35,7 @@ class UpdateCount:
 
 
 def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: int | None = 1,
-                  max_steps: int | None = None) -> UpdateCount:
+                  max_steps: int | None = None, state: TrainState | None = None) -> UpdateCount:
     """The optimizer updates ``run(step, state, data, backend=backend, epochs=epochs,
     max_steps=max_steps)`` applies, per epoch and in total, counted from the start of training.
 
@@ -51,12 +53,17 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         backend: the backend ``run`` will use (its rank and world size shard the data).
         epochs: total epochs of the job, or None to train until ``max_steps``.
         max_steps: total optimizer updates of the job, or None for no limit.
+        state: a state part-way through the job (a resumed one): ``total`` is then
+            ``state.step`` plus the updates left from its position (its epoch and the
+            micro-batches of it consumed), which is where ``run`` stops even when the
+            checkpoint was written by another number of processes (whose updates were of
+            other sizes). None: from the start of training.
 
     Returns:
         UpdateCount: ``per_epoch``, ``total`` and ``micro_batches_per_epoch``.
 
     Raises:
-        TypeError: ``step`` is not a Step or ``backend`` not a backend.
+        TypeError: ``step`` is not a Step, ``backend`` not a backend, or ``state`` not a TrainState.
         ValueError: ``epochs``/``max_steps`` below 1, both None, or ``data`` of unknown length
             (an IterableDataset or a generator) without ``max_steps``.
 
@@ -71,13 +78,14 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         raise TypeError(f"count_updates() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
     if not isinstance(backend, Backend):
         raise TypeError(f"count_updates(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
+    if state is not None and not isinstance(state, TrainState):
+        raise TypeError(f"count_updates(state=...) takes a TrainState or None, got {type(state).__name__}")
     for name, value in (("epochs", epochs), ("max_steps", max_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    micro_batches = epoch_batches(data, step.find(ShardData), rank=backend.rank, world_size=backend.world_size,
-                                  epoch=0).num_batches
+    micro_batches = num_batches(data, step.find(ShardData), rank=backend.rank, world_size=backend.world_size)
     if micro_batches is None:
         if max_steps is None:
             raise ValueError(
@@ -87,9 +95,14 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             )
         return UpdateCount(per_epoch=None, total=max_steps, micro_batches_per_epoch=None)
     accumulate = step.find(Accumulate)
-    per_epoch = math.ceil(micro_batches / (accumulate.num_micro_batches if accumulate else 1))
+    n = accumulate.num_micro_batches if accumulate else 1
+    per_epoch = math.ceil(micro_batches / n)  # an epoch's partial last window is one more update
     if epochs is None:
         total = max_steps
-    else:
+    elif state is None:
         total = epochs * per_epoch if max_steps is None else min(epochs * per_epoch, max_steps)
+    else:  # the current epoch's windows not begun or not closed, then whole epochs
+        left = 0 if state.epoch >= epochs else (
+            per_epoch - min(state.epoch_micro_step // n, per_epoch) + (epochs - state.epoch - 1) * per_epoch)
+        total = state.step + left if max_steps is None else min(state.step + left, max_steps)
     return UpdateCount(per_epoch=per_epoch, total=total, micro_batches_per_epoch=micro_batches)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Leaving the process group at exit: no abort when gloo's threads still own collectives.
 
-Without accelfn's exit handler (``accelfn.backends._exit``) a gloo worker thread could free a
+Without accelfn's exit handler (``accelfn.backends._distributed``) a gloo worker thread could free a
 finished collective's tensors after the interpreter began to finalize, and the process
 aborted (``terminate called without an active exception``) after a complete run.
 """

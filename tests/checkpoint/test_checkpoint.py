@@ -21,8 +21,7 @@ import torch
 import xxhash
 
 import accelfn as af
-from accelfn.checkpoint._manifest import Manifest
-from accelfn.checkpoint._serialize import PER_RANK, SHARED
+from accelfn.checkpoint._format import PER_RANK, SHARED, Manifest
 from accelfn.errors import CheckpointError
 from tests.helpers.states import assert_same_state, build, loader, program
 from tests.workers.save_child import make_model

@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 import accelfn as af
-from accelfn.checkpoint import _checksums, _hashed_io
+from accelfn.checkpoint import _tensorfiles
 from accelfn.errors import CheckpointError
 from tests.helpers.states import assert_same_state, build, loader, program
 
@@ -45,11 +45,11 @@ def test_the_hashed_writer_writes_safetensors_files_of_every_dtype_with_the_file
         tensors[f"s{i}"] = torch.ones((), dtype=dtype)
         tensors[f"e{i}"] = torch.empty(0, 4, dtype=dtype)
     tensors["transposed"] = torch.randn(4, 6).t()
-    digest, num_bytes = _hashed_io.write(tmp_path / "f.safetensors", tensors, "xxh3_128")
+    digest, num_bytes = _tensorfiles.write_file(tmp_path / "f.safetensors", tensors, "xxh3_128")
     data = (tmp_path / "f.safetensors").read_bytes()
     assert (digest, num_bytes) == (xxhash.xxh3_128(data).hexdigest(), len(data))
     for read in (safetensors.torch.load_file(tmp_path / "f.safetensors"),
-                 _hashed_io.read(tmp_path / "f.safetensors", "xxh3_128", digest, num_bytes)):
+                 _tensorfiles.read_file(tmp_path / "f.safetensors", "xxh3_128", digest, num_bytes)):
         assert read.keys() == tensors.keys()
         for key, t in tensors.items():
             assert read[key].dtype == t.dtype and read[key].shape == t.shape, key
@@ -60,7 +60,7 @@ def test_without_xxhash_checkpoints_are_checked_with_sha256_and_load(cpu, tmp_pa
     """Where xxhash is not installed, every tensor file's entry holds the sha256 of the file
     (and no other checksum), and the checkpoint loads to the saved state."""
     state = _trained(cpu)
-    monkeypatch.setattr(_checksums, "xxhash", None)
+    monkeypatch.setattr(_tensorfiles, "xxhash", None)
     af.save(state, tmp_path / "ckpt")
     manifest = orjson.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
     assert manifest["format_version"] == 4
@@ -73,7 +73,7 @@ def test_without_xxhash_checkpoints_are_checked_with_sha256_and_load(cpu, tmp_pa
 def test_an_xxh3_checkpoint_without_xxhash_says_what_to_install(cpu, tmp_path, monkeypatch) -> None:
     """Loading an XXH3-checked checkpoint where xxhash is not installed fails saying so."""
     af.save(_trained(cpu), tmp_path / "ckpt")
-    monkeypatch.setattr(_checksums, "xxhash", None)
+    monkeypatch.setattr(_tensorfiles, "xxhash", None)
     with pytest.raises(CheckpointError, match=r"this checkpoint's files are checked with xxh3_128, which needs the "
                                               r"xxhash package \(a dependency of accelfn\): pip install xxhash"):
         af.load(tmp_path / "ckpt", into=build(9))

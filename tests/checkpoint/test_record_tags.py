@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
-from accelfn.checkpoint import _tags
+from accelfn.checkpoint import _codec as _tags
 from accelfn.errors import CheckpointError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -11,7 +11,7 @@ import torch
 
 import accelfn as af
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.checkpoint.snapshots import COUNTERS
+from accelfn.checkpoint.snapshot import COUNTERS
 from accelfn.errors import CheckpointError
 from accelfn.transforms import Window
 from accelfn.transforms.precision import LossScale, SkipCount

@@ -73,3 +73,24 @@ def test_count_updates_refuses_data_of_unknown_length_without_max_steps(cpu):
         af.count_updates(step, (torch.randn(2, 2) for _ in range(3)), backend=cpu)
     assert af.count_updates(step, (torch.randn(2, 2) for _ in range(3)), backend=cpu, max_steps=5) == af.UpdateCount(
         per_epoch=None, total=5, micro_batches_per_epoch=None)
+
+
+@pytest.mark.parametrize("case", [(25, False, "pad", 3), (23, True, None, 1), (24, False, "drop_last", 3)],
+                         ids=counting.case_id)
+def test_counted_from_a_resumed_state_the_total_is_where_the_resumed_run_stops(cpu, tmp_path, case):
+    """count_updates(state=s) of a state saved mid-epoch and mid-window (or at an epoch's end)
+    is the step at which run, resumed from it, stops; and that is the uninterrupted total."""
+    step, loader = counting.program(case)
+    total = af.count_updates(step, loader, backend=cpu, epochs=counting.EPOCHS).total
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    state, step_fn = cpu.prepare(step, state)
+    for batch, last in cpu.batches(loader, step, 0):  # 4 micro-batches: mid-window under accumulate(3)
+        state, _ = step_fn(state, batch, flush=last)
+        if state.micro_step == 4:
+            break
+    counted = af.count_updates(step, loader, backend=cpu, epochs=counting.EPOCHS, state=state)
+    assert counted.total == total
+    resumed = af.run(step, state, loader, backend=cpu, epochs=counting.EPOCHS, progress=False)
+    assert resumed.step == total

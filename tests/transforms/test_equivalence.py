@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import accelfn as af
 from accelfn.backends import StepFn
-from accelfn.backends._plain_step import PlainStepFn
+from accelfn.backends._interpreter import PlainStepFn
 from tests.helpers.models import classification_data, loss_fn, make_mlp
 
 

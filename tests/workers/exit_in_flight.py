@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import accelfn as af
-from accelfn.backends import _exit
+from accelfn.backends import _distributed as _exit
 from tests.helpers.sharding import build, loader, program
 
 

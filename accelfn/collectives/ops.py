@@ -1,4 +1,4 @@
-"""Collectives over ``torch.distributed``, working unchanged on a world of size 1.
+"""The collectives: gather, reduce, broadcast, pad, split and exchange over ``torch.distributed``.
 
 Every function acts on the default process group when one is initialized with more than
 one rank, and is the identity (or its one-rank equivalent) otherwise. Tensors must live on
@@ -9,11 +9,12 @@ of that.
 
 from __future__ import annotations
 
-import datetime
+import struct
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
+import orjson
 import torch
 import torch.distributed as dist
 
@@ -53,102 +54,6 @@ def default_device() -> torch.device:
     if world_size() > 1 and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-class ArrivalError(RuntimeError):
-    """Some rank did not reach a collective the others reached (see ``arrive``)."""
-
-
-#: this process's count of passed ``arrive`` checks (the same on every rank)
-_arrivals = 0
-
-
-def arrive(what: str, timeout_s: float | None = None, *, detail: str = "") -> None:
-    """Waits at most ``timeout_s`` seconds for every rank to reach this call too.
-
-    A collective called inside ``if backend.is_main_process:`` would otherwise wait the
-    whole process-group timeout for ranks that never come and die of a raw gloo error, or
-    pair with another collective a rank runs meanwhile. Each rank marks its arrival in the
-    process group's key-value store (``torch.distributed.Store``); rank 0 waits for every
-    mark, then lets all go. Nothing else pairs with it, and a failed check leaves nothing
-    behind, so the next call checks again. Does nothing in a world of one process (or
-    where the process group has no store).
-
-    Args:
-        what: the API the ranks must all call, e.g. ``"af.save"`` (named in the error).
-        detail: what must agree too, e.g. the checkpoint's path: a rank that arrived at
-            another call (``af.save`` of another path, or ``af.evaluate``) is named.
-        timeout_s: how long a rank waits for the others (seconds); by default a tenth of
-            the process group's timeout (``accelfn launch --timeout-s``, 600 s by default).
-
-    Raises:
-        ArrivalError: on rank 0, the ranks that did not arrive within ``timeout_s``
-            (named); on another rank, rank 0 did not arrive; on every rank, some rank
-            arrived at another call (each rank's named).
-    """
-    global _arrivals
-    n = world_size()
-    if n == 1:
-        return
-    try:  # torch's own accessor (private, stable since 1.x); a group without a store is not checked
-        default_store = dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return
-    store = dist.PrefixStore("accelfn/arrive/", default_store)
-    # the store's timeout is the process group's (``Store.timeout``, missing from torch's stubs)
-    group_timeout: datetime.timedelta = default_store.timeout  # type: ignore[attr-defined]
-    timeout = group_timeout / 10 if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    timeout_s, me = timeout.total_seconds(), rank()
-    mark = f"{_arrivals}/{me}"
-    call = f"{what}({detail})" if detail else what
-    store.set(mark, call)
-    try:
-        if me == 0:
-            marks = [f"{_arrivals}/{r}" for r in range(n)]
-            try:
-                store.wait(marks, timeout)
-            except dist.DistError:
-                missing = ", ".join(str(r) for r, m in enumerate(marks) if not store.check([m]))
-                raise ArrivalError(
-                    f"{what} was called on rank 0, but rank(s) {missing} did not call it within {timeout_s:g} s: "
-                    f"{what} is a collective, call it on every rank (not inside `if backend.is_main_process:`)"
-                ) from None
-            called = [store.get(m).decode() for m in marks]
-            others = [f"rank {r}: {c}" for r, c in enumerate(called) if c != call]
-            verdict = ""
-            if others:  # every rank arrived, but at another call: collectives would pair wrongly
-                verdict = (f"{call} was called on rank 0 while other ranks called something else "
-                           f"({'; '.join(others)}): {what} is a collective, call it on every rank at the same "
-                           "point of the script (not inside `if backend.is_main_process:`)")
-            store.set(f"{_arrivals}/go", verdict)
-            if verdict:
-                for m in marks:
-                    store.delete_key(m)
-                if _arrivals:
-                    store.delete_key(f"{_arrivals - 1}/go")
-                _arrivals += 1  # every rank arrived: this round is over on all of them
-                raise ArrivalError(verdict)
-            for m in marks:
-                store.delete_key(m)
-            if _arrivals:
-                store.delete_key(f"{_arrivals - 1}/go")
-        else:
-            try:
-                store.wait([f"{_arrivals}/go"], timeout)
-            except dist.DistError:
-                raise ArrivalError(
-                    f"{what} was called on rank {me}, but rank 0 did not call it within {timeout_s:g} s: {what} is "
-                    "a collective, call it on every rank (if rank 0 was only busier, raise the collective "
-                    "timeout: accelfn launch --timeout-s)"
-                ) from None
-            verdict = store.get(f"{_arrivals}/go").decode()
-            if verdict:
-                _arrivals += 1  # every rank arrived: this round is over on all of them
-                raise ArrivalError(verdict)
-    except ArrivalError:
-        store.delete_key(mark)  # as if this call never happened: the next one checks afresh
-        raise
-    _arrivals += 1
 
 
 def barrier() -> None:
@@ -310,3 +215,31 @@ def split_between_processes(inputs: Sequence[T] | torch.Tensor | dict[str, Any],
     start = r * base + min(r, extra)
     stop = start + base + (1 if r < extra else 0)
     return inputs[start:stop]
+
+
+def exchange(value: Any, *, device: torch.device | None = None) -> list[Any]:
+    """Every rank's JSON-able ``value``, in rank order, on every rank, without pickle.
+
+    ``torch.distributed``'s ``*_object`` collectives pickle what they send; this sends the
+    value's JSON (orjson) in a uint8 tensor over two all-gathers (lengths, then bytes).
+
+    Args:
+        value: data orjson can write (dicts, lists, str, numbers, bool, None).
+        device: the device the group exchanges tensors on (``default_device()`` if None).
+
+    Raises:
+        TypeError: ``value`` is not JSON-able (orjson's).
+    """
+    data = orjson.dumps(value)
+    if world_size() == 1:
+        return [orjson.loads(data)]
+    device = default_device() if device is None else device
+    payload = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8).to(device)
+    lengths = gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).cpu().tolist()
+    gathered = gather(payload).cpu().numpy().tobytes()
+    values, offset = [], 0
+    for n in lengths:
+        (length,) = struct.unpack_from("<Q", gathered, offset)
+        values.append(orjson.loads(gathered[offset + 8:offset + 8 + length]))
+        offset += n
+    return values

@@ -1,8 +1,9 @@
-"""The process context every backend is: its place in the world and the collectives on it.
+"""The process context: this process's place in the world and the collectives on it.
 
-``Backend`` inherits these; they use only the rank numbers, ``collective_device`` (the
-device a backend's collectives take tensors on) and the iterable ``batches`` returned last
-(for ``gather_for_metrics``).
+The one type that describes a process among the ranks. Every backend is one (``Backend``
+adds the hardware); code below the backends that runs collectives (checkpoints) takes one,
+and without a backend ``ProcessContext.default()`` stands for the default process group of
+``torch.distributed`` (or a world of one process).
 """
 
 from __future__ import annotations
@@ -15,25 +16,40 @@ from typing import Any, TypeVar
 
 import torch
 
-from accelfn import collectives
-from accelfn.data.batches import EpochBatches
-from accelfn.data.tree import map_tensors
+from accelfn.collectives import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class ProcessContext:
-    """Rank queries, collectives and main-process helpers, working unchanged on a world of one."""
+    """Rank queries, collectives and main-process helpers, working unchanged on a world of one.
 
-    rank: int
-    local_rank: int
-    world_size: int
-    _active: EpochBatches | None
+    Args:
+        rank, local_rank: this process's global rank and its rank on its node.
+        world_size, local_world_size: processes in all, and on this node.
+    """
+
+    def __init__(self, *, rank: int = 0, local_rank: int = 0, world_size: int = 1, local_world_size: int = 1):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+
+    @classmethod
+    def default(cls) -> ProcessContext:
+        """The default process group of ``torch.distributed`` (a world of one without one);
+        its node is taken to be the whole world."""
+        world_size = ops.world_size()
+        return cls(rank=ops.rank(), local_rank=ops.rank(), world_size=world_size, local_world_size=world_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
     @property
     def collective_device(self) -> torch.device:
-        """The device tensors must be on for this backend's collectives."""
-        raise NotImplementedError
+        """The device tensors must be on for this context's collectives (gloo: the CPU; NCCL:
+        this process's GPU)."""
+        return ops.default_device()
 
     @property
     def is_main_process(self) -> bool:
@@ -47,62 +63,33 @@ class ProcessContext:
 
     def barrier(self) -> None:
         """Waits until every rank reaches this call."""
-        collectives.barrier()
+        ops.barrier()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` concatenated along dim 0 in rank order (sizes may differ)."""
-        return collectives.gather(tensor.to(self.collective_device))
+        return ops.gather(tensor.to(self.collective_device))
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order."""
-        return collectives.gather_object(obj)
+        return ops.gather_object(obj)
 
-    def gather_for_metrics(self, tree: Any) -> Any:
-        """``gather`` for evaluation: drops the samples ``shard_data`` added to even out the
-        epoch's last batch, so metrics count every sample exactly once.
-
-        The result is in rank order (rank 0's batch, then rank 1's, ...), as Accelerate's is:
-        with ``shard_data`` each rank reads every world-size-th sample, so that is not the
-        dataset's order. ``af.evaluate`` returns outputs in dataset order.
-
-        Args:
-            tree: a tensor (leading dimension: samples) or a tuple/list/dict of them,
-                computed from the batch most recently read from the iterable the last
-                ``backend.batches(...)`` or ``backend.eval_batches(...)`` call returned (the
-                contract: that iterable's position says whether this is the epoch's last batch
-                and which ranks padded it).
-        """
-        active = self._active
-        drop = active.padding_ranks if active is not None and active.is_last else frozenset()
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            gathered = self.gather(t)
-            if not drop or t.ndim == 0:
-                return gathered
-            per_rank = t.shape[0]
-            keep = [gathered[r * per_rank:(r + 1) * per_rank - (1 if r in drop else 0)]
-                    for r in range(self.world_size)]
-            return torch.cat(keep)
-
-        return map_tensors(one, tree)
-
-    def reduce(self, tensor: torch.Tensor, op: collectives.ReduceOp = "mean") -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: ops.ReduceOp = "mean") -> torch.Tensor:
         """``tensor`` reduced over ranks with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``."""
-        return collectives.reduce(tensor.to(self.collective_device), op)
+        return ops.reduce(tensor.to(self.collective_device), op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``tensor`` on every rank."""
-        return collectives.broadcast(tensor.to(self.collective_device), src)
+        return ops.broadcast(tensor.to(self.collective_device), src)
 
     def pad_across_processes(self, tensor: torch.Tensor, *, dim: int = 0, pad_index: float = 0,
                              pad_first: bool = False) -> torch.Tensor:
         """``tensor`` padded along ``dim`` to the largest size over ranks."""
-        return collectives.pad_across_processes(tensor.to(self.collective_device), dim=dim,
+        return ops.pad_across_processes(tensor.to(self.collective_device), dim=dim,
                                                 pad_index=pad_index, pad_first=pad_first)
 
     def split_between_processes(self, inputs: Any) -> Any:
         """This rank's contiguous part of a sequence, tensor or dict of them."""
-        return collectives.split_between_processes(inputs, rank_=self.rank, world_size_=self.world_size)
+        return ops.split_between_processes(inputs, rank_=self.rank, world_size_=self.world_size)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""

@@ -1,0 +1,37 @@
+"""Collectives over ``torch.distributed`` and the cross-rank rules built on them, working
+unchanged on a world of one process; the process context every backend is."""
+
+from accelfn.collectives.agreement import (
+    Agreement,
+    ArrivalError,
+    all_same,
+    any_rank,
+    arrive,
+    extremes,
+    failures,
+    outcome_of_rank_0,
+)
+from accelfn.collectives.context import ProcessContext
+from accelfn.collectives.ops import (
+    REDUCE_OPS,
+    ReduceOp,
+    barrier,
+    broadcast,
+    default_device,
+    exchange,
+    gather,
+    gather_object,
+    is_dtensor,
+    pad_across_processes,
+    rank,
+    reduce,
+    split_between_processes,
+    world_size,
+)
+
+__all__ = [
+    "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
+    "barrier", "broadcast", "default_device", "exchange", "extremes", "failures", "gather", "gather_object",
+    "is_dtensor", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce", "split_between_processes",
+    "world_size",
+]
