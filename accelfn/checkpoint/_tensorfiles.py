@@ -236,7 +236,8 @@ MIN_SHARD_BYTES = 16 << 20
 SUFFIX = ".safetensors"
 
 
-_WORKERS = max(1, min(8, os.cpu_count() or 1))
+#: threads that write, read and hash files (one per core, at most 8)
+WORKERS = max(1, min(8, os.cpu_count() or 1))
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the pool of that process)
 
 
@@ -246,7 +247,7 @@ def threads() -> ThreadPoolExecutor:
     Never submit to it from one of its own threads (a job waiting for a job would wait forever)."""
     global _pool
     if _pool is None or _pool[0] != os.getpid():  # a forked child has no threads of its parent's pool
-        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="accelfn-files"))
+        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="accelfn-files"))
     return _pool[1]
 
 
@@ -295,7 +296,7 @@ def write(directory: Path, groups: Mapping[str, tuple[Mapping[str, torch.Tensor]
     limit = shard_bytes(sum(_nbytes(t) for tensors, _ in groups.values() for t in tensors.values()))
     # threads of its own, not threads(): they inherit the priority of the calling thread,
     # which a background save lowers so that training wins where both compete for a core
-    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
         for name, (tensors, rank) in groups.items():
             if not tensors:
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from concurrent.futures import wait
 from types import MappingProxyType
 from typing import Any
 
@@ -28,6 +29,7 @@ from accelfn.checkpoint._codec import (
     view_key,
 )
 from accelfn.checkpoint._rng import RngState
+from accelfn.checkpoint._tensorfiles import WORKERS, threads
 from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
@@ -39,6 +41,8 @@ COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.
 #: window): restored from the snapshot or dropped, never kept from the target state
 TRANSIENT = frozenset({"window"})
 _COMPILED = "_orig_mod"
+#: below this many bytes, copies into a state's tensors run in the calling thread
+_PARALLEL_COPY_BYTES = 8 << 20
 
 
 def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -394,9 +398,18 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
 
     for name, obj in state.extra.items():
         obj.load_state_dict(copy_tree(snap.extra[name], own))
-    keys = {clean_name(k): k for k in model.state_dict()}
-    model.load_state_dict({keys[k]: v for k, v in snap.model.items()})  # copies into the parameters
-    state.optimizer.load_state_dict(_into_live(state.optimizer, snap.optimizer, own))
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    live = {clean_name(k): (k, v) for k, v in model.state_dict().items()}
+    values = {}
+    for name, saved in snap.model.items():
+        key, target = live[name]
+        values[key] = _into(target, saved, copies)
+    optimizer = _into_live(state.optimizer, snap.optimizer, own, copies)
+    copy_all(copies)
+    # the live tensors now hold the saved values: loading them copies nothing more, and runs
+    # the modules' own load hooks and torch's checks as a load of the saved tensors would
+    model.load_state_dict(values)
+    state.optimizer.load_state_dict(optimizer)
     if state.scheduler is not None:
         state.scheduler.load_state_dict(copy_tree(snap.scheduler, own))
     _restore_grads(model, snap.grads, copy)
@@ -408,19 +421,73 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
     return state.replace(transforms_state=restored, **snap.counters)
 
 
+def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``target`` (a live tensor) if ``value`` can be copied into it (a plain tensor of the
+    same shape and dtype; the copy is added to ``copies``), else ``value``."""
+    if (isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor) and target is not value
+            and target.shape == value.shape and target.dtype == value.dtype
+            and not is_dtensor(target) and not is_dtensor(value) and target.layout == torch.strided):
+        copies.append((target, value))
+        return target
+    return value
+
+
+def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``target.copy_(value)`` for each pair, without autograd; copies into CPU tensors are
+    spread over the file threads (``_tensorfiles.threads()``; torch's copy releases the GIL),
+    each view of a storage copied once."""
+    seen: set[Any] = set()
+    unique = []
+    for target, value in copies:
+        key = view_key(target)
+        if key is None or key not in seen:
+            seen.add(key)
+            unique.append((target, value))
+    parallel = [(t, v) for t, v in unique if t.device.type == "cpu"]
+    with torch.no_grad():
+        for target, value in unique:
+            if target.device.type != "cpu":
+                target.copy_(value)
+    if sum(t.numel() * t.element_size() for t, _ in parallel) < _PARALLEL_COPY_BYTES:
+        _copy_part(parallel)
+        return
+    pool = threads()
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(WORKERS)]
+    sizes = [0] * len(parts)
+    for target, value in sorted(parallel, key=lambda pair: -pair[0].numel() * pair[0].element_size()):
+        i = sizes.index(min(sizes))  # the largest first, each to the least loaded thread
+        parts[i].append((target, value))
+        sizes[i] += target.numel() * target.element_size()
+    jobs = [pool.submit(_copy_part, part) for part in parts if part]
+    wait(jobs)
+    for job in jobs:
+        job.result()
+
+
+def _copy_part(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():  # grad mode is per thread
+        for target, value in pairs:
+            target.copy_(value)
+
+
 def _into_live(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
-               own: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
-    """``saved`` (an optimizer's state dict) with each state tensor copied into the
+               own: Callable[[torch.Tensor], torch.Tensor],
+               copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """``saved`` (an optimizer's state dict) with each state tensor to be copied into the
     optimizer's own tensor of the same parameter and key when that has the same shape and
-    dtype (``load_state_dict`` then keeps it), and the others passed through ``own``."""
+    dtype (added to ``copies``; ``load_state_dict`` then keeps it), and the others passed
+    through ``own``."""
     live = optimizer.state_dict()["state"]
 
     def into(index: Any, key: Any, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return copy_tree(value, own)
         target = live.get(index, {}).get(key)
+        kept = _into(target, value, copies)
+        if kept is not value:
+            return kept
         if (isinstance(target, torch.Tensor) and target is not value and target.shape == value.shape
-                and target.dtype == value.dtype):
+                and target.dtype == value.dtype):  # a DTensor of a sharded state's optimizer
             with torch.no_grad():
                 target.copy_(value)
             return target
