@@ -11,6 +11,7 @@ from accelfn.checkpoint import (
     save_model,
     snapshot,
 )
+from accelfn.cli.launcher import launch
 from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
 from accelfn.evaluate import evaluate
 from accelfn.loop import (
@@ -90,6 +91,7 @@ __all__ = [
     "count_updates",
     "evaluate",
     "find_batch_size",
+    "launch",
     "load",
     "replicate",
     "restore",

@@ -1,0 +1,147 @@
+"""``af.launch(fn, *args, nproc_per_node=N)``: a function run in N worker processes, from a
+notebook or a script (Accelerate's ``notebook_launcher``), by torch's elastic agent."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
+from accelfn.cli.config import LaunchConfig
+from accelfn.errors import LaunchError
+
+_R = TypeVar("_R")
+_START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: str | None = None,
+           timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None) -> _R:
+    """Runs ``fn(*args)`` in ``nproc_per_node`` processes on this machine and returns rank 0's
+    result: the workers of ``accelfn launch``, started by torch's elastic agent
+    (``torch.distributed.launcher.elastic_launch``, torchrun's own), each with ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` and accelfn's launch settings, so
+    ``af.backends.auto()`` inside ``fn`` joins the process group. When a worker raises,
+    the agent stops the others and ``launch`` raises that worker's exception (the first
+    raised, with its traceback and rank in a note); a worker that dies without an exception
+    (a signal, ``os._exit``) raises ``LaunchError``.
+
+    Args:
+        fn: the function; with ``start_method="spawn"`` it must be importable by name (a
+            module's top-level function; in a script, keep the call under
+            ``if __name__ == "__main__":``), and ``args`` and its result picklable.
+        *args: the arguments of ``fn``.
+        nproc_per_node: processes to start, >= 1.
+        backend: ``"cpu"``, ``"cuda"`` or ``"xla"`` for ``auto()`` in the workers
+            (``accelfn launch --backend``), or None to let ``auto()`` choose.
+        timeout_s: the collective timeout of the workers' process groups, and the wait for
+            every worker to join, in seconds (``accelfn launch --timeout-s``' default).
+        start_method: how workers start: ``"spawn"``, ``"fork"`` or ``"forkserver"``; None
+            for ``"fork"`` where ``__main__`` is not a file (a notebook, a REPL, a script
+            read from stdin: a spawned worker could not import their functions), else
+            ``"spawn"``.
+
+    Returns:
+        rank 0's return value.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: an unknown ``start_method``; a bad ``nproc_per_node``, ``backend`` or
+            ``timeout_s`` (as ``accelfn launch`` checks them).
+        LaunchError: a worker that died without an exception, or a rendezvous that failed.
+        BaseException: the exception a worker raised.
+
+    Example:
+        >>> import accelfn as af
+        >>> def world_size():
+        ...     return af.backends.auto().world_size
+        >>> af.launch(world_size, nproc_per_node=2)  # doctest: +SKIP
+        2
+    """
+    if not callable(fn):
+        raise TypeError(f"launch(fn, ...) takes a function, got {type(fn).__name__}")
+    if start_method is None:
+        main = getattr(sys.modules.get("__main__"), "__file__", None)  # "<stdin>" for python reading stdin
+        start_method = "spawn" if main is not None and os.path.isfile(main) else "fork"
+    if start_method not in _START_METHODS:
+        raise ValueError(f"launch(start_method={start_method!r}): accepted values are "
+                         f"{', '.join(map(repr, _START_METHODS))} or None")
+    try:
+        config = LaunchConfig(nproc_per_node=nproc_per_node, backend=backend, timeout_s=timeout_s)
+        config.check()
+    except LaunchError as e:
+        raise ValueError(f"launch(...): {e}") from None
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+    from torch.distributed.launcher.api import elastic_launch
+
+    elastic = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
+                            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                            start_method=start_method, rdzv_configs={"join_timeout": timeout_s})
+    with tempfile.TemporaryDirectory(prefix="accelfn-launch-") as failures, _worker_environment(config):
+        try:
+            results = elastic_launch(elastic, _run_worker)(fn, args, failures)
+        except ChildFailedError as e:
+            raise _worker_failure(Path(failures), e) from None
+    return results[0]
+
+
+@contextmanager
+def _worker_environment(config: LaunchConfig) -> Iterator[None]:
+    """This process's environment with the variables ``accelfn launch`` gives its workers
+    (which inherit it when they start); afterwards the environment as it was (torch's agent
+    sets variables of its own in it too)."""
+    saved = dict(os.environ)
+    try:
+        for name, value in {**config.worker_env(), **launcher_environment(config.backend)}.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+def _run_worker(fn: Callable[..., _R], args: tuple[Any, ...], failures: str) -> _R:
+    """A worker: ``fn(*args)``; an exception is written to ``failures/rank<r>`` (pickled, with
+    its traceback and when it was raised) for the launching process, then raised."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        rank, raised_ns = os.environ.get("RANK", "0"), time.monotonic_ns()
+        text = "".join(traceback.format_exception(e))
+        try:
+            payload = pickle.dumps((raised_ns, e, text))
+        except Exception:  # an exception that does not pickle: its type and message as text
+            payload = pickle.dumps((raised_ns, None, text))
+        (Path(failures) / f"rank{int(rank):06d}").write_bytes(payload)
+        raise
+
+
+def _worker_failure(failures: Path, error: Exception) -> BaseException:
+    """The exception raised first (the others are most often the collectives it broke on
+    the other ranks), with a note that gives its rank and traceback; else a LaunchError with
+    the agent's report."""
+    raised = []
+    for path in failures.iterdir():
+        raised_ns, exception, text = pickle.loads(path.read_bytes())  # written by this launch's own workers
+        raised.append((raised_ns, int(path.name.removeprefix("rank")), exception, text))
+    if not raised:
+        return LaunchError(f"launch: a worker ended without raising an exception (a signal or os._exit): {error}")
+    _, rank, exception, text = min(raised, key=lambda r: r[:2])
+    if exception is None:
+        return LaunchError(f"launch: rank {rank} raised an exception that cannot be pickled:\n{text}")
+    if hasattr(exception, "add_note"):
+        exception.add_note(f"raised in af.launch's worker of rank {rank}:\n{text}")
+    return exception

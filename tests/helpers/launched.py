@@ -1,0 +1,35 @@
+"""Functions that tests/cli/test_launch_function.py runs with ``af.launch`` (importable by
+name, as a spawned worker needs)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.data import DataLoader
+
+import accelfn as af
+from tests.helpers import programs as P
+
+
+def train(batch_size: int) -> dict[str, object]:
+    """The program of programs.train_case "e2_acc2_clip" on this world; rank, world size and
+    the launch's timeout as the worker saw them, and the final parameters."""
+    backend = af.backends.auto()
+    state = P.train_case("e2_acc2_clip", backend, batch_size)
+    return {"rank": backend.rank, "world_size": backend.world_size, "timeout_s": os.environ["ACCELFN_TIMEOUT_S"],
+            "parameters": {k: v.clone() for k, v in P.parameters(state).items()}}
+
+
+def fail_on_rank(rank: int) -> int:
+    """Raises KeyError on ``rank`` after the process group is up; the other ranks wait in a
+    collective that the failing rank never joins (the agent must stop them)."""
+    backend = af.backends.auto()
+    if backend.rank == rank:
+        raise KeyError(f"no such key on rank {rank}")
+    backend.reduce(torch.ones(1), "sum")
+    return backend.rank
+
+
+def loader_length(num_samples: int) -> int:
+    return len(DataLoader(P.regression_data(num_samples), batch_size=3))
