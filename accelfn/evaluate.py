@@ -92,6 +92,12 @@ def evaluate(
     if precision is not None and not isinstance(precision, Step):
         raise TypeError(f"evaluate(precision=...) takes the training Step (whose precision policy fn runs under), "
                         f"or None, got {type(precision).__name__}")
+    with backend.user_code("af.evaluate"):
+        return _evaluate(fn, state, data, backend, precision)
+
+
+def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, data: Iterable[Any],
+              backend: Backend, precision: Step | None) -> Outputs:
     policy = backend.precision(precision) if precision is not None else None
     if backend.world_size > 1:
         collectives.arrive("af.evaluate")

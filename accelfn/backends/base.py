@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _fsdp
+from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -351,6 +351,15 @@ class Backend(ProcessContext, abc.ABC):
         """True when every rank must run each forward of ``model`` together (a model sharded
         over several ranks all-gathers its parameters in the forward)."""
         return self.world_size > 1 and _fsdp.is_sharded(model)
+
+    def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,
+        ``fn``), named ``what``: when it ends on this rank by an exception or an exit
+        (``sys.exit``, ``SystemExit``, ``KeyboardInterrupt``), this rank leaves the process
+        group at exit without waiting for ranks that went on (they would wait in their next
+        collective until the timeout), unless all of them leave at once; it prints which
+        rank left and how."""
+        return _distributed.user_code(what)
 
     def lockstep(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items`` kept in step over ranks (one tiny all-reduce per item): while any rank still

@@ -149,7 +149,15 @@ def run(
         8
     """
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
-    trackers = tuple(trackers)
+    with backend.user_code("af.run"):
+        return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
+                    log_every, config, hooks, profile)
+
+
+def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
+         max_steps: int | None, checkpoints: Checkpoints | None, resume: str | os.PathLike[str] | None,
+         trackers: tuple[Tracker, ...], progress: bool, log_every: int, config: Mapping[str, Any] | None,
+         hooks: Sequence[Hook], profile: Profile | None) -> TrainState:
     hooks = check_hooks(hooks)
     check_config(config)
     if profile is not None and not isinstance(profile, Profile):
@@ -239,7 +247,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
             "pass epochs=None to train until max_steps (or more epochs)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of run
         )
     return state
 
@@ -252,5 +260,5 @@ def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:
         "generator) that an earlier epoch exhausted; pass a DataLoader or a list to train "
         f"{'more than one epoch' if epochs is None or epochs > 1 else 'on it'}",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=5,  # the caller of run
     )
