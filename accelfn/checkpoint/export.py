@@ -123,7 +123,10 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         TypeError: ``state`` is not a TrainState, ``directory`` not a path, or a
             ``max_shard_size`` of another type.
         ValueError: a ``max_shard_size`` that is not a size > 0.
-        CheckpointError: ``directory`` is a file, or rank 0 failed to write.
+        CheckpointError: ``directory`` is a file, or rank 0 failed to write; some rank did
+            not call ``save_model`` (for this ``directory``) within a tenth of the collective
+            timeout (``collectives.arrive``): call it on every rank, not inside
+            ``if backend.is_main_process:``.
         OSError: the file system refused.
 
     Example:
@@ -139,6 +142,11 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     directory = to_path("save_model", "directory", directory)
     limit = parse_size(max_shard_size)
     backend = backend if backend is not None else ProcessContext.default()
+    if backend.world_size > 1:
+        try:
+            collectives.arrive("af.save_model", detail=repr(str(directory)))
+        except collectives.ArrivalError as e:
+            raise CheckpointError(str(e)) from None
     main = backend.is_main_process
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     files = _plan(tensors, limit)

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
 from accelfn.errors import check_int
@@ -126,6 +127,9 @@ def run(
             checkpoint directory that is a file; on every rank, metrics whose names differ
             across ranks.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+        RuntimeError: (``collectives.ArrivalError``) a collective: some rank did not call
+            ``run`` within the collective timeout, or called another collective API (each
+            rank's call named, at once).
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
             or is corrupted (with ``"auto"``, the message names the previous checkpoint if
             that one loads, or says that it does not); or a checkpoint written in the
@@ -149,6 +153,8 @@ def run(
         8
     """
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
+    if backend.world_size > 1:  # a rank busy alone before run (data preparation) may take the whole timeout
+        collectives.arrive("af.run", backend.env.timeout_s)
     with backend.user_code("af.run"):
         return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
                     log_every, config, hooks, profile)
