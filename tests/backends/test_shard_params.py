@@ -127,6 +127,27 @@ def test_evaluate_runs_the_sharded_forward_on_every_rank(run: dict[str, Any]) ->
         torch.testing.assert_close(tensors["evaluate.prediction"], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_evaluate_of_fewer_batches_than_ranks_gives_every_output(run: dict[str, Any]) -> None:
+    """af.evaluate of the sharded model over a DataLoader of 1 sample, and over a list holding
+    one batch of 3, on 2 ranks (rank 1 has no batch: it runs a copy of rank 0's, dropped)
+    gives on each rank the hand-written model's outputs of every sample, as replicate() does."""
+    model, _ = S.hand_written("adamw")
+    with torch.no_grad():
+        one, three = model(P.IndexDataset(1).x), model(P.IndexDataset(3).x)
+    for rank in range(2):
+        tensors = run["tensors"][rank]
+        assert tensors["evaluate_one.index"].tolist() == [0]
+        torch.testing.assert_close(tensors["evaluate_one.prediction"], one, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tensors["evaluate_list.prediction"], three, rtol=1e-5, atol=1e-5)
+
+
+def test_lockstep_gives_a_rank_without_items_copies_of_another_ranks_first(run: dict[str, Any]) -> None:
+    """backend.lockstep(replays=True) with two items on rank 0 and none on rank 1: both ranks
+    yield twice; rank 1 yields rank 0's first item both times, marked as replays."""
+    assert run["json"][0]["lockstep_empty_rank"] == [[[1.0, 2.0], "a", False], [[3.0, 4.0], "b", False]]
+    assert run["json"][1]["lockstep_empty_rank"] == [[[1.0, 2.0], "a", True], [[1.0, 2.0], "a", True]]
+
+
 def test_each_rank_holds_at_most_055_of_the_parameter_and_optimizer_bytes(run: dict[str, Any]) -> None:
     """With 4 equal blocks and AdamW after one update, each rank's local parameter + optimizer
     state bytes are at most 0.55 x the unsharded total counted here from the same tensors."""

@@ -60,6 +60,15 @@ def train(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[s
             outputs = af.evaluate(P.eval_outputs, state, loader, backend=backend)
             tensors["evaluate.prediction"] = outputs["prediction"]
             tensors["evaluate.index"] = outputs["index"]
+            # fewer batches than ranks: rank 1 has none and runs a copy of rank 0's first batch
+            one = af.evaluate(P.eval_outputs, state, DataLoader(P.IndexDataset(1), batch_size=4), backend=backend)
+            tensors["evaluate_one.prediction"], tensors["evaluate_one.index"] = one["prediction"], one["index"]
+            x3 = P.IndexDataset(3).x
+            tensors["evaluate_list.prediction"] = af.evaluate(lambda m, b: m(b[0]), state, [(x3,)], backend=backend)
+    # a loop of one's own in step: rank 0 has two items, rank 1 none
+    own = [(torch.tensor([1.0, 2.0]), "a"), (torch.tensor([3.0, 4.0]), "b")] if backend.rank == 0 else []
+    results["lockstep_empty_rank"] = [(t.tolist(), tag, replayed)
+                                      for (t, tag), replayed in backend.lockstep(iter(own), replays=True)]
     # the other options change how, not what: every Linear a unit, parameters kept gathered
     # from forward to backward, a reduce-scatter after every micro-batch
     options = af.shard_params(units=torch.nn.Linear, reshard_after_forward=False, reduce_every_micro_batch=True)
