@@ -225,6 +225,7 @@ class Backend(ProcessContext, abc.ABC):
             )
         if already_sharded and shard is not None:
             _fsdp.check_same_layout(state.model, shard)
+            _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
             _fsdp.check_group_size(self, shard)

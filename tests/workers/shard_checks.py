@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 import accelfn as af
+from tests.helpers import fsdp_dtypes as D
 from tests.helpers import programs as P
 from tests.helpers import sharded as S
 
@@ -174,6 +175,28 @@ def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) 
     tensors.update(S.full_parameters(state.model, "tokens."))
 
 
+def dtype_workarounds(backend: af.backends.Backend, results: dict[str, Any],
+                      tensors: dict[str, torch.Tensor]) -> None:
+    """FSDP2's dtype decisions under bf16: blocks unfrozen for a second run, and an auxiliary
+    head first used on a window's last micro-batch (tests/helpers/fsdp_dtypes.py)."""
+    for kind in ("unfreeze", "aux"):
+        model = D.build(kind)
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.2))
+        transforms = [af.shard_params(), af.with_precision("bf16")] + ([af.accumulate(2)] if kind == "aux" else [])
+        step = af.compose(*transforms)(af.train_step(D.loss_fn))
+        data = D.rank_batches(kind, backend.rank, backend.world_size)
+        try:
+            state = af.run(step, state, data, backend=backend, epochs=1, progress=False)
+            if kind == "unfreeze":
+                state.model.blocks.requires_grad_(True)
+                state = af.run(step, state, data, backend=backend, epochs=2, progress=False)
+        except Exception as e:  # noqa: BLE001  # recorded: the other checks go on
+            results[f"dtypes.{kind}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        results[f"dtypes.{kind}"] = "trained"
+        tensors.update(S.full_parameters(state.model, f"dtypes.{kind}."))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -187,6 +210,7 @@ def main() -> None:
     precision(backend, results)
     fp16_skip(backend, results)
     loss_counts(backend, tensors)
+    dtype_workarounds(backend, results, tensors)
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
               args.out / f"rank{backend.rank}.safetensors")
