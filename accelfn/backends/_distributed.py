@@ -69,8 +69,8 @@ def user_code(what: str) -> Iterator[None]:
     global _ended_by
     try:
         yield
-    except BaseException as e:
-        _ended_by = f"{what} ended by {_exit_of(e)}"
+    except BaseException as e:  # an exit every rank agreed on (a preemption's, ``agreed``) is no divergence
+        _ended_by = None if getattr(e, "agreed", False) else f"{what} ended by {_exit_of(e)}"
         raise
     _ended_by = None
 
