@@ -44,7 +44,8 @@ def evaluate(
     ranks first check that all of them arrived (``collectives.arrive``).
     A model sharded with ``shard_params`` runs its sharded forward on every rank; a rank
     with fewer batches repeats its first one (outputs dropped) so the ranks' parameter
-    all-gathers pair up.
+    all-gathers pair up, and a rank without any (fewer batches than ranks) runs a copy of
+    another rank's first batch.
 
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
@@ -92,6 +93,12 @@ def evaluate(
     if precision is not None and not isinstance(precision, Step):
         raise TypeError(f"evaluate(precision=...) takes the training Step (whose precision policy fn runs under), "
                         f"or None, got {type(precision).__name__}")
+    with backend.user_code("af.evaluate"):
+        return _evaluate(fn, state, data, backend, precision)
+
+
+def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, data: Iterable[Any],
+              backend: Backend, precision: Step | None) -> Outputs:
     policy = backend.precision(precision) if precision is not None else None
     if backend.world_size > 1:
         collectives.arrive("af.evaluate")
@@ -127,16 +134,11 @@ def evaluate(
 
 def _in_step(backend: Backend, batches: Iterable[tuple[torch.Tensor, Any]]) -> Iterator[tuple[Any, Any]]:
     """A sharded model's forward is collective (it all-gathers parameters), so every rank must
-    run as many as the others: a rank that ran out runs its first batch again, with ``None``
-    for keys (its outputs are dropped), until every rank is done."""
-    first: list[tuple[torch.Tensor, Any]] | None = None
-    box: list[tuple[torch.Tensor, Any]]
-    for box in backend.lockstep(iter([pair] for pair in batches)):
-        if box is first:
-            yield None, box[0][1]
-            continue
-        first = first or box
-        yield box[0]
+    run as many as the others: a rank that ran out runs its first batch again (a rank without
+    any batch, a copy of another rank's), with ``None`` for keys (its outputs are dropped),
+    until every rank is done."""
+    for (keys, batch), replayed in backend.lockstep(iter(batches), replays=True):
+        yield (None if replayed else keys), batch
 
 
 def _input_cast(model: torch.nn.Module) -> Callable[[Any], Any]:

@@ -17,6 +17,15 @@ progress when it is issued, and frees them only when the barrier itself is freed
 collective no longer in progress has already been dropped by its worker under the same lock.
 Holding the barrier here makes the main thread the last owner of all of them, so nothing is
 freed on a worker thread after the barrier returns.
+
+Leaving alone: a rank whose program ended by an exception, or whose last ``af.run`` or
+``af.evaluate`` ended by one or by an exit (``sys.exit`` in a hook, ``SystemExit``,
+``KeyboardInterrupt``) on that rank only, must not wait in the exit barrier: the other ranks
+are waiting in their next collective, which the barrier never pairs with, and the job would
+end only at the collective timeout. Such a rank leaves at once (printing which rank, and
+how it ended), and the others' collectives fail as its connections close, or the launcher
+stops them. Ranks that leave together (the same ``sys.exit`` on every rank, a preemption's
+exit) find one another's marks in the store within ``TOGETHER_S`` and meet in the barrier.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import atexit
 import contextlib
 import datetime
 import sys
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,6 +47,10 @@ from accelfn.transforms import Replicate
 
 _registered = False
 _kept: list[dist.Work] = []  # freed by the main thread as the interpreter finalizes
+#: how this rank's last ``af.run``/``af.evaluate`` ended, when not by returning (None: it returned)
+_ended_by: str | None = None
+#: seconds a rank that ended alone waits for the others' marks before leaving without them
+TOGETHER_S = 2.0
 
 
 def leave_at_exit() -> None:
@@ -46,6 +61,28 @@ def leave_at_exit() -> None:
         _registered = True
 
 
+@contextlib.contextmanager
+def user_code(what: str) -> Iterator[None]:
+    """Notes how ``what`` (``"af.run"``, ``"af.evaluate"``: a call that runs the user's code on
+    every rank) ends on this rank: by returning, or by an exception or exit that the exit
+    handler must not wait for the other ranks after (see the module's docstring)."""
+    global _ended_by
+    try:
+        yield
+    except BaseException as e:  # an exit every rank agreed on (a preemption's, ``agreed``) is no divergence
+        _ended_by = None if getattr(e, "agreed", False) else f"{what} ended by {_exit_of(e)}"
+        raise
+    _ended_by = None
+
+
+def _exit_of(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        code = error.code
+        status = 0 if code is None else code if isinstance(code, int) else 1
+        return f"SystemExit({code!r}) (sys.exit, exit status {status})"
+    return f"{type(error).__name__}({str(error)[:200]!r})"
+
+
 def leave() -> None:
     """The ranks leave the default process group together, then destroy it (nothing when
     there is none).
@@ -53,16 +90,51 @@ def leave() -> None:
     Rank 0 hosts the group's store: a rank that destroys its group and exits while a peer
     still tears its own down can abort that peer at exit, so the ranks meet in a barrier
     first. It is skipped after an unhandled exception, so that a failing rank exits at once
-    (torchrun then stops the others) instead of waiting for peers that may be waiting for it.
+    (torchrun then stops the others) instead of waiting for peers that may be waiting for it,
+    and after an ``af.run``/``af.evaluate`` that ended by an exception or an exit
+    (``SystemExit``, ``KeyboardInterrupt``) unless every rank reaches this handler within
+    ``TOGETHER_S`` seconds (they all stopped together).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if getattr(sys, "last_value", None) is None:  # set when an exception ended the program
+    if getattr(sys, "last_value", None) is None and _all_leaving():  # last_value: an exception ended the program
         with contextlib.suppress(RuntimeError, dist.DistError):  # a peer already gone: no one to wait for
             work = dist.barrier(async_op=True)
             _kept.append(work)
             work.wait()
     dist.destroy_process_group()
+
+
+def _all_leaving() -> bool:
+    """Marks this rank's arrival at the exit handler in the group's store; True unless this
+    rank's last ``af.run``/``af.evaluate`` ended by an exception or exit and some rank has not
+    arrived within ``TOGETHER_S`` (then a message names this rank, how it ended and the
+    missing ranks)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ended_by = _ended_by
+    try:  # torch's own accessor (private, stable since 1.x), as collectives.arrive uses
+        store = dist.PrefixStore("accelfn/leave/", dist.distributed_c10d._get_default_store())
+        store.set(str(rank), ended_by or "end")
+        if ended_by is None:
+            return True
+        marks = [str(r) for r in range(world_size)]
+        deadline = time.monotonic() + TOGETHER_S
+        while not store.check(marks):  # polled: Store.wait logs a warning at its timeout
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        else:
+            return True
+        missing = ", ".join(m for m in marks if not store.check([m]))
+    except (AttributeError, RuntimeError, ValueError, dist.DistError):  # no store, or its host (rank 0) is gone
+        if ended_by is None:
+            return True
+        missing = "0" if rank else "?"
+    print(f"accelfn: rank {rank} of {world_size}: {ended_by} on this rank, while rank(s) {missing} went on; "
+          "leaving without waiting for them (their next collective fails, or the launcher stops them). To "
+          "end a job from one rank, return af.Stop(reason) from a hook instead: `run` then stops every rank "
+          "at the same update", file=sys.stderr, flush=True)
+    return False
 
 
 def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None = None) -> None:

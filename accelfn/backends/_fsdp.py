@@ -78,6 +78,58 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def refresh_precision(model: torch.nn.Module) -> None:
+    """Derives each FSDP2 unit's original and reduce dtypes again from its parameters that
+    require gradients now (torch's private ``FSDPParamGroup._init_mp_dtypes``).
+
+    FSDP2 derives them once, at its lazy init in the first forward, from the unit's trainable
+    parameters: a unit frozen then (a frozen trunk of progressive unfreezing) keeps none, and
+    after ``requires_grad_(True)`` its backward fails (torch issue pytorch/pytorch#186998; a
+    plain ``fully_shard`` loop fails the same way). ``prepare`` calls this for a model that
+    is sharded already (a second ``run``), so changing ``requires_grad`` between runs works.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    for module in model.modules():
+        if isinstance(module, fsdp.FSDPModule):
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)  # noqa: SLF001  # torch's own
+            if group is not None and hasattr(group, "_init_mp_dtypes"):
+                group._init_mp_dtypes()  # noqa: SLF001  # idempotent: lazy init calls it too
+
+
+def _reduce_uniform_dtype(module: torch.nn.Module) -> None:
+    """Makes the reduce-scatter of ``module``'s FSDP2 unit after an accumulation window see
+    one gradient dtype (torch issue pytorch/pytorch#196996).
+
+    Under a mixed precision policy, a gradient kept across micro-batches without a reduce
+    is upcast to the reduce dtype (fp32), while a parameter whose first gradient of the
+    window comes in its last micro-batch (an auxiliary head, an MoE expert that the earlier
+    micro-batches skipped) still has it in the compute dtype (bf16), and torch asserts
+    "FSDP reduce-scatter expects uniform gradient dtype". Before the unit's post-backward
+    reduces, such fresh gradients are upcast as the kept ones were (torch's own
+    ``FSDPParam.to_accumulated_grad_if_needed``): the reduce-scatter runs in the reduce
+    dtype either way, so the values are those of a window where every parameter was used
+    from the start. (The unit's post-backward is wrapped on its instance; torch's private
+    ``FSDPParamGroup``, checked to have what is used.)
+    """
+    group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)  # type: ignore[operator]  # noqa: SLF001
+    if group is None or not all(hasattr(group, name) for name in ("post_backward", "fsdp_params", "reduce_grads")):
+        return
+    original = group.post_backward
+
+    def post_backward(*unused: Any) -> Any:
+        if group.reduce_grads:
+            params = [p for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
+            if any(p.unsharded_accumulated_grad is not None for p in params):
+                for param in params:
+                    if param.unsharded_accumulated_grad is None:  # a fresh gradient only
+                        param.to_accumulated_grad_if_needed()
+        return original(*unused)
+
+    group.post_backward = post_backward
+
+
 def mesh(device: torch.device, world_size: int, shard_size: int | None = None) -> DeviceMesh:
     """The device mesh FSDP2 shards over: 1-D over all ranks, or, given a ``shard_size``
     below ``world_size``, 2-D ``(replicate, shard)`` of shape ``(world_size // shard_size,
@@ -123,6 +175,10 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     for _, unit in shard.select(model):
         fsdp.fully_shard(unit, reshard_after_forward=shard.reshard_after_forward, **options)
     fsdp.fully_shard(model, reshard_after_forward=shard.reshard_after_forward, **options)
+    if policy.autocast:
+        for module in model.modules():
+            if isinstance(module, fsdp.FSDPModule):
+                _reduce_uniform_dtype(module)
     sharded = dict(model.named_parameters())
     _rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import pickle
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _fsdp
+from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -224,6 +225,7 @@ class Backend(ProcessContext, abc.ABC):
             )
         if already_sharded and shard is not None:
             _fsdp.check_same_layout(state.model, shard)
+            _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
             _fsdp.check_group_size(self, shard)
@@ -352,14 +354,31 @@ class Backend(ProcessContext, abc.ABC):
         over several ranks all-gathers its parameters in the forward)."""
         return self.world_size > 1 and _fsdp.is_sharded(model)
 
-    def lockstep(self, items: Iterator[Any]) -> Iterator[Any]:
+    def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,
+        ``fn``), named ``what``: when it ends on this rank by an exception or an exit
+        (``sys.exit``, ``SystemExit``, ``KeyboardInterrupt``), this rank leaves the process
+        group at exit without waiting for ranks that went on (they would wait in their next
+        collective until the timeout), unless all of them leave at once; it prints which
+        rank left and how."""
+        return _distributed.user_code(what)
+
+    def lockstep(self, items: Iterator[Any], *, replays: bool = False) -> Iterator[Any]:
         """``items`` kept in step over ranks (one tiny all-reduce per item): while any rank still
-        has items, a rank that has run out yields its first item again.
+        has items, a rank that has run out yields its first item again, and a rank that has no
+        item at all yields a copy of the first item of the lowest rank that has one (sent
+        once, pickled, with its tensors on the CPU; ``backend.place`` moves them).
+
+        Args:
+            items: this rank's items (tensors, or tuples/lists/dicts of them and plain data).
+            replays: yield ``(item, replayed)`` pairs, ``replayed`` True for a repeated or
+                copied item (whose results to drop).
 
         Raises:
-            RuntimeError: this rank has no item at all while others have.
+            RuntimeError: on every rank, when some rank has no item and the first item of the
+                rank that would send it cannot be pickled (the error named).
         """
-        return self._sync_ranks(items)
+        return self._sync_ranks(items, replays=replays)
 
     def gather_for_metrics(self, tree: Any) -> Any:
         """``gather`` for evaluation: drops the samples ``shard_data`` added to even out the
@@ -395,8 +414,30 @@ class Backend(ProcessContext, abc.ABC):
         the backend was built with ``place_batches=False``)."""
         return self._placer(batch)
 
-    def _sync_ranks(self, it: Iterator[Any]) -> Iterator[Any]:
-        return even_out(it, functools.partial(collectives.any_rank, device=self.collective_device))
+    def _sync_ranks(self, it: Iterator[Any], *, replays: bool = False) -> Iterator[Any]:
+        return even_out(it, functools.partial(collectives.any_rank, device=self.collective_device),
+                        self._first_item, replays=replays)
+
+    def _first_item(self, item: Any, present: bool) -> tuple[bool, Any]:
+        """The first round of ``lockstep``: whether any rank has an item, and the item this
+        rank starts from: its own, or, when it has none, the lowest such rank's (a copy)."""
+        (lowest,), (highest,) = collectives.extremes([int(present)], device=self.collective_device)
+        if not highest or lowest:  # nobody has one, or everybody does: one all-reduce
+            return bool(highest), item
+        src = collectives.exchange(present, device=self.collective_device).index(True)
+        payload, message = None, None
+        if self.rank == src:
+            try:
+                payload = map_tensors(lambda t: t.detach().cpu(), item)
+                pickle.dumps(payload)
+            except Exception as e:  # noqa: BLE001  # told to every rank below
+                message = (f"rank {src}'s first item must be sent to the ranks that have none, but it cannot be "
+                           f"pickled ({type(e).__name__}: {e}); give every rank at least one item")
+        failed = collectives.failures(message, device=self.collective_device)
+        if failed:
+            raise RuntimeError(failed[0])
+        sent = collectives.broadcast_object(payload, src)
+        return True, item if present else sent
 
     @property
     def collective_device(self) -> torch.device:

@@ -12,6 +12,12 @@ so each name gets its own copy): ``safetensors.torch.load_file`` then
 ``load_state_dict(strict=True)`` finds every key of a freshly built model, and
 ``from_pretrained`` ties them again as the model's config says.
 
+Nothing the user wrote is lost: every file an export writes carries a mark (``MARK`` in the
+safetensors header's metadata, and in the index's ``metadata``), and an export replaces or
+removes only marked files. A folder holding files of the layout's names without the mark
+(another tool's export, the user's own, a checkpoint's ``model.safetensors``) is refused
+before anything is written, and so is a checkpoint directory.
+
 Under sharding (DTensor parameters) this is a collective: the tensors are gathered one by
 one in ``state_dict`` order (``DTensor.full_tensor``, an all-gather, so every rank briefly
 holds one full tensor), and rank 0 keeps them on the CPU only until the file they belong to
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +38,20 @@ import safetensors.torch
 import torch
 
 from accelfn import collectives
+from accelfn._version import __version__
 from accelfn.checkpoint import _atomic
+from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint.snapshot import clean_name, unwrap
 from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, to_path
 from accelfn.state import TrainState
 
-__all__ = ["INDEX", "WEIGHTS", "parse_size", "save_model"]
+__all__ = ["INDEX", "MARK", "WEIGHTS", "parse_size", "save_model"]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+#: the metadata key (value: accelfn's version) that marks the files ``save_model`` wrote
+MARK = "accelfn.save_model"
 _SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -85,10 +96,49 @@ def _plan(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[str]
     return files
 
 
+def _is_layout(name: str) -> bool:
+    return name in (WEIGHTS, INDEX) or _SHARD.match(name) is not None
+
+
+def _marked(path: Path) -> bool:
+    """True for a weights file or index that ``save_model`` wrote (``MARK`` in its metadata)."""
+    try:
+        with open(path, "rb") as f:
+            if path.name == INDEX:
+                metadata = orjson.loads(f.read()).get("metadata")
+            else:  # safetensors: an 8-byte little-endian header length, then the JSON header
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > 100 * 2**20:
+                    return False
+                metadata = orjson.loads(f.read(length)).get("__metadata__")
+    except (OSError, ValueError, struct.error, AttributeError):  # orjson.JSONDecodeError is a ValueError
+        return False
+    return isinstance(metadata, dict) and MARK in metadata
+
+
+def _check_target(directory: Path) -> None:
+    """Raises before anything is written unless ``save_model`` may write into ``directory``."""
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"save_model(): {directory} is a file, not a folder; pass a folder")
+    if not directory.exists():
+        return
+    if (directory / MANIFEST).exists():
+        raise CheckpointError(
+            f"save_model(): {directory} is an accelfn checkpoint (it holds {MANIFEST}); exporting into it would "
+            f"replace the checkpoint's own {WEIGHTS}, and it would no longer load. Export to a folder of its "
+            f"own, e.g. {directory.parent / 'export'}")
+    foreign = sorted(e.name for e in os.scandir(directory) if _is_layout(e.name) and not _marked(Path(e.path)))
+    if foreign:
+        raise CheckpointError(
+            f"save_model(): {directory} holds {', '.join(foreign)}, which save_model did not write (another tool's "
+            "export, or files of your own); save_model replaces only the files of its own exports: move them "
+            "away, or export to another folder")
+
+
 def _write_file(path: Path, data: bytes | None, tensors: dict[str, torch.Tensor] | None) -> None:
     part = path.with_name(f".{path.name}.part")
     if tensors is not None:
-        safetensors.torch.save_file(tensors, part, metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, part, metadata={"format": "pt", MARK: __version__})
     else:
         part.write_bytes(data or b"")
     with open(part, "rb+") as f:
@@ -104,7 +154,8 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     ``model.safetensors.index.json`` when the weights pass ``max_shard_size``. Keys are the
     unwrapped model's ``state_dict`` names (no ``module.``/``_orig_mod.``); tied weights are
     written under each name. Each file is written to a temporary name, fsynced and renamed;
-    the index comes last; files of an earlier export with other names are then removed. A
+    the index comes last; files of an earlier export with other names are then removed
+    (only files an export wrote: each carries ``MARK`` in its metadata). A
     collective in a multi-process world (call it on every rank): rank 0 writes; sharded
     (DTensor) tensors are gathered one at a time, so rank 0 holds at most one file's worth.
 
@@ -123,7 +174,12 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         TypeError: ``state`` is not a TrainState, ``directory`` not a path, or a
             ``max_shard_size`` of another type.
         ValueError: a ``max_shard_size`` that is not a size > 0.
-        CheckpointError: ``directory`` is a file, or rank 0 failed to write.
+        CheckpointError: ``directory`` is a file or an accelfn checkpoint, or holds files of
+            the layout's names that no export wrote (nothing is written then); rank 0 failed
+            to write; some rank did
+            not call ``save_model`` (for this ``directory``) within a tenth of the collective
+            timeout (``collectives.arrive``): call it on every rank, not inside
+            ``if backend.is_main_process:``.
         OSError: the file system refused.
 
     Example:
@@ -139,6 +195,11 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     directory = to_path("save_model", "directory", directory)
     limit = parse_size(max_shard_size)
     backend = backend if backend is not None else ProcessContext.default()
+    if backend.world_size > 1:
+        try:
+            collectives.arrive("af.save_model", detail=repr(str(directory)))
+        except collectives.ArrivalError as e:
+            raise CheckpointError(str(e)) from None
     main = backend.is_main_process
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     files = _plan(tensors, limit)
@@ -148,8 +209,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     failure: BaseException | None = None
     if main:
         try:
-            if directory.exists() and not directory.is_dir():
-                raise CheckpointError(f"save_model(): {directory} is a file, not a folder; pass a folder")
+            _check_target(directory)
             directory.mkdir(parents=True, exist_ok=True)
         except BaseException as e:  # re-raised below, after telling the other ranks
             failure = e
@@ -180,11 +240,11 @@ def _finish(directory: Path, names: list[str], files: list[list[str]], total_byt
     """Writes the index (for more than one file), then removes an earlier export's other files."""
     if len(files) > 1:
         weight_map = {key: filename for filename, keys in zip(names, files) for key in keys}
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total_bytes, MARK: __version__}, "weight_map": weight_map}
         _write_file(directory / INDEX, orjson.dumps(index, option=orjson.OPT_INDENT_2), None)
-    for entry in os.scandir(directory):
-        if (entry.name == INDEX and len(files) == 1) or (
-                (entry.name == WEIGHTS or _SHARD.match(entry.name)) and entry.name not in names):
+    written = {*names, INDEX} if len(files) > 1 else set(names)
+    for entry in os.scandir(directory):  # an earlier export's files (marked: save_model wrote them)
+        if _is_layout(entry.name) and entry.name not in written and _marked(Path(entry.path)):
             os.remove(entry.path)
     _atomic.fsync_dir(directory)
 

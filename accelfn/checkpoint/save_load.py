@@ -407,6 +407,11 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
         CheckpointError: no complete checkpoint at ``path``; a missing, truncated or
             corrupted file (named); an invalid value in the manifest (the field named); a
             newer format; a mismatch with ``into``; or a checkpoint saved
-            mid-accumulation-window loaded by another number of processes.
+            mid-accumulation-window loaded by another number of processes; some rank did
+            not call ``load`` (of this ``path``) within a tenth of the collective timeout: a
+            collective, call it on every rank (``collectives.arrive``).
     """
-    return open_checkpoint(to_path("load", "path", path), into=into, backend=backend).put()
+    checked = to_path("load", "path", path)
+    context = _context(backend)
+    _arrived(context, "af.load", checked)
+    return open_checkpoint(checked, into=into, backend=context).put()

@@ -110,11 +110,15 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     # torchrun's workers inherit this process's environment (the config already holds the
     # variables set there, below the flags)
-    for name, value in config.worker_env().items():
+    passed = config.worker_env()
+    for name, value in passed.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    # told apart from the user's settings by a launch started inside a worker
+    os.environ[_config.LAUNCHER_SET_ENV] = "".join(f"{name}={value}\n" for name, value in passed.items()
+                                                   if value is not None and name.startswith("ACCELFN_"))
     origin = resolved.sources.get("precision")  # where it came from, for the workers' warnings
     if config.precision is not None and origin is not None and origin != _config.WORKER_ENV["precision"]:
         os.environ[PRECISION_FROM_ENV] = origin
@@ -241,6 +245,10 @@ def _report(args: argparse.Namespace) -> int:
                   f"timeout {env.timeout_s:g} s\n")
     except LaunchError as e:
         out.write(f"launch environment: invalid: {e}\n")
+    passed = _config.launcher_set(os.environ)
+    if passed:
+        out.write(f"set by the launch that started this process, for its workers (not settings of a launch "
+                  f"from here): {', '.join(f'{k}={v}' for k, v in passed.items())}\n")
     resolved = _active_config(args)
     source = ", ".join(map(str, resolved.files)) or "none found, the defaults"
     out.write(f"launch config ({source}):\n")

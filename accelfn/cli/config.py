@@ -13,6 +13,7 @@ import math
 import os
 import re
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,18 @@ class LaunchConfig:
 #: variables, set in the environment of ``accelfn launch``, override the config files
 WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION",
               "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES"}
+#: set by ``accelfn launch`` for its workers: the ``ACCELFN_*`` variables of ``WORKER_ENV`` it
+#: set itself, as ``NAME=value`` lines. A launch started inside a worker (a sweep driver, an
+#: evaluation job) does not take a variable that still holds the value listed here as a
+#: setting of its own: it passes the outer launch's options to its workers, it is not the user's.
+LAUNCHER_SET_ENV = "ACCELFN_LAUNCHER_SET"
+
+
+def launcher_set(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables (name: value) an outer ``accelfn launch`` set for this process
+    (``LAUNCHER_SET_ENV``) that still hold the value it gave them."""
+    listed = dict(line.partition("=")[::2] for line in environ.get(LAUNCHER_SET_ENV, "").splitlines() if "=" in line)
+    return {name: value for name, value in listed.items() if environ.get(name) == value}
 
 
 def _strict(kind: type, accepted: tuple[type, ...]) -> Any:

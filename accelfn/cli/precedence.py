@@ -3,7 +3,9 @@
 ::
 
     1  a flag on the command line                 --precision bf16
-    2  the environment                            ACCELFN_PRECISION=bf16 (WORKER_ENV)
+    2  the environment                            ACCELFN_PRECISION=bf16 (WORKER_ENV), but
+                                                  for a value an outer launch set for its
+                                                  workers (LAUNCHER_SET_ENV): not the user's
     3  the chosen config file: --config FILE, else $ACCELFN_CONFIG_FILE, else ./accelfn.yaml
     4  the user's config file                     $XDG_CONFIG_HOME/accelfn/config.yaml
                                                   (~/.config/accelfn/config.yaml)
@@ -28,6 +30,7 @@ from accelfn.cli.config import (
     DEFAULT_CONFIG_FILE,
     WORKER_ENV,
     LaunchConfig,
+    launcher_set,
     _expected,
     _parse,
     _read,
@@ -83,16 +86,18 @@ def chosen_config_file(path: str | os.PathLike[str] | None, environ: Mapping[str
 
 
 def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The options set by variables of ``WORKER_ENV`` in ``environ``, parsed and checked.
+    """The options set by variables of ``WORKER_ENV`` in ``environ``, parsed and checked;
+    a variable an outer ``accelfn launch`` set for this process (``launcher_set``) is not one.
 
     Raises:
         LaunchError: a value that does not parse, or that the field refuses.
     """
     kinds = attrs.fields_dict(attrs.resolve_types(LaunchConfig))
     found = {}
+    passed = launcher_set(environ)  # an outer launch's options for its own workers
     for name, variable in WORKER_ENV.items():
         text = environ.get(variable)
-        if text is None or (text == "" and name != "gpu_ids"):
+        if text is None or (text == "" and name != "gpu_ids") or variable in passed:
             continue
         options = typing.get_args(kinds[name].type) or (kinds[name].type,)
         try:

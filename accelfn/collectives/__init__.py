@@ -17,6 +17,7 @@ from accelfn.collectives.ops import (
     ReduceOp,
     barrier,
     broadcast,
+    broadcast_object,
     default_device,
     exchange,
     gather,
@@ -31,7 +32,7 @@ from accelfn.collectives.ops import (
 
 __all__ = [
     "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
-    "barrier", "broadcast", "default_device", "exchange", "extremes", "failures", "gather", "gather_object",
+    "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather", "gather_object",
     "is_dtensor", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce", "split_between_processes",
     "world_size",
 ]

@@ -199,6 +199,16 @@ def gather_object(obj: T) -> list[T]:
     return out
 
 
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank ``src``'s picklable ``obj`` on every rank (``torch.distributed.broadcast_object_list``;
+    pickled: for the job's own data, never for files)."""
+    if world_size() == 1:
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def split_between_processes(inputs: Sequence[T] | torch.Tensor | dict[str, Any], *, rank_: int | None = None,
                             world_size_: int | None = None) -> Any:
     """This rank's contiguous part of ``inputs`` (a sequence, tensor, or dict of them).

@@ -421,28 +421,35 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
     return EpochBatches(rebuilt, num_batches=total, start=start, place=place, padding_ranks=padding_ranks)
 
 
-def even_out(it: Iterator[Any], any_rank: Callable[[bool], bool]) -> Iterator[Any]:
+def even_out(it: Iterator[Any], any_rank: Callable[[bool], bool],
+             first: Callable[[Any, bool], tuple[bool, Any]], *, replays: bool = False) -> Iterator[Any]:
     """Keeps ranks in step over data of unknown length: one tiny all-reduce per batch
     (``any_rank``: whether any rank still has a batch, ``collectives.any_rank``).
 
     While any rank still has batches, a rank that has run out replays its first batch (the
-    way DistributedSampler pads by wrapping); the epoch ends for all ranks together.
+    way DistributedSampler pads by wrapping); the epoch ends for all ranks together. A rank
+    that has no batch at all replays a copy of another rank's first batch: ``first(batch,
+    present)`` is the first round's collective, which returns whether any rank has a batch
+    and the batch this rank starts from (its own, or that copy).
+
+    Args:
+        it: this rank's batches.
+        any_rank, first: the collectives (every rank calls them alike).
+        replays: yield ``(batch, replayed)`` pairs, ``replayed`` True for a replay.
     """
-    first = _NOTHING
+    batch = next(it, _NOTHING)
+    present, start = first(None if batch is _NOTHING else batch, batch is not _NOTHING)
+    if not present:
+        return
+    yield (start, batch is _NOTHING) if replays else start
     while True:
         batch = next(it, _NOTHING)
         if not any_rank(batch is not _NOTHING):
             return
-        if batch is _NOTHING:
-            if first is _NOTHING:
-                raise RuntimeError(
-                    "this rank received no data at all while others did; give every rank at "
-                    "least one batch per epoch (fewer items than ranks x workers?)"
-                )
-            batch = first
-        elif first is _NOTHING:
-            first = batch
-        yield batch
+        replayed = batch is _NOTHING
+        if replayed:
+            batch = start
+        yield (batch, replayed) if replays else batch
 
 
 class _Keyed(torch.utils.data.Dataset):

@@ -92,4 +92,6 @@ class Preemption:
         name = signal.Signals(signum).name
         self._backend.print(f"accelfn: {name} received; {done}; exiting with status {128 + signum}",
                             file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
+        agreed = SystemExit(128 + signum)
+        agreed.agreed = True  # type: ignore[attr-defined]  # every rank exits at this micro-batch: they leave together
+        raise agreed

@@ -97,7 +97,7 @@ def resume_state(state: TrainState, schedule: Schedule | None, resume: Any, back
         schedule.last_step = state.step
     differs = opened.other_program(program)
     if differs is not None and backend.is_main_process:
-        warnings.warn(f"{differs}, so the resumed run differs from an uninterrupted one", stacklevel=3)
+        warnings.warn(f"{differs}, so the resumed run differs from an uninterrupted one", stacklevel=4)
     backend.print(f"accelfn: resumed from {path} at step {state.step} (epoch {state.epoch}, "
                   f"micro-batch {state.epoch_micro_step} of it)", file=sys.stderr)
     return state
@@ -129,7 +129,7 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
                 "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
                 "epoch is batched in another order, so the run differs from an uninterrupted one",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return start
     if total is not None and position > total:

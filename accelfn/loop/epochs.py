@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
 from accelfn.errors import check_int
@@ -126,6 +127,9 @@ def run(
             checkpoint directory that is a file; on every rank, metrics whose names differ
             across ranks.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
+        RuntimeError: (``collectives.ArrivalError``) a collective: some rank did not call
+            ``run`` within the collective timeout, or called another collective API (each
+            rank's call named, at once).
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
             or is corrupted (with ``"auto"``, the message names the previous checkpoint if
             that one loads, or says that it does not); or a checkpoint written in the
@@ -149,7 +153,17 @@ def run(
         8
     """
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
-    trackers = tuple(trackers)
+    if backend.world_size > 1:  # a rank busy alone before run (data preparation) may take the whole timeout
+        collectives.arrive("af.run", backend.env.timeout_s)
+    with backend.user_code("af.run"):
+        return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
+                    log_every, config, hooks, profile)
+
+
+def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
+         max_steps: int | None, checkpoints: Checkpoints | None, resume: str | os.PathLike[str] | None,
+         trackers: tuple[Tracker, ...], progress: bool, log_every: int, config: Mapping[str, Any] | None,
+         hooks: Sequence[Hook], profile: Profile | None) -> TrainState:
     hooks = check_hooks(hooks)
     check_config(config)
     if profile is not None and not isinstance(profile, Profile):
@@ -239,7 +253,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "
             "pass epochs=None to train until max_steps (or more epochs)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of run
         )
     return state
 
@@ -252,5 +266,5 @@ def _warn_empty_epoch(state: TrainState, epochs: int | None) -> None:
         "generator) that an earlier epoch exhausted; pass a DataLoader or a list to train "
         f"{'more than one epoch' if epochs is None or epochs > 1 else 'on it'}",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=5,  # the caller of run
     )

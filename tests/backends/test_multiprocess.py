@@ -253,6 +253,21 @@ def test_replicate_over_streams_of_unknown_unequal_length_keeps_ranks_in_step(mp
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6)
 
 
+def test_replicate_over_a_stream_that_is_empty_on_one_rank_replays_another_ranks_first_batch(
+        mp: dict[str, Any]) -> None:
+    """A generator of 2 batches on rank 0 and an empty one on rank 1 under replicate(): 2
+    updates on both ranks (not an error on rank 1), rank 1 training on a copy of rank 0's first
+    batch both times, equal to one process training on [b0, b0] then [b1, b0] (1e-6)."""
+    b0, b1 = P.rank_stream(0)[:2]
+    pairs = [tuple(torch.cat(parts) for parts in zip(a, b)) for a, b in ((b0, b0), (b1, b0))]
+    reference = af.run(af.train_step(P.mse), P.make_state(), pairs, backend=_one_process(), progress=False)
+    for tensors in mp["tensors"]:
+        assert int(tensors["empty_stream_step"]) == 2
+        got = _with_prefix(tensors, "empty_stream.")
+        for name, value in P.parameters(reference).items():
+            torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6)
+
+
 def test_fp16_loss_counts_back_off_the_loss_scale_like_a_mean_loss(mp: dict[str, Any]) -> None:
     """Under fp16 + replicate, af.Loss(sum, count) back-propagates at the magnitude of a mean
     loss: from a scale of 2**24 it skips the same updates and reaches the same scale as the

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import fsdp_dtypes as D
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers import sharded as S
@@ -125,6 +126,47 @@ def test_evaluate_runs_the_sharded_forward_on_every_rank(run: dict[str, Any]) ->
         tensors = run["tensors"][rank]
         assert tensors["evaluate.index"].tolist() == list(range(9))
         torch.testing.assert_close(tensors["evaluate.prediction"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_evaluate_of_fewer_batches_than_ranks_gives_every_output(run: dict[str, Any]) -> None:
+    """af.evaluate of the sharded model over a DataLoader of 1 sample, and over a list holding
+    one batch of 3, on 2 ranks (rank 1 has no batch: it runs a copy of rank 0's, dropped)
+    gives on each rank the hand-written model's outputs of every sample, as replicate() does."""
+    model, _ = S.hand_written("adamw")
+    with torch.no_grad():
+        one, three = model(P.IndexDataset(1).x), model(P.IndexDataset(3).x)
+    for rank in range(2):
+        tensors = run["tensors"][rank]
+        assert tensors["evaluate_one.index"].tolist() == [0]
+        torch.testing.assert_close(tensors["evaluate_one.prediction"], one, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tensors["evaluate_list.prediction"], three, rtol=1e-5, atol=1e-5)
+
+
+def test_lockstep_gives_a_rank_without_items_copies_of_another_ranks_first(run: dict[str, Any]) -> None:
+    """backend.lockstep(replays=True) with two items on rank 0 and none on rank 1: both ranks
+    yield twice; rank 1 yields rank 0's first item both times, marked as replays."""
+    assert run["json"][0]["lockstep_empty_rank"] == [[[1.0, 2.0], "a", False], [[3.0, 4.0], "b", False]]
+    assert run["json"][1]["lockstep_empty_rank"] == [[[1.0, 2.0], "a", True], [[1.0, 2.0], "a", True]]
+
+
+@pytest.mark.parametrize("kind", ["unfreeze", "aux"])
+def test_fsdp2_dtype_decisions_are_worked_around_under_bf16(run: dict[str, Any], kind: str) -> None:
+    """shard_params + bf16: blocks frozen for a first run and unfrozen for a second
+    (pytorch#186998: FSDP2 fixed their reduce dtype while frozen, and backward failed), and
+    accumulate(2) with an auxiliary head used only on each window's last micro-batch
+    (pytorch#196996: "FSDP reduce-scatter expects uniform gradient dtype"), both train on
+    every rank to the one-process bf16-autocast loop's parameters (bf16 tolerance, 2e-2)."""
+    expected = D.reference(kind)
+    for rank in range(2):
+        assert run["json"][rank][f"dtypes.{kind}"] == "trained"
+        got = {k.removeprefix(f"dtypes.{kind}."): v for k, v in run["tensors"][rank].items()
+               if k.startswith(f"dtypes.{kind}.")}
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=2e-2, msg=f"{kind} rank {rank} {name}")
+    initial = D.build(kind).state_dict()
+    trained = "blocks.0.weight" if kind == "unfreeze" else "aux.weight"  # trained only thanks to the workaround
+    assert not torch.allclose(expected[trained], initial[trained])
 
 
 def test_each_rank_holds_at_most_055_of_the_parameter_and_optimizer_bytes(run: dict[str, Any]) -> None:

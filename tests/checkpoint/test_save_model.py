@@ -13,7 +13,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
-from tests.helpers.sharding import Blocks, build
+from tests.helpers.sharding import Blocks, build, loader, program
 
 EXAMPLE = _launch.ROOT / "examples" / "hf_gpt2.py"
 
@@ -73,6 +73,49 @@ def test_save_model_again_replaces_the_files_of_the_earlier_export(tmp_path: Pat
     (tmp_path / "config.json").write_text("{}")
     af.save_model(state, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_save_model_refuses_a_checkpoint_directory_and_leaves_it_loadable(tmp_path: Path) -> None:
+    """save_model into a directory af.Checkpoints wrote raises CheckpointError naming the
+    checkpoint and a folder of its own; every file is unchanged and the checkpoint loads."""
+    state = build(sharded=False)
+    checkpoints = af.Checkpoints(tmp_path / "ckpt", every_steps=5)
+    state = af.run(program(sharded=False), state, loader(), backend=af.backends.CPU(), progress=False,
+                   checkpoints=checkpoints)
+    latest = checkpoints.latest()
+    assert latest is not None
+    before = _contents(latest)
+    with pytest.raises(af.CheckpointError, match=(
+            rf"save_model\(\): {latest} is an accelfn checkpoint \(it holds manifest.json\); exporting into it "
+            rf"would replace the checkpoint's own model.safetensors, and it would no longer load. Export to a "
+            rf"folder of its own, e.g. {latest.parent / 'export'}")):
+        af.save_model(state, latest)
+    assert _contents(latest) == before
+    assert af.load(latest, into=build(sharded=False)).step == state.step
+
+
+def test_save_model_leaves_files_of_the_layouts_names_it_did_not_write(tmp_path: Path) -> None:
+    """A folder holding a model.safetensors and a shard that another tool wrote: save_model
+    (one file, which would replace the first and remove the second) raises CheckpointError
+    naming both, and nothing changes; an earlier export of its own is still replaced."""
+    state = build(sharded=False)
+    tensors = {"w": torch.ones(2)}
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    safetensors.torch.save_file(tensors, tmp_path / "model-00002-of-00002.safetensors")
+    before = _contents(tmp_path)
+    with pytest.raises(af.CheckpointError, match=(
+            rf"save_model\(\): {tmp_path} holds model-00002-of-00002.safetensors, model.safetensors, which "
+            r"save_model did not write \(another tool's export, or files of your own\)")):
+        af.save_model(state, tmp_path)
+    assert _contents(tmp_path) == before
+    export = tmp_path / "export"
+    af.save_model(state, export, max_shard_size=300)
+    af.save_model(state, export)
+    assert sorted(p.name for p in export.iterdir()) == ["model.safetensors"]
 
 
 @pytest.mark.parametrize(("size", "error", "message"), [

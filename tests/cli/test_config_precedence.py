@@ -169,9 +169,36 @@ def test_config_files_and_flags_reach_the_workers(tmp_path: Path) -> None:
     write(tmp_path / "accelfn.yaml", "gpu_ids: '0,1'\nbackend: cpu\n")
     env = _launch.environment(XDG_CONFIG_HOME=str(tmp_path / "xdg"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    _launch.launch("--compile", script="hello.py", script_args=("--out", tmp_path), cwd=tmp_path, env=env)
+    trial = write(tmp_path / "trial.yaml", "timeout_s: 120\ncompile: false\naccumulate: 5\n")
+    _launch.launch("--compile", script="hello.py", script_args=("--out", tmp_path, "--trial", trial), cwd=tmp_path,
+                   env=env)
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert (record["accumulate"], record["compile"], record["cuda_visible_devices"]) == (3, True, "0,1")
+    # a launch started inside this worker with --config trial.yaml: the variables the outer
+    # launch set for its workers (its default timeout, its --compile, the user file's
+    # accumulate) are not settings of its own, so the file's values hold
+    nested = record["nested"]
+    assert (nested["timeout_s"], nested["compile"], nested["accumulate"]) == (120, False, 5)
+    assert {k: nested["sources"][k] for k in ("timeout_s", "compile", "accumulate")} == dict.fromkeys(
+        ("timeout_s", "compile", "accumulate"), str(trial))
+    report = record["env_report"]
+    assert ("set by the launch that started this process, for its workers (not settings of a launch from here): "
+            "ACCELFN_TIMEOUT_S=600, ACCELFN_COMPILE=1, ACCELFN_BACKEND=cpu, ACCELFN_ACCUMULATE=3\n") in report
+    assert "from ACCELFN_" not in report
+    assert f"  timeout_s: 120.0  # from {trial}\n" in report
+
+
+def test_a_variable_changed_after_the_launcher_set_it_is_a_setting_again(places: dict[str, Path]) -> None:
+    """Inside a worker, ACCELFN_TIMEOUT_S still at the value the outer launch listed is not a
+    setting (the chosen file's 120 holds); set to another value by the worker's own code, it
+    is one again, above the file, while ACCELFN_COMPILE at its listed value still is not."""
+    trial = write(places["other"] / "trial.yaml", "timeout_s: 120\ncompile: true\n")
+    listed = {"ACCELFN_LAUNCHER_SET": "ACCELFN_TIMEOUT_S=600\nACCELFN_COMPILE=0\n", "ACCELFN_COMPILE": "0"}
+    inherited = resolve(places, config_file=trial, ACCELFN_TIMEOUT_S="600", **listed)
+    assert (inherited.config.timeout_s, inherited.config.compile) == (120, True)
+    changed = resolve(places, config_file=trial, ACCELFN_TIMEOUT_S="30", **listed)
+    assert (changed.config.timeout_s, changed.config.compile) == (30, True)
+    assert changed.sources["timeout_s"] == "ACCELFN_TIMEOUT_S" and changed.sources["compile"] == str(trial)
 
 
 def test_a_null_in_a_file_leaves_the_option_to_the_files_below(places: dict[str, Path]) -> None:

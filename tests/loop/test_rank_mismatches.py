@@ -56,11 +56,12 @@ def test_evaluate_outputs_of_another_structure_fail_on_every_rank(mismatches) ->
 
 
 def test_save_and_evaluate_on_rank_zero_alone_fail_naming_the_call(mismatches) -> None:
-    """af.save and af.evaluate inside `if backend.is_main_process:` fail on rank 0 after a tenth of
-    the 30 s timeout, naming the call and the missing rank; no checkpoint is written, and a
-    save on every rank afterwards works."""
+    """af.save, af.evaluate, af.save_model and af.load inside `if backend.is_main_process:` fail
+    on rank 0 after a tenth of the 30 s timeout, naming the call and the missing rank; no
+    checkpoint or export is written, and a save on every rank afterwards works."""
     rank0, rank1 = mismatches["ranks"]
-    for what in ("af.save", "af.evaluate"):
+    assert not (mismatches["out"] / "model_main_only").exists()
+    for what in ("af.save", "af.evaluate", "af.save_model", "af.load"):
         assert rank0["alone"][what] == (
             f"{what} was called on rank 0, but rank(s) 1 did not call it within 3 s: {what} is a collective, "
             "call it on every rank (not inside `if backend.is_main_process:`)")
@@ -70,8 +71,9 @@ def test_save_and_evaluate_on_rank_zero_alone_fail_naming_the_call(mismatches) -
 
 
 def test_ranks_that_arrive_at_other_calls_fail_on_every_rank_naming_each_call(mismatches) -> None:
-    """af.save of another path on each rank, or af.save on rank 0 while rank 1 evaluates, fail
-    on both ranks with one message naming each rank's call; nothing is written."""
+    """af.save of another path on each rank, af.save on rank 0 while rank 1 evaluates, or af.run
+    on rank 0 while rank 1 calls af.save_model, fail on both ranks at once with one message
+    naming each rank's call; nothing is written."""
     out = mismatches["out"]
     rank0, rank1 = (r["crossed"] for r in mismatches["ranks"])
     tail = ("af.save is a collective, call it on every rank at the same point of the script (not inside "
@@ -80,5 +82,8 @@ def test_ranks_that_arrive_at_other_calls_fail_on_every_rank_naming_each_call(mi
              f"(rank 1: af.save({str(out / 'all')!r})): {tail}")
     calls = (f"af.save({str(out / 'two')!r}) was called on rank 0 while other ranks called something else "
              f"(rank 1: af.evaluate): {tail}")
-    assert rank0 == rank1 == {"paths": paths, "calls": calls}
-    assert not any((out / name).exists() for name in ("one", "all", "two"))
+    run = (f"af.run was called on rank 0 while other ranks called something else (rank 1: "
+           f"af.save_model({str(out / 'model_crossed')!r})): af.run is a collective, call it on every rank at the "
+           "same point of the script (not inside `if backend.is_main_process:`)")
+    assert rank0 == rank1 == {"paths": paths, "calls": calls, "run": run}
+    assert not any((out / name).exists() for name in ("one", "all", "two", "model_crossed"))

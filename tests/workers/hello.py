@@ -4,12 +4,18 @@ It declares a stray ``--local_rank`` option, as scripts written for the old
 ``torch.distributed.launch`` do, and parses its arguments strictly: a launcher that passed
 anything unexpected would make it fail.
 
-Usage: accelfn launch ... hello.py --out DIR [--tag TEXT]
+Usage: accelfn launch ... hello.py --out DIR [--tag TEXT] [--trial FILE]
+
+With ``--trial FILE`` it also records the launch config a launch started from this worker
+would resolve with ``--config FILE``, where each option came from, and what ``accelfn env
+--config FILE`` prints about it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -24,6 +30,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--trial", type=Path)
     args = parser.parse_args()
     backend = af.backends.auto()
     total = backend.reduce(torch.tensor([float(backend.rank + 1)]), "sum").item()
@@ -37,6 +44,17 @@ def main() -> None:
         "tag": args.tag,
         "sum_of_ranks_plus_one": total,
     }
+    if args.trial is not None:
+        from accelfn.cli import main as cli_main
+        from accelfn.cli import precedence
+
+        resolved = precedence.resolve(config_file=args.trial)
+        record["nested"] = {"timeout_s": resolved.config.timeout_s, "compile": resolved.config.compile,
+                            "accumulate": resolved.config.accumulate, "sources": dict(resolved.sources)}
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            cli_main(["env", "--config", str(args.trial)])
+        record["env_report"] = report.getvalue()
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(record))
     backend.print(f"hello from a world of {backend.world_size}")
 

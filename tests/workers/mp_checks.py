@@ -188,11 +188,17 @@ def unequal_lengths(backend: af.backends.Backend, results: dict[str, Any]) -> No
 
 def unknown_lengths(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) -> None:
     """replicate() without shard_data over generators of 3 and 5 batches (lengths unknown):
-    the ranks stay in step (rank 0 replays its first batch) instead of hanging."""
+    the ranks stay in step (rank 0 replays its first batch) instead of hanging; then 2 batches
+    and none: rank 1 replays a copy of rank 0's first."""
     step = af.replicate()(af.train_step(P.mse))
     state = af.run(step, P.make_state(), (b for b in P.rank_stream(backend.rank)), backend=backend, progress=False)
     tensors.update(P.parameters(state, "stream."))
     tensors["stream_step"] = torch.tensor(state.step)
+    # an empty stream on rank 1: it trains on copies of rank 0's first batch
+    own = P.rank_stream(0)[:2] if backend.rank == 0 else []
+    state = af.run(step, P.make_state(), (b for b in own), backend=backend, progress=False)
+    tensors.update(P.parameters(state, "empty_stream."))
+    tensors["empty_stream_step"] = torch.tensor(state.step)
 
 
 def fp16_loss_counts(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

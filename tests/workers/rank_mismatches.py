@@ -3,8 +3,9 @@
 Usage: accelfn launch --nproc-per-node 2 --timeout-s 30 rank_mismatches.py --out DIR
 Each rank writes DIR/rank{r}.json with the error each case raised on it: metric names that
 differ across ranks, an af.Loss on rank 0 and a mean loss on rank 1 (under replicate and
-shard_params), evaluate outputs of another structure, af.save and af.evaluate called
-on rank 0 alone; and the files of a save on every rank afterwards. Rank 0 logs the same
+shard_params), evaluate outputs of another structure, af.save, af.evaluate, af.save_model
+and af.load called on rank 0 alone, af.run on rank 0 while rank 1 calls af.save_model; and
+the files of a save on every rank afterwards. Rank 0 logs the same
 metric names in another order to DIR/reordered.jsonl.
 """
 
@@ -87,6 +88,12 @@ def main() -> None:
         except RuntimeError as e:
             alone["af.evaluate"] = str(e)
     backend.barrier()
+    if backend.is_main_process:
+        try:
+            af.save_model(state, out / "model_main_only")
+        except af.CheckpointError as e:
+            alone["af.save_model"] = str(e)
+    backend.barrier()
     result["alone"] = alone
     crossed: dict[str, str] = {}  # every rank arrives, but at another call
     try:
@@ -100,8 +107,22 @@ def main() -> None:
             af.evaluate(lambda m, x: m(x), state, [torch.randn(2, 4)], backend=backend)
     except RuntimeError as e:  # CheckpointError on rank 0, ArrivalError on rank 1
         crossed["calls"] = str(e)
+    try:  # af.run on rank 0 while rank 1 exports
+        if backend.is_main_process:
+            af.run(af.compose(af.shard_data(), af.replicate())(af.train_step(lambda m, b: m(b).sum())), state,
+                   [torch.randn(2, 4)], backend=backend, progress=False)
+        else:
+            af.save_model(state, out / "model_crossed", backend=backend)
+    except RuntimeError as e:  # ArrivalError on rank 0, CheckpointError on rank 1
+        crossed["run"] = str(e)
     result["crossed"] = crossed
     result["saved"] = sorted(p.name for p in af.save(state, out / "every_rank", backend=backend).iterdir())
+    if backend.is_main_process:
+        try:
+            af.load(out / "every_rank", into=state)
+        except af.CheckpointError as e:
+            alone["af.load"] = str(e)
+    backend.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

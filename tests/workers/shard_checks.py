@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 import accelfn as af
+from tests.helpers import fsdp_dtypes as D
 from tests.helpers import programs as P
 from tests.helpers import sharded as S
 
@@ -60,6 +61,15 @@ def train(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[s
             outputs = af.evaluate(P.eval_outputs, state, loader, backend=backend)
             tensors["evaluate.prediction"] = outputs["prediction"]
             tensors["evaluate.index"] = outputs["index"]
+            # fewer batches than ranks: rank 1 has none and runs a copy of rank 0's first batch
+            one = af.evaluate(P.eval_outputs, state, DataLoader(P.IndexDataset(1), batch_size=4), backend=backend)
+            tensors["evaluate_one.prediction"], tensors["evaluate_one.index"] = one["prediction"], one["index"]
+            x3 = P.IndexDataset(3).x
+            tensors["evaluate_list.prediction"] = af.evaluate(lambda m, b: m(b[0]), state, [(x3,)], backend=backend)
+    # a loop of one's own in step: rank 0 has two items, rank 1 none
+    own = [(torch.tensor([1.0, 2.0]), "a"), (torch.tensor([3.0, 4.0]), "b")] if backend.rank == 0 else []
+    results["lockstep_empty_rank"] = [(t.tolist(), tag, replayed)
+                                      for (t, tag), replayed in backend.lockstep(iter(own), replays=True)]
     # the other options change how, not what: every Linear a unit, parameters kept gathered
     # from forward to backward, a reduce-scatter after every micro-batch
     options = af.shard_params(units=torch.nn.Linear, reshard_after_forward=False, reduce_every_micro_batch=True)
@@ -165,6 +175,28 @@ def loss_counts(backend: af.backends.Backend, tensors: dict[str, torch.Tensor]) 
     tensors.update(S.full_parameters(state.model, "tokens."))
 
 
+def dtype_workarounds(backend: af.backends.Backend, results: dict[str, Any],
+                      tensors: dict[str, torch.Tensor]) -> None:
+    """FSDP2's dtype decisions under bf16: blocks unfrozen for a second run, and an auxiliary
+    head first used on a window's last micro-batch (tests/helpers/fsdp_dtypes.py)."""
+    for kind in ("unfreeze", "aux"):
+        model = D.build(kind)
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.2))
+        transforms = [af.shard_params(), af.with_precision("bf16")] + ([af.accumulate(2)] if kind == "aux" else [])
+        step = af.compose(*transforms)(af.train_step(D.loss_fn))
+        data = D.rank_batches(kind, backend.rank, backend.world_size)
+        try:
+            state = af.run(step, state, data, backend=backend, epochs=1, progress=False)
+            if kind == "unfreeze":
+                state.model.blocks.requires_grad_(True)
+                state = af.run(step, state, data, backend=backend, epochs=2, progress=False)
+        except Exception as e:  # noqa: BLE001  # recorded: the other checks go on
+            results[f"dtypes.{kind}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
+        results[f"dtypes.{kind}"] = "trained"
+        tensors.update(S.full_parameters(state.model, f"dtypes.{kind}."))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -178,6 +210,7 @@ def main() -> None:
     precision(backend, results)
     fp16_skip(backend, results)
     loss_counts(backend, tensors)
+    dtype_workarounds(backend, results, tensors)
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
               args.out / f"rank{backend.rank}.safetensors")
