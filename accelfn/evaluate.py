@@ -50,6 +50,8 @@ def evaluate(
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
     master weights) ``fn`` runs in fp32 unless ``precision`` gives the training program,
     whose policy it then runs under (``backend.autocast(precision)``, as training's forward).
+    The same under ``shard_params``: the units gather fp32 parameters for ``fn``, and the
+    compute dtype's only under ``precision``.
 
     Args:
         fn: ``fn(model, batch)`` returning a tensor of shape ``(batch, ...)``, or a

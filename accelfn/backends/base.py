@@ -84,6 +84,10 @@ class Backend(ProcessContext, abc.ABC):
 
         ``torch.autocast`` to the compute dtype under ``"bf16"``/``"fp16"``; a no-op under
         ``"fp32"``/``"bf16-true"``, as in training. A Step's policy is ``precision(step)``.
+        A model sharded with ``shard_params`` gathers its parameters in the compute dtype
+        for the forwards in this context, as in training; outside it (``af.evaluate``
+        without ``precision=``, your own evaluation or generation loop) in their own dtype,
+        so such forwards run in fp32 as an unsharded model's do.
 
         Args:
             program: the Step (or its precision Policy) whose policy to run under.
@@ -107,7 +111,7 @@ class Backend(ProcessContext, abc.ABC):
                             f"Policy), got {type(program).__name__}")
         if not policy.autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype)
+        return _fsdp.training_forward(torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype))
 
     def precision(self, step: Step) -> Policy:
         """The precision policy this backend runs ``step`` under: the program's

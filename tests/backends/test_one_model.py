@@ -1,0 +1,72 @@
+"""What "the model" is across ranks: one launch of tests/workers/one_model.py (2 processes),
+each claim compared with a reference written by hand in PyTorch here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import launch as _launch
+from tests.helpers import sharded as S
+from tests.workers.one_model import EVAL_X
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("one_model")
+    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="one_model.py",
+                   script_args=("--out", out), cwd=out)
+    return {"json": _launch.read_ranks(out, 2), "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)]}
+
+
+def _reference(tensors: dict[str, torch.Tensor], prefix: str) -> torch.nn.Module:
+    """A plain (unsharded, fp32) Blocks model holding the gathered parameters under ``prefix``."""
+    model = S.Blocks()
+    model.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    return model
+
+
+@pytest.mark.parametrize("layout", ["root", "units"])
+def test_forwards_outside_training_run_in_fp32_under_shard_params_and_bf16(run: dict[str, Any], layout: str) -> None:
+    """Under shard_params + bf16 (FSDP2 gathers bf16 parameters in training), af.evaluate, a loop
+    over backend.eval_batches and a plain forward of the trained model give fp32 outputs equal
+    to the gathered fp32 parameters' forward (1e-6; bf16 would be 1e-3 off), on both ranks; under
+    backend.autocast(step) and evaluate(precision=step) the forward is bf16 autocast's, and the
+    plain forward after that is fp32 again. One model sharded whole, one by Linear units with
+    reshard_after_forward=False."""
+    for rank in range(2):
+        t = run["tensors"][rank]
+        model = _reference(t, f"precision.{layout}.plain.")
+        with torch.no_grad():
+            fp32 = model(EVAL_X)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                bf16 = model(EVAL_X).float()
+        assert (fp32 - bf16).abs().max() > 1e-3  # the two precisions are told apart
+        assert run["json"][rank][f"precision.{layout}"]["dtypes"] == ["torch.float32", "torch.float32"]
+        for name in ("evaluate", "forward", "forward_after"):
+            torch.testing.assert_close(t[f"precision.{layout}.{name}"], fp32, rtol=1e-6, atol=1e-6, msg=name)
+        order = [0, 2, 4, 6, 8, 1, 3, 5, 7, 9]  # each rank's every other sample, rank 0's first
+        torch.testing.assert_close(t[f"precision.{layout}.eval_batches"], fp32[order], rtol=1e-6, atol=1e-6)
+        for name in ("autocast", "evaluate_training"):
+            torch.testing.assert_close(t[f"precision.{layout}.{name}"], bf16, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["root", "units"])
+def test_evaluating_in_a_hook_leaves_bf16_sharded_training_bitwise_unchanged(run: dict[str, Any], layout: str) -> None:
+    """A hook evaluating after every update (fp32 forwards between bf16 training forwards) gives
+    bitwise the parameters of the same run without it, and its last evaluation equals the fp32
+    forward of the parameters it saw."""
+    t = run["tensors"][0]
+    plain = {k: v for k, v in t.items() if k.startswith(f"precision.{layout}.plain.")}
+    assert plain
+    for key, value in plain.items():
+        assert torch.equal(t[key.replace(".plain.", ".hooked.")], value), key
+    with torch.no_grad():
+        reference = _reference(t, f"precision.{layout}.hooked.")(EVAL_X)
+    # the last hook ran after the last update: the final parameters
+    torch.testing.assert_close(t[f"precision.{layout}.hook_eval"], reference, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,87 @@
+"""Worker for tests/backends/test_one_model.py: what "the model" is across 2 ranks.
+
+Usage: accelfn launch --nproc-per-node 2 one_model.py --out DIR
+One launch checks every claim: forwards outside training run in the parameters' precision
+under ``shard_params`` + bf16 (``af.evaluate``, an ``eval_batches`` loop, a plain forward,
+``backend.autocast``, hooks); replicas whose buffers drifted apart are one model to
+``evaluate``, ``save``, ``save_model`` and hooks (``replicate`` and ``shard_params``); and
+per-rank ``extra`` state comes back per rank from a checkpoint (plain tensors, DTensors).
+Each rank writes DIR/rank{r}.json and DIR/rank{r}.safetensors; the test compares them with
+references written by hand in PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import accelfn as af
+from tests.helpers import sharded as S
+
+#: the evaluation inputs of the precision checks (the same on every rank), scaled so that
+#: bf16 rounding shows (about 3e-3 on the outputs)
+EVAL_X = torch.randn(10, 4, generator=torch.Generator().manual_seed(7)) * 3
+
+
+def bf16_program(shard: af.ShardParams | None = None) -> af.Step:
+    return af.compose(af.shard_data(), shard or af.shard_params(), af.with_precision("bf16"))(
+        af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1])))
+
+
+def precision(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Item 3: shard_params + bf16 trains 2 epochs; then every forward outside training runs
+    in fp32 unless asked for the training policy; evaluating in a hook between updates
+    leaves training bitwise as without it."""
+    data = S.loader(4)
+    seen: list[torch.Tensor] = []
+
+    def evaluate_in_hook(state: af.TrainState, b: af.backends.Backend) -> None:
+        seen.append(af.evaluate(lambda m, x: m(x[0]), state, DataLoader(TensorDataset(EVAL_X), batch_size=5),
+                                backend=b))
+
+    for name, shard in (("root", af.shard_params()), ("units", af.shard_params(units=torch.nn.Linear,
+                                                                                reshard_after_forward=False))):
+        step = bf16_program(shard)
+        plain = af.run(step, S.make_state(), data, backend=backend, epochs=2, progress=False)
+        hooked = af.run(step, S.make_state(), data, backend=backend, epochs=2, progress=False,
+                        hooks=[af.Hook(evaluate_in_hook, every_steps=1)])
+        tensors.update(S.full_parameters(plain.model, f"precision.{name}.plain."))
+        tensors.update(S.full_parameters(hooked.model, f"precision.{name}.hooked."))
+        tensors[f"precision.{name}.hook_eval"] = seen[-1]
+        loader = DataLoader(TensorDataset(EVAL_X), batch_size=5)
+        out = af.evaluate(lambda m, b: m(b[0]), plain, loader, backend=backend)
+        tensors[f"precision.{name}.evaluate"] = out
+        tensors[f"precision.{name}.evaluate_training"] = af.evaluate(lambda m, b: m(b[0]), plain, loader,
+                                                                     backend=backend, precision=step).float()
+        with torch.no_grad():  # a loop of one's own over eval_batches, a plain forward (generation)
+            own = [plain.model(b[0]) for b in backend.eval_batches(loader)]
+            tensors[f"precision.{name}.eval_batches"] = backend.gather_for_metrics(torch.cat(own))
+            tensors[f"precision.{name}.forward"] = plain.model(EVAL_X)
+            with backend.autocast(step):
+                tensors[f"precision.{name}.autocast"] = plain.model(EVAL_X).float()
+            tensors[f"precision.{name}.forward_after"] = plain.model(EVAL_X)
+        results[f"precision.{name}"] = {"dtypes": [str(t.dtype) for t in (out, own[0])]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    backend = af.backends.auto()
+    results: dict[str, Any] = {"world_size": backend.world_size}
+    tensors: dict[str, torch.Tensor] = {}
+    precision(backend, results, tensors)
+    (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              args.out / f"rank{backend.rank}.safetensors")
+
+
+if __name__ == "__main__":
+    main()
