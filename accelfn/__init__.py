@@ -23,7 +23,7 @@ from accelfn.loop import (
     run,
 )
 from accelfn.seed import set_seed
-from accelfn.state import TrainState
+from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
 from accelfn.tracking import JSONL, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
@@ -71,6 +71,7 @@ __all__ = [
     "Snapshot",
     "Step",
     "Stop",
+    "Stopped",
     "TensorBoard",
     "Tracker",
     "TrainState",

@@ -93,7 +93,9 @@ class Manifest:
     After the format fields come the Snapshot's shared fields as trees encoded by
     ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
     the tensor files with their checksums; a sharded checkpoint's ``sharded`` table says
-    where the tensors in its DCP files belong (None in an unsharded one).
+    where the tensors in its DCP files belong (None in an unsharded one); ``stopped`` why a
+    hook's ``af.Stop`` ended the run (None, and no key, when none did: manifests written
+    before it existed read the same).
     """
 
     format_version: int
@@ -112,6 +114,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     files: dict[str, FileEntry]
     sharded: ShardedTables | None = None
+    stopped: Any = None
 
 
 _converter = make_converter()
@@ -120,7 +123,8 @@ _converter.register_unstructure_hook(torch.dtype, str)
 # ``sharded`` key (it reads as None)
 _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
 _converter.register_unstructure_hook(
-    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True)))
+    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True),
+                                       stopped=override(omit_if_default=True)))
 
 
 def unstructure(value: Any) -> Any:
