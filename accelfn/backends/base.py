@@ -239,6 +239,8 @@ class Backend(ProcessContext, abc.ABC):
             self.shard_model(state, shard, policy)
             _fsdp.remember_layout(state.model, shard)
         replicate = step.find(Replicate)
+        if self.world_size > 1 and (replicate is not None or shard is not None):
+            collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)

@@ -163,6 +163,7 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
     _check_state(state)
     assert not is_sharded(state), "a sharded state is saved by every rank (write)"
     _arrived(backend, what, path)
+    collectives.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
     parts = _gather_parts(backend, _format.rank_part(snap))
     return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
@@ -188,6 +189,7 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
                 failure = e
     else:
         _arrived(backend, what, path)
+        collectives.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
     collectives.outcome_of_rank_0(
         failure, lambda: CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why"),

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints
 from accelfn.errors import check_int
@@ -189,6 +190,7 @@ def run(
                             Hooks(hooks, backend, state.step), profiler)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
+        collectives.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
         ended = True
     finally:
         try:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import launch as _launch
 from tests.helpers import sharded as S
-from tests.workers.one_model import EVAL_X
+from tests.workers.one_model import EVAL_X, Normed
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,7 +21,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("one_model")
     _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="one_model.py",
                    script_args=("--out", out), cwd=out)
-    return {"json": _launch.read_ranks(out, 2), "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)]}
+    return {"json": _launch.read_ranks(out, 2), "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)],
+            "out": out}
 
 
 def _reference(tensors: dict[str, torch.Tensor], prefix: str) -> torch.nn.Module:
@@ -70,3 +71,29 @@ def test_evaluating_in_a_hook_leaves_bf16_sharded_training_bitwise_unchanged(run
         reference = _reference(t, f"precision.{layout}.hooked.")(EVAL_X)
     # the last hook ran after the last update: the final parameters
     torch.testing.assert_close(t[f"precision.{layout}.hook_eval"], reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["replicate", "shard_params"])
+def test_replicas_with_drifted_buffers_are_one_model_to_evaluate_save_and_hooks(run: dict[str, Any],
+                                                                               layout: str) -> None:
+    """Each rank's training forward updates its own BatchNorm statistics (the ranks' batches
+    differ), but af.evaluate gives on both ranks, for every sample, the forward of the model
+    af.save_model wrote (a plain BatchNorm model loading it, eval mode; 1e-6), the checkpoint
+    af.save wrote holds the same buffers, and every hook call saw rank 0's running mean on both
+    ranks: rank 0's buffers, as DDP's next forward would broadcast."""
+    out = run["out"]
+    model = Normed()
+    model.load_state_dict(load_file(out / f"export_{layout}" / "model.safetensors"))
+    model.eval()
+    with torch.no_grad():
+        reference = model(EVAL_X)
+    for rank in range(2):
+        t = run["tensors"][rank]
+        torch.testing.assert_close(t[f"buffers.{layout}.evaluate"], reference, rtol=1e-6, atol=1e-6)
+        assert torch.equal(t[f"buffers.{layout}.final_mean"], model.norm.running_mean)
+        assert torch.equal(t[f"buffers.{layout}.hook_means"], run["tensors"][0][f"buffers.{layout}.hook_means"])
+    assert run["tensors"][0][f"buffers.{layout}.hook_means"].shape[0] == 8  # one per update: 2 epochs of 4
+    if layout == "replicate":  # the unsharded checkpoint's model file: the same buffers
+        saved = load_file(out / f"ckpt_{layout}" / "model.safetensors")
+        assert torch.equal(saved["norm.running_mean"], model.norm.running_mean)
+        assert torch.equal(saved["norm.running_var"], model.norm.running_var)

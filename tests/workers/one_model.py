@@ -70,6 +70,40 @@ def precision(backend: af.backends.Backend, results: dict[str, Any], tensors: di
         results[f"precision.{name}"] = {"dtypes": [str(t.dtype) for t in (out, own[0])]}
 
 
+class Normed(torch.nn.Module):
+    """``Linear(4, 6)``, ``BatchNorm1d(6)``, tanh, ``Linear(6, 1)``: running statistics that
+    each rank's training forward updates from its own batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.out = torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.norm(self.inp(x))))
+
+
+def buffers(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor],
+            out: Path) -> None:
+    """Item 2: replicas whose BatchNorm statistics drift apart (each rank's batches differ) are
+    one model to hooks, af.evaluate, af.save and af.save_model: rank 0's buffers."""
+    for name, parallel in (("replicate", af.replicate()), ("shard_params", af.shard_params())):
+        torch.manual_seed(0)
+        model = Normed()
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        step = af.compose(af.shard_data(), parallel)(af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])))
+        means: list[torch.Tensor] = []
+        hook = af.Hook(lambda s, b: means.append(s.model.norm.running_mean.detach().clone()), every_steps=1)
+        state = af.run(step, state, S.loader(4), backend=backend, epochs=2, progress=False, hooks=[hook])
+        tensors[f"buffers.{name}.hook_means"] = torch.stack(means)
+        af.save(state, out / f"ckpt_{name}", backend=backend)
+        af.save_model(state, out / f"export_{name}", backend=backend)
+        tensors[f"buffers.{name}.evaluate"] = af.evaluate(
+            lambda m, b: m(b[0]), state, DataLoader(TensorDataset(EVAL_X), batch_size=5), backend=backend)
+        tensors[f"buffers.{name}.final_mean"] = state.model.norm.running_mean.detach().clone()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -78,6 +112,7 @@ def main() -> None:
     results: dict[str, Any] = {"world_size": backend.world_size}
     tensors: dict[str, torch.Tensor] = {}
     precision(backend, results, tensors)
+    buffers(backend, results, tensors, args.out)
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
               args.out / f"rank{backend.rank}.safetensors")
