@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers import programs as P
 from tests.helpers import sharded as S
 from tests.workers.one_model import EVAL_X, Normed
 
@@ -97,3 +100,45 @@ def test_replicas_with_drifted_buffers_are_one_model_to_evaluate_save_and_hooks(
         saved = load_file(out / f"ckpt_{layout}" / "model.safetensors")
         assert torch.equal(saved["norm.running_mean"], model.norm.running_mean)
         assert torch.equal(saved["norm.running_var"], model.norm.running_var)
+
+
+def test_extra_states_that_differ_between_ranks_come_back_per_rank(run: dict[str, Any]) -> None:
+    """A per-rank stream position in extra (rank r: 10 + 1000 r per update; 4 updates, a
+    background checkpoint at step 4) resumes as each rank's own, 40 and 4040 (not rank 0's
+    twice), with its Python int; a state equal on every rank stays shared: the manifest's
+    extra holds rank 0's of both, each rank's entry only the offset."""
+    for rank in range(2):
+        entry = run["json"][rank]["extra.replicate"]
+        assert entry["before"] == entry["after"] == [4 * (10 + 1000 * rank), 4, 4.0]
+        assert entry["resumed_step"] == 4
+    manifest = orjson.loads((run["out"] / "extra_replicate" / "step_00000004" / "manifest.json").read_bytes())
+    assert set(manifest["extra"]) == {"offset", "shared"}
+    assert [set(entry["extra"]) for entry in manifest["ranks"]] == [{"offset"}, {"offset"}]
+
+
+def test_a_two_rank_checkpoint_with_per_rank_extra_loads_rank_0s_on_one_process(run: dict[str, Any]) -> None:
+    """On one process (another world size) the checkpoint's per-rank extra is rank 0's."""
+    from tests.workers.one_model import Offset, Shared
+
+    state = P.make_state().replace(extra={"offset": Offset(), "shared": Shared()})
+    loaded = af.load(run["out"] / "extra_replicate" / "step_00000004", into=state)
+    assert (int(loaded.extra["offset"].position), loaded.extra["offset"].updates) == (40, 4)
+
+
+def test_an_ema_of_each_ranks_shards_resumes_per_rank_and_dtensors_in_extra_are_refused(run: dict[str, Any]) -> None:
+    """Under shard_params an EMA of this rank's shards (to_local clones) resumes bitwise as
+    each rank's own (rank 1's differ from rank 0's, so rank 0's would not do); an EMA holding
+    the DTensors themselves is refused by af.save on every rank, naming where and what to keep
+    instead."""
+    t0, t1 = run["tensors"]
+    num = run["json"][0]["extra.sharded"]["num"]
+    assert num == 10 and run["json"][0]["extra.sharded"]["resumed_step"] == 4
+    for i in range(num):
+        for t in (t0, t1):
+            assert torch.equal(t[f"extra.sharded.before.{i}"], t[f"extra.sharded.after.{i}"])
+    assert any(not torch.equal(t0[f"extra.sharded.before.{i}"], t1[f"extra.sharded.before.{i}"])
+               for i in range(num) if t0[f"extra.sharded.before.{i}"].shape == t1[f"extra.sharded.before.{i}"].shape)
+    for rank in range(2):
+        message = run["json"][rank]["extra.dtensor"]
+        assert message.startswith("extra['ema'].state_dict()['shadow'][0] is a DTensor"), message
+        assert "p.to_local().clone()" in message

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
+from tests.helpers import programs as P
 from tests.helpers import sharded as S
 
 #: the evaluation inputs of the precision checks (the same on every rank), scaled so that
@@ -104,6 +105,109 @@ def buffers(backend: af.backends.Backend, results: dict[str, Any], tensors: dict
         tensors[f"buffers.{name}.final_mean"] = state.model.norm.running_mean.detach().clone()
 
 
+class Offset:
+    """A per-rank stream position (rank r reads 10 + 1000 r items per update), as a
+    resumable iterable dataset keeps it: a tensor and a Python int."""
+
+    def __init__(self) -> None:
+        self.position, self.updates = torch.zeros((), dtype=torch.int64), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position, self.updates = state["position"].clone(), state["updates"]
+
+
+class Shards:
+    """An EMA of this rank's parameter shards (``to_local()`` clones), or of the DTensors
+    themselves with ``local=False``."""
+
+    def __init__(self, model: torch.nn.Module, local: bool = True) -> None:
+        self.model, self.local, self.shadow = model, local, []
+
+    def update(self) -> None:
+        with torch.no_grad():
+            current = [p.detach().to_local().clone() if self.local else p.detach().clone()
+                       for p in self.model.parameters()]
+            if not self.shadow:
+                self.shadow = current
+            else:
+                for s, c in zip(self.shadow, current):
+                    s.mul_(0.5).add_(c, alpha=0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shadow = [t.clone() for t in state["shadow"]]
+
+
+class Shared:
+    """A state equal on every rank (a best score)."""
+
+    def __init__(self) -> None:
+        self.best = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]
+
+
+def per_rank_extra(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   out: Path) -> None:
+    """Item 1: extra states that differ between ranks come back per rank from a checkpoint
+    (replicate with background checkpoints, shard_params with shard EMAs); a shared one stays
+    shared; a DTensor in extra is refused before anything is written, on every rank."""
+    r = backend.rank
+
+    def replicate_state() -> af.TrainState:
+        state = P.make_state()
+        return state.replace(extra={"offset": Offset(), "shared": Shared()})
+
+    def advance(s: af.TrainState, b: af.backends.Backend) -> None:
+        s.extra["offset"].position += 10 + 1000 * b.rank
+        s.extra["offset"].updates += 1
+        s.extra["shared"].best = float(s.step)
+
+    step = af.compose(af.shard_data(), af.replicate())(af.train_step(P.mse))
+    hooks = [af.Hook(advance, every_steps=1)]
+    checkpoints = af.Checkpoints(out / "extra_replicate", every_steps=4, asynchronous=True)
+    first = af.run(step, replicate_state(), S.loader(2), backend=backend, max_steps=4, epochs=None,
+                   progress=False, hooks=hooks, checkpoints=checkpoints)
+    resumed = af.run(step, replicate_state(), S.loader(2), backend=backend, max_steps=4, epochs=None,
+                     progress=False, hooks=hooks, checkpoints=checkpoints, resume="auto")
+    results["extra.replicate"] = {
+        "before": [int(first.extra["offset"].position), first.extra["offset"].updates, first.extra["shared"].best],
+        "after": [int(resumed.extra["offset"].position), resumed.extra["offset"].updates,
+                  resumed.extra["shared"].best], "resumed_step": resumed.step}
+
+    def sharded_state(local: bool = True) -> af.TrainState:
+        state = S.make_state("sgd")
+        return state.replace(extra={"ema": Shards(state.model, local)})
+
+    program = af.shard_params()(af.train_step(P.mse))
+    ema_hook = [af.Hook(lambda s, b: s.extra["ema"].update(), every_steps=1)]
+    checkpoints = af.Checkpoints(out / "extra_sharded", every_steps=4)
+    data = S.learnable(32)
+    local = [(x[r::2], y[r::2]) for x, y in data]
+    first = af.run(program, sharded_state(), local, backend=backend, progress=False, hooks=ema_hook,
+                   checkpoints=checkpoints)
+    resumed = af.run(program, sharded_state(), local, backend=backend, progress=False, hooks=ema_hook,
+                     checkpoints=checkpoints, resume="auto")
+    for i, (a, b) in enumerate(zip(first.extra["ema"].shadow, resumed.extra["ema"].shadow)):
+        tensors[f"extra.sharded.before.{i}"], tensors[f"extra.sharded.after.{i}"] = a, b
+    results["extra.sharded"] = {"resumed_step": resumed.step, "num": len(first.extra["ema"].shadow)}
+    dtensors = af.run(program, sharded_state(local=False), local[:1], backend=backend, progress=False, hooks=ema_hook)
+    try:
+        af.save(dtensors, out / "extra_dtensor", backend=backend)
+        results["extra.dtensor"] = "saved"
+    except af.CheckpointError as e:
+        results["extra.dtensor"] = str(e)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -113,6 +217,7 @@ def main() -> None:
     tensors: dict[str, torch.Tensor] = {}
     precision(backend, results, tensors)
     buffers(backend, results, tensors, args.out)
+    per_rank_extra(backend, results, tensors, args.out)
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
               args.out / f"rank{backend.rank}.safetensors")
