@@ -164,7 +164,8 @@ class ShardedPrecision:
         self.current = training
         self._units = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
         self._buffers: dict[int, dict[int, tuple[Any, Any]]] = {}  # id(policy) -> id(FSDPParam) -> buffers
-        model.register_forward_pre_hook(self._before_forward, prepend=True)
+        # not traced by torch.compile: it changes FSDP2's state in Python, between forwards
+        model.register_forward_pre_hook(torch.compiler.disable(self._before_forward), prepend=True)
 
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         want = self.training if _TRAINING_FORWARD.get() else self.plain
