@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs accelfn's XLA tests on PJRT's CPU device, in a cached virtualenv outside the
-# repository holding torch 2.9.0, torch_xla 2.9.0 and accelfn's dependencies (read from
-# pyproject.toml). The first run creates the virtualenv (about 7 GB, a few minutes); later
-# runs reuse it and only reinstall when the pins or pyproject's dependencies change.
+# repository holding torch and torch_xla as pyproject.toml's xla extra pins them (2.9.0)
+# and accelfn's dependencies (read from pyproject.toml). The first run creates the
+# virtualenv (about 7 GB, a few minutes); later runs reuse it and only reinstall when the pins or pyproject's dependencies change.
 # accelfn itself comes from this checkout through PYTHONPATH, so any clone can use the cache.
 #
 #   scripts/xla-env.sh [pytest arguments]          e.g. scripts/xla-env.sh -k loader -x
@@ -13,9 +13,6 @@
 # The repository's constraints.txt pins the torch of the main environment and is not used
 # here; pip's own configuration (such as a site-wide cap on torch) applies as usual.
 set -euo pipefail
-
-TORCH_VERSION=2.9.0
-TORCH_XLA_VERSION=2.9.0
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${ACCELFN_XLA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/accelfn/xla-venv}
@@ -35,14 +32,14 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 
-requirements=$("$venv/bin/python" - "$repo/pyproject.toml" "$TORCH_VERSION" "$TORCH_XLA_VERSION" <<'PY'
+requirements=$("$venv/bin/python" - "$repo/pyproject.toml" <<'PY'
 import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as f:
     project = tomllib.load(f)["project"]
-pins = [f"torch=={sys.argv[2]}", f"torch_xla=={sys.argv[3]}"]
-print("\n".join(pins + project["dependencies"] + project["optional-dependencies"]["dev"]))
+extras = project["optional-dependencies"]  # the xla extra pins torch and its torch_xla
+print("\n".join(extras["xla"] + project["dependencies"] + extras["dev"]))
 PY
 )
 stamp="$venv/.accelfn-requirements"

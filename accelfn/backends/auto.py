@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import warnings
+
 import torch
 
 from accelfn.backends._placement import check_placement
@@ -15,7 +19,9 @@ def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batche
     """The backend for this process.
 
     ``accelfn launch --backend cpu|cuda|xla`` (``ACCELFN_BACKEND``) decides when given;
-    otherwise CUDA when torch sees a GPU, else CPU. XLA is chosen only when requested.
+    otherwise XLA when ``PJRT_DEVICE`` is set (torch_xla's own choice of device: ``TPU``,
+    ``CUDA``, ``CPU``) and torch_xla is installed, else CUDA when torch sees a GPU, else CPU.
+    ``PJRT_DEVICE`` without torch_xla warns and goes on without XLA.
 
     Args:
         env: the launch environment; by default read from the process environment.
@@ -38,7 +44,7 @@ def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batche
     """
     check_placement("auto", place_model=place_model, place_batches=place_batches)
     env = LaunchEnv.from_env() if env is None else env
-    name = env.backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    name = env.backend or _discovered()
     if name == "cuda":
         return CUDA(env, place_model=place_model, place_batches=place_batches)
     if name == "xla":
@@ -46,3 +52,18 @@ def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batche
 
         return XLA(env, place_model=place_model, place_batches=place_batches)
     return CPU(env, place_model=place_model, place_batches=place_batches)
+
+
+def _discovered() -> str:
+    """The backend this machine offers: XLA where ``PJRT_DEVICE`` asks for it, else CUDA or CPU."""
+    fallback = "cuda" if torch.cuda.is_available() else "cpu"
+    device = os.environ.get("PJRT_DEVICE")
+    if not device:
+        return fallback
+    if importlib.util.find_spec("torch_xla") is not None:
+        return "xla"
+    version = torch.__version__.split("+")[0]
+    warnings.warn(f"PJRT_DEVICE={device} asks for torch_xla, which is not installed: auto() uses {fallback}; "
+                  f"install it (pip install 'torch_xla=={version}') or unset PJRT_DEVICE", RuntimeWarning,
+                  stacklevel=3)
+    return fallback

@@ -432,3 +432,21 @@ def transforms_record(program: Step | None) -> Any:
         return None
     records = [{"type": type(t).__name__, **unstructure(t)} for t in program.transforms]
     return orjson.loads(dumps(records))  # as it reads back from a manifest
+
+
+def saved_transforms(saved: Any, program: Step | None) -> Any:
+    """The manifest's transforms record ``saved`` with the options it lacks filled in at the
+    defaults of ``program``'s transforms of the same type and place: an option added to a
+    transform since (``shard_data(split_batches=...)``) reads as its default, which is what
+    the program that wrote the checkpoint ran with."""
+    if not isinstance(saved, list) or program is None or len(saved) != len(program.transforms):
+        return saved
+    filled = []
+    for record, transform in zip(saved, program.transforms):
+        if isinstance(record, dict) and record.get("type") == type(transform).__name__:
+            defaults = {f.name: f.default for f in attrs.fields(type(transform))  # type: ignore[arg-type]  # transforms are attrs classes
+                        if f.name not in record and f.default is not attrs.NOTHING
+                        and not isinstance(f.default, attrs.Factory)}  # type: ignore[arg-type]  # attrs.Factory is a class
+            record = {**orjson.loads(dumps(defaults)), **record}
+        filled.append(record)
+    return filled

@@ -313,7 +313,7 @@ class Opened:
         """What differs when the checkpoint was written by a program with other transforms
         than ``program`` (then a resumed run differs from an uninterrupted one), else None."""
         now = _format.transforms_record(program)
-        saved = self.manifest.transforms
+        saved = _format.saved_transforms(self.manifest.transforms, program)
         if saved is None or now is None or saved == now:
             return None
         return f"{self.path} was written by a program with the transforms {saved}; this program has {now}"

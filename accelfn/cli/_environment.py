@@ -49,4 +49,20 @@ def devices() -> list[str]:
             props = torch.cuda.get_device_properties(i)
             lines.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
                          f"compute capability {props.major}.{props.minor}")
-    return lines
+    return lines + _xla_devices()
+
+
+def _xla_devices() -> list[str]:
+    """The XLA devices of this process's PJRT client, where ``PJRT_DEVICE`` asks for one and
+    torch_xla is installed (importing it starts the client); else why there are none."""
+    device = os.environ.get("PJRT_DEVICE")
+    if importlib.util.find_spec("torch_xla") is None:
+        return [] if not device else [f"xla: PJRT_DEVICE={device} is set, but torch_xla is not installed"]
+    if not device:
+        return ["xla: torch_xla is installed; set PJRT_DEVICE (TPU, CUDA or CPU) to use it (af.backends.auto() "
+                "then picks XLA)"]
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    kind = xr.device_type()
+    return [f"{d}: {kind} (PJRT_DEVICE={device})" for d in torch_xla.devices()]

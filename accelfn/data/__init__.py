@@ -10,7 +10,8 @@ from accelfn.data.batches import (
     keyed_batches,
     num_batches,
     shard_indices,
+    split_indices,
 )
 
 __all__ = ["EpochBatches", "ShardedIterable", "epoch_batches", "even_out", "keyed_batches", "num_batches",
-           "shard_indices"]
+           "shard_indices", "split_indices"]

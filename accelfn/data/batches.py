@@ -56,6 +56,67 @@ def shard_indices(
     return list(whole)[rank::world_size]
 
 
+def split_indices(
+    num_samples: int, *, batch_size: int, rank: int, world_size: int, shuffle: bool, seed: int, epoch: int,
+    drop_last: bool = False, even_batches: bool = True, drop_last_batch: bool = False,
+) -> list[int]:
+    """This rank's dataset indices for one epoch under ``shard_data(split_batches=True)``:
+    its contiguous part of every global batch of ``batch_size`` samples, in order.
+
+    Every rank draws the same permutation (``seed + epoch``, as ``DistributedSampler``) and
+    cuts it into global batches of ``batch_size``; rank ``r`` takes samples
+    ``[r * b, (r + 1) * b)`` of each, ``b = batch_size // world_size``. The last, partial
+    global batch of ``m`` samples (unless ``drop_last_batch``, the DataLoader's
+    ``drop_last``, drops it) is cut into contiguous parts of ``ceil(m / world_size)`` or one
+    fewer samples; with ``even_batches`` the shorter parts end with one sample wrapped from
+    the epoch's start (the ranks ``m % world_size, ...``, as ``DistributedSampler`` pads),
+    with ``drop_last`` the parts are ``m // world_size`` samples (the last ``m % world_size``
+    dropped, as ``DistributedSampler`` drops its tail), and otherwise the parts
+    stay as they are (a rank may get none).
+    """
+    if batch_size % world_size:
+        raise ValueError(_split_error(batch_size, world_size))
+    order = list(range(num_samples))
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(num_samples, generator=g).tolist()
+    full, m = divmod(num_samples, batch_size)
+    b = batch_size // world_size
+    mine = [i for k in range(full) for i in order[k * batch_size + rank * b: k * batch_size + (rank + 1) * b]]
+    if m and not drop_last_batch:
+        tail, (share, extra) = order[full * batch_size:], divmod(m, world_size)
+        if drop_last:  # the tail's last m % world_size samples dropped
+            part = tail[rank * share: (rank + 1) * share]
+        else:
+            first = rank * share + min(rank, extra)
+            part = tail[first: first + share + (rank < extra)]
+        if even_batches and not drop_last and extra and rank >= extra:
+            part.append(order[(rank - extra) % num_samples])
+        mine += part
+    return mine
+
+
+def _split_error(batch_size: int, world_size: int) -> str:
+    return (f"shard_data(split_batches=True) splits each batch of the DataLoader over the {world_size} processes, "
+            f"but its batch_size={batch_size} does not divide by {world_size}; build the DataLoader with a "
+            f"batch size that is a multiple of {world_size} (the global batch), or use split_batches=False "
+            "(batch_size is then each process's batch)")
+
+
+def _split_length(num_samples: int, batch_size: int, shard: ShardData, *, rank: int, world_size: int,
+                  drop_last_batch: bool) -> int:
+    """``len(split_indices(...))`` without drawing the permutation."""
+    if batch_size % world_size:
+        raise ValueError(_split_error(batch_size, world_size))
+    full, m = divmod(num_samples, batch_size)
+    total = full * (batch_size // world_size)
+    if m and not drop_last_batch:
+        share, extra = divmod(m, world_size)
+        total += share if shard.drop_last else share + 1 if extra and (shard.even_batches or rank < extra) else share
+    return total
+
+
 class _IndexSampler(Sampler[Any]):
     """A fixed list of indices: one rank's shard of one epoch, after the skipped ones."""
 
@@ -111,12 +172,12 @@ def _shuffles(loader: DataLoader) -> bool:
 
 def _rebuild(loader: DataLoader, *, dataset: Any = None, sampler: Sampler | None = None,
              generator: torch.Generator | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
-             drop_last: bool | None = None) -> DataLoader:
+             drop_last: bool | None = None, batch_size: int | None = None) -> DataLoader:
     """The same DataLoader (batch size, collate, workers, pinning) over a new sampler/dataset."""
     workers = loader.num_workers
     return DataLoader(
         loader.dataset if dataset is None else dataset,
-        batch_size=loader.batch_size,
+        batch_size=loader.batch_size if batch_size is None else batch_size,
         sampler=sampler,
         num_workers=workers,
         collate_fn=loader.collate_fn if collate_fn is None else collate_fn,
@@ -191,6 +252,14 @@ class EpochBatches:
             yield place(previous), True
 
 
+def _check_not_split(shard: ShardData) -> None:
+    if shard.split_batches:
+        raise ValueError("shard_data(split_batches=True) splits the batches of a DataLoader over a map-style "
+                         "dataset; this data is another iterable (or an IterableDataset): build a "
+                         "DataLoader(dataset, batch_size=global batch, shuffle=...) of a dataset with __len__ "
+                         "and __getitem__, or use split_batches=False")
+
+
 def _check_shardable(loader: DataLoader) -> bool:
     """Raises unless ``shard_data`` can shard ``loader`` by samples; returns whether it shuffles
     (a map-style dataset's sampler; an IterableDataset is read in stream order)."""
@@ -220,12 +289,18 @@ def num_batches(data: Iterable[Any], shard: ShardData | None, *, rank: int, worl
     Raises:
         ValueError: a DataLoader that ``shard_data`` cannot shard (as ``epoch_batches``).
     """
+    if shard is not None and not (isinstance(data, DataLoader) and _is_map_style(data)):
+        _check_not_split(shard)
     if shard is None or world_size == 1 and not isinstance(data, DataLoader):
         return len(data) if isinstance(data, (DataLoader, Sized)) and _sized(data) else None
     if isinstance(data, DataLoader):
         _check_shardable(data)
         if not _is_map_style(data):
             return None
+        if shard.split_batches:
+            samples = _split_length(len(data.dataset), data.batch_size, shard, rank=rank,  # type: ignore[arg-type]  # map-style: sized; checked above
+                                    world_size=world_size, drop_last_batch=data.drop_last)
+            return -(-samples // (data.batch_size // world_size))  # type: ignore[operator]  # checked above
         samples = _shard_length(len(data.dataset), shard, rank=rank, world_size=world_size)  # type: ignore[arg-type]  # map-style: sized
         full, partial = divmod(samples, data.batch_size)  # type: ignore[operator]  # checked above
         return full + (1 if partial and not data.drop_last else 0)
@@ -254,6 +329,8 @@ def epoch_batches(
     Raises:
         ValueError: a DataLoader whose sampler cannot be sharded, or ``start`` beyond the epoch.
     """
+    if shard is not None and not (isinstance(data, DataLoader) and _is_map_style(data)):
+        _check_not_split(shard)
     if shard is None or world_size == 1 and not isinstance(data, DataLoader):
         if start and isinstance(data, DataLoader) and _is_map_style(data) and not isinstance(
                 data.sampler, SequentialSampler):
@@ -315,23 +392,32 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
                place: Callable[[Any], Any]) -> EpochBatches:
     shuffle = _check_shardable(loader)
     num_samples = len(loader.dataset)  # type: ignore[arg-type]  # map-style: sized, unlike Dataset's stub
-    indices = shard_indices(
-        num_samples, rank=rank, world_size=world_size, shuffle=shuffle, seed=shard.seed,
-        epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches,
-    )
-    batch_size = loader.batch_size
-    assert batch_size is not None
+    assert loader.batch_size is not None
+    if shard.split_batches:
+        indices = split_indices(
+            num_samples, batch_size=loader.batch_size, rank=rank, world_size=world_size, shuffle=shuffle,
+            seed=shard.seed, epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches,
+            drop_last_batch=loader.drop_last)
+        batch_size, tail = loader.batch_size // world_size, num_samples % loader.batch_size
+        padded = shard.even_batches and not shard.drop_last and not loader.drop_last and tail % world_size
+        padding_ranks = frozenset(range(tail % world_size, world_size)) if padded else frozenset()
+    else:
+        indices = shard_indices(
+            num_samples, rank=rank, world_size=world_size, shuffle=shuffle, seed=shard.seed,
+            epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches,
+        )
+        batch_size = loader.batch_size
+        padded = shard.even_batches and not shard.drop_last and num_samples % world_size
+        padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
     total = num_batches(loader, shard, rank=rank, world_size=world_size)
-    padded = shard.even_batches and not shard.drop_last and num_samples % world_size
-    padding_ranks = frozenset(range(num_samples % world_size, world_size)) if padded else frozenset()
     generator = worker_generator(shard.seed, epoch, rank)
     remaining = indices[start * batch_size:]
     if loader.num_workers == 0:
-        rebuilt = _rebuild(loader, sampler=_IndexSampler(remaining), generator=generator)
+        rebuilt = _rebuild(loader, sampler=_IndexSampler(remaining), generator=generator, batch_size=batch_size)
     else:  # a worker fetches each batch with its RNGs seeded by (seed, epoch, rank, batch number)
         keys = [(start + j // batch_size, i) for j, i in enumerate(remaining)]
         rebuilt = _rebuild(loader, dataset=SeededFetch(loader.dataset, shard.seed, epoch, rank),
-                           sampler=_IndexSampler(keys), generator=generator)
+                           sampler=_IndexSampler(keys), generator=generator, batch_size=batch_size)
     return EpochBatches(rebuilt, num_batches=total, start=start, place=place, padding_ranks=padding_ranks)
 
 

@@ -263,3 +263,27 @@ def test_fp16_loss_counts_back_off_the_loss_scale_like_a_mean_loss(mp: dict[str,
         assert r["fp16_mean"][1] > 0  # the scale did back off
         for name, value in _with_prefix(tensors, "fp16_mean.").items():
             torch.testing.assert_close(tensors[f"fp16_summed.{name}"], value, rtol=1e-5, atol=1e-6)
+
+
+def test_split_batches_gives_each_rank_its_half_of_the_loaders_global_batch(mp: dict[str, Any]) -> None:
+    """shard_data(split_batches=True) on 2 processes with a DataLoader of batch 6: rank 0 reads
+    the first 3 samples of every batch the same loader gives on one process (same shuffle),
+    rank 1 the next 3, the last batch of 4 split 2 + 2; training under replicate +
+    accumulate(2) equals one process reading the loader's batches whole (1e-6)."""
+    one = _one_process()
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED, split_batches=True), af.replicate(),
+                      af.accumulate(2))(af.train_step(P.mse))
+    loader = DataLoader(P.IndexDataset(P.NUM_SAMPLES), batch_size=2 * P.PER_RANK_BATCH, shuffle=True)
+    for epoch in (0, 1):
+        whole = [index.tolist() for (_, index), _ in one.batches(loader, step, epoch)]
+        assert [len(b) for b in whole] == [6, 6, 6, 6, 4]
+        rank0, rank1 = (r["split_indices"][epoch] for r in mp["json"])
+        assert [a + b for a, b in zip(rank0, rank1)] == whole
+        assert [len(b) for b in rank0] == [len(b) for b in rank1] == [3, 3, 3, 3, 2]
+    assert mp["json"][0]["split_indices"][0] != mp["json"][0]["split_indices"][1]  # a shuffle per epoch
+    reference = af.run(step, P.make_state(), DataLoader(P.regression_data(), batch_size=2 * P.PER_RANK_BATCH,
+                                                        shuffle=True), backend=one, epochs=2, progress=False)
+    for r, tensors in zip(mp["json"], mp["tensors"]):
+        assert r["split_steps"] == reference.step == 6
+        for name, value in P.parameters(reference).items():
+            torch.testing.assert_close(_with_prefix(tensors, "split.")[name], value, rtol=1e-6, atol=1e-6)

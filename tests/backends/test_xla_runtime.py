@@ -176,3 +176,19 @@ def test_two_xla_processes_on_pjrt_cpu_stop_with_a_launch_error(tmp_path):
     for rank in (0, 1):
         assert f"accelfn launched 2 XLA processes (this is rank {rank}), but the PJRT runtime sees a world of 1" in output
     assert "has no collectives across processes" in output
+
+
+def test_auto_picks_xla_where_pjrt_device_is_set_and_env_lists_the_devices(monkeypatch, capsys):
+    """With PJRT_DEVICE=CPU (xla-env.sh sets it) and no --backend, auto() is the XLA backend;
+    ``accelfn env`` lists the PJRT client's devices; without PJRT_DEVICE auto() stays on CPU."""
+    from accelfn.cli import main
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    backend = af.backends.auto(af.backends.LaunchEnv())
+    assert backend.name == "xla" and backend.device.type == "xla"
+    assert main(["env"]) == 0
+    assert "  xla:0: CPU (PJRT_DEVICE=CPU)\n" in capsys.readouterr().out
+    monkeypatch.delenv("PJRT_DEVICE")
+    assert af.backends.auto(af.backends.LaunchEnv()).name == "cpu"
+    assert main(["env"]) == 0
+    assert "  xla: torch_xla is installed; set PJRT_DEVICE" in capsys.readouterr().out

@@ -208,6 +208,20 @@ def fp16_loss_counts(backend: af.backends.Backend, results: dict[str, Any], tens
         tensors.update(P.parameters(state, f"fp16_{name}."))
 
 
+def split_batches(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """shard_data(split_batches=True): the loader's batch of 6 is the global batch; each rank's
+    indices per micro-batch, and training under replicate + accumulate(2) for 2 epochs."""
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED, split_batches=True), af.replicate(),
+                      af.accumulate(2))(af.train_step(P.mse))
+    loader = DataLoader(P.IndexDataset(P.NUM_SAMPLES), batch_size=2 * P.PER_RANK_BATCH, shuffle=True)
+    results["split_indices"] = [[index.tolist() for (_, index), _ in backend.batches(loader, step, epoch)]
+                                for epoch in (0, 1)]
+    state = af.run(step, P.make_state(), DataLoader(P.regression_data(), batch_size=2 * P.PER_RANK_BATCH, shuffle=True),
+                   backend=backend, epochs=2, progress=False)
+    results["split_steps"] = state.step
+    tensors.update(P.parameters(state, "split."))
+
+
 def tensorboard(backend: af.backends.Backend, out: Path) -> None:
     """Acceptance 7: a run with a TensorBoard tracker on every rank."""
     P.train_case("e2_acc2_clip", backend, P.PER_RANK_BATCH, trackers=(af.TensorBoard(out / "tb"),))
@@ -230,6 +244,7 @@ def main() -> None:
     unequal_lengths(backend, results)
     unknown_lengths(backend, tensors)
     fp16_loss_counts(backend, results, tensors)
+    split_batches(backend, results, tensors)
     tensorboard(backend, args.out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, args.out / f"rank{backend.rank}.safetensors")
     (args.out / f"rank{backend.rank}.json").write_text(json.dumps(results))
