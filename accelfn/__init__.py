@@ -24,7 +24,7 @@ from accelfn.loop import (
     run,
 )
 from accelfn.seed import set_seed
-from accelfn.state import TrainState
+from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
 from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
@@ -73,6 +73,7 @@ __all__ = [
     "Snapshot",
     "Step",
     "Stop",
+    "Stopped",
     "TensorBoard",
     "Tracker",
     "TrainState",

@@ -41,7 +41,10 @@ def evaluate(
     are put back as they were afterwards, so such gradients never reach the next update.
 
     A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
-    ranks first check that all of them arrived (``collectives.arrive``).
+    ranks first check that all of them arrived (``collectives.arrive``). Under ``replicate``
+    and ``shard_params`` every rank then takes rank 0's buffers (BatchNorm's running
+    statistics, which each rank's last training forward updated from its own batch), as
+    DDP's next forward would and as ``af.save`` writes: every sample goes through one model.
     A model sharded with ``shard_params`` runs its sharded forward on every rank; a rank
     with fewer batches repeats its first one (outputs dropped) so the ranks' parameter
     all-gathers pair up, and a rank without any (fewer batches than ranks) runs a copy of
@@ -51,6 +54,8 @@ def evaluate(
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
     master weights) ``fn`` runs in fp32 unless ``precision`` gives the training program,
     whose policy it then runs under (``backend.autocast(precision)``, as training's forward).
+    The same under ``shard_params``: the units gather fp32 parameters for ``fn``, and the
+    compute dtype's only under ``precision``.
 
     Args:
         fn: ``fn(model, batch)`` returning a tensor of shape ``(batch, ...)``, or a
@@ -103,6 +108,7 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
     if backend.world_size > 1:
         collectives.arrive("af.evaluate")
     model = state.model
+    collectives.sync_buffers(model, backend.collective_device)  # one model: rank 0's buffers on every rank
     cast = _input_cast(model)
     keys, outputs = [], []
     batches = keyed_batches(data, rank=backend.rank, world_size=backend.world_size)

@@ -83,6 +83,28 @@ def _check_counter(instance: object, attribute: attrs.Attribute, value: int) -> 
     check_int("TrainState", attribute.name, value, minimum=0)
 
 
+@attrs.frozen
+class Stopped:
+    """Why a run ended before its totals: a hook returned ``af.Stop`` after update ``step``.
+
+    ``run`` sets it in the state (and so in every checkpoint written from then on); a later
+    ``run`` of that state, or one resumed from such a checkpoint, trains nothing more unless
+    it is called with ``continue_after_stop=True`` (or the state is ``state.replace(stopped=None)``).
+
+    Attributes:
+        step: the optimizer update after which the run stopped (``state.step`` then).
+        reason: the ``af.Stop``'s reason.
+    """
+
+    step: int
+    reason: str
+
+
+def _check_stopped(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, Stopped):
+        raise wrong_type("TrainState", "stopped", "None or a Stopped(step, reason) record", value)
+
+
 @attrs.frozen(eq=False)
 class TrainState:
     """The state of a training run.
@@ -99,6 +121,8 @@ class TrainState:
         transforms_state: the state transforms carry, keyed by kind (``"loss_scale"``,
             ``"skips"``, ``"window"``), each an immutable record.
         extra: user objects with ``state_dict``/``load_state_dict`` that checkpoints carry.
+        stopped: None, or why and at which update a hook's ``af.Stop`` ended the run
+            (:class:`Stopped`); a run of a stopped state trains nothing more unless asked.
     """
 
     model: torch.nn.Module = attrs.field(validator=_check_model)
@@ -110,6 +134,7 @@ class TrainState:
     epoch_micro_step: int = attrs.field(default=0, validator=_check_counter)
     transforms_state: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
     extra: Mapping[str, Stateful] = attrs.field(factory=dict, converter=_frozen_mapping)
+    stopped: Stopped | None = attrs.field(default=None, validator=_check_stopped)
 
     @classmethod
     def create(
@@ -185,6 +210,7 @@ class TrainState:
         _set_epoch_micro_step(new, epoch_micro_step)
         _set_transforms_state(new, _frozen_mapping(transforms_state))
         _set_extra(new, self.extra)
+        _set_stopped(new, self.stopped)
         return new
 
     def with_transform_state(self, **entries: Any) -> TrainState:
@@ -201,4 +227,4 @@ class TrainState:
 _new = object.__new__
 # each slot's descriptor setter, which the frozen record's __setattr__ does not go through
 (_set_model, _set_optimizer, _set_scheduler, _set_step, _set_micro_step, _set_epoch, _set_epoch_micro_step,
- _set_transforms_state, _set_extra) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))
+ _set_transforms_state, _set_extra, _set_stopped) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))

@@ -8,11 +8,19 @@ holding a ``DTensor`` sharded along dim 0 over the ranks (``Shard(0)``). The opt
 user built over the original parameters is then pointed at the sharded ones (FSDP2 does
 not do this: torchtitan builds its optimizer after sharding), and any optimizer state it
 already holds (a state restored before ``prepare``) is sharded the same way.
+
+Under ``"bf16"``/``"fp16"`` the units gather their parameters in the compute dtype for the
+forwards of training only (``training_forward``: the step's forward, ``backend.autocast``);
+every other forward (``af.evaluate``, a loop over ``backend.eval_batches``, generation, a
+hook's own forward) gathers them in their own dtype (fp32), as an unsharded model runs
+(``ShardedPrecision``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import math
 import sys
@@ -156,6 +164,95 @@ def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
     return fsdp.MixedPrecisionPolicy()
 
 
+#: True inside ``training_forward``: sharded models gather parameters in their training dtype
+_TRAINING_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("accelfn_training_forward", default=False)
+
+
+class training_forward:  # noqa: N801 - a context manager used like a function
+    """``inner`` (``torch.autocast``) entered, and the forwards of sharded models in it run
+    in their training precision (parameters gathered in the compute dtype); outside it they
+    run in their parameters' own dtype. ``backend.autocast`` returns one."""
+
+    __slots__ = ("_inner", "_token")
+
+    def __init__(self, inner: contextlib.AbstractContextManager[Any]):
+        self._inner = inner
+        self._token: contextvars.Token[bool] | None = None
+
+    def __enter__(self) -> Any:
+        self._token = _TRAINING_FORWARD.set(True)
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._inner.__exit__(*exc)
+        finally:
+            assert self._token is not None
+            _TRAINING_FORWARD.reset(self._token)
+
+
+class ShardedPrecision:
+    """The two precisions of a model sharded with a bf16/fp16 ``MixedPrecisionPolicy``: its
+    training policy (parameters all-gathered in the compute dtype) and the plain one
+    (gathered in their own dtype, gradients still reduced in ``reduce_dtype``).
+
+    A forward pre-hook on the root module, ahead of FSDP2's own, picks one before each
+    forward: the training policy inside ``training_forward``, else the plain one. A switch
+    reshards every unit (``FSDPModule.reshard``), sets the policy on each unit's FSDP state
+    and parameter group, and swaps each parameter's all-gather buffers and unsharded
+    parameter for those of the other dtype (kept, with their storage freed, so that
+    switching back reuses them and an open accumulation window's gradients survive).
+    FSDP2 (torch 2.6 to 2.13) has no public setter for a unit's policy: this uses its
+    private fields ``_get_fsdp_state()._mp_policy``, ``._fsdp_param_groups``, each group's
+    ``mp_policy``/``_init_mp_dtypes()`` and each ``FSDPParam``'s ``all_gather_outputs``/
+    ``_unsharded_param``; a torch without them keeps the training policy everywhere.
+    No switch happens inside a backward (activation checkpointing's recomputed forwards).
+    """
+
+    def __init__(self, model: torch.nn.Module, training: MixedPrecisionPolicy):
+        fsdp = fsdp2()
+        self.training = training
+        self.plain = dataclasses.replace(training, param_dtype=None)
+        self.current = training
+        self._units = [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
+        self._buffers: dict[int, dict[int, tuple[Any, Any]]] = {}  # id(policy) -> id(FSDPParam) -> buffers
+        # not traced by torch.compile: it changes FSDP2's state in Python, between forwards
+        model.register_forward_pre_hook(torch.compiler.disable(self._before_forward), prepend=True)
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        want = self.training if _TRAINING_FORWARD.get() else self.plain
+        if want is not self.current and torch._C._current_graph_task_id() == -1:
+            self.switch(want)
+
+    def switch(self, policy: MixedPrecisionPolicy) -> None:
+        """Reshards every unit and makes ``policy`` (``training`` or ``plain``) theirs."""
+        for unit in self._units:
+            unit.reshard()
+        kept = self._buffers.setdefault(id(self.current), {})
+        wanted = self._buffers.setdefault(id(policy), {})
+        for unit in self._units:
+            state = unit._get_fsdp_state()
+            state._mp_policy = policy
+            for group in state._fsdp_param_groups:
+                group.mp_policy = policy
+                for param in group.fsdp_params:
+                    kept[id(param)] = (param.all_gather_outputs, param.__dict__.pop("_unsharded_param", None))
+                    outputs, unsharded = wanted.pop(id(param), ([], None))
+                    param.all_gather_outputs = outputs
+                    if unsharded is not None:
+                        param._unsharded_param = unsharded
+                group._init_mp_dtypes()
+        self.current = policy
+
+
+def _switchable(model: torch.nn.Module) -> bool:
+    """Whether this torch's FSDP2 has the private fields ``ShardedPrecision`` sets."""
+    state = getattr(model, "_get_fsdp_state", lambda: None)()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return (state is not None and hasattr(state, "_mp_policy") and isinstance(groups, list)
+            and all(hasattr(g, "mp_policy") and hasattr(g, "_init_mp_dtypes") for g in groups))
+
+
 def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: ShardParams, policy: Policy,
                 device_mesh: DeviceMesh) -> None:
     """Shards ``model`` in place over ``device_mesh`` and points ``optimizer`` at its sharded
@@ -179,6 +276,8 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
         for module in model.modules():
             if isinstance(module, fsdp.FSDPModule):
                 _reduce_uniform_dtype(module)
+    if options["mp_policy"].param_dtype is not None and _switchable(model):
+        ShardedPrecision(model, options["mp_policy"])  # plain forwards outside training
     sharded = dict(model.named_parameters())
     _rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
 

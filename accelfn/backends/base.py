@@ -85,6 +85,10 @@ class Backend(ProcessContext, abc.ABC):
 
         ``torch.autocast`` to the compute dtype under ``"bf16"``/``"fp16"``; a no-op under
         ``"fp32"``/``"bf16-true"``, as in training. A Step's policy is ``precision(step)``.
+        A model sharded with ``shard_params`` gathers its parameters in the compute dtype
+        for the forwards in this context, as in training; outside it (``af.evaluate``
+        without ``precision=``, your own evaluation or generation loop) in their own dtype,
+        so such forwards run in fp32 as an unsharded model's do.
 
         Args:
             program: the Step (or its precision Policy) whose policy to run under.
@@ -108,7 +112,7 @@ class Backend(ProcessContext, abc.ABC):
                             f"Policy), got {type(program).__name__}")
         if not policy.autocast:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype)
+        return _fsdp.training_forward(torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype))
 
     def precision(self, step: Step) -> Policy:
         """The precision policy this backend runs ``step`` under: the program's
@@ -237,6 +241,8 @@ class Backend(ProcessContext, abc.ABC):
             self.shard_model(state, shard, policy)
             _fsdp.remember_layout(state.model, shard)
         replicate = step.find(Replicate)
+        if self.world_size > 1 and (replicate is not None or shard is not None):
+            collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)

@@ -31,7 +31,7 @@ from cattrs.preconf.orjson import make_converter
 
 from accelfn._version import __version__
 from accelfn.checkpoint import _tensorfiles
-from accelfn.checkpoint._codec import Encoder, decode
+from accelfn.checkpoint._codec import TENSOR, Encoder, decode
 from accelfn.checkpoint._tensorfiles import ALGORITHMS, FileEntry
 from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError
@@ -53,11 +53,17 @@ _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
 
 @attrs.frozen
 class RankEntry:
-    """What differs between ranks (the Snapshot fields of the same names), as encoded trees."""
+    """What differs between ranks (the Snapshot fields of the same names), as encoded trees.
+
+    ``extra``: this rank's state of each ``extra`` object whose state differs between the
+    ranks (a per-rank stream position, an EMA of this rank's shards), by name; None (no
+    key) when every rank's equals rank 0's, which the manifest's ``extra`` holds.
+    """
 
     rng: Any
     transforms_state: Any
     grads: Any
+    extra: Any = None
 
 
 @attrs.frozen
@@ -93,7 +99,9 @@ class Manifest:
     After the format fields come the Snapshot's shared fields as trees encoded by
     ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
     the tensor files with their checksums; a sharded checkpoint's ``sharded`` table says
-    where the tensors in its DCP files belong (None in an unsharded one).
+    where the tensors in its DCP files belong (None in an unsharded one); ``stopped`` why a
+    hook's ``af.Stop`` ended the run (None, and no key, when none did: manifests written
+    before it existed read the same).
     """
 
     format_version: int
@@ -112,6 +120,7 @@ class Manifest:
     ranks: tuple[RankEntry, ...]
     files: dict[str, FileEntry]
     sharded: ShardedTables | None = None
+    stopped: Any = None
 
 
 _converter = make_converter()
@@ -120,7 +129,10 @@ _converter.register_unstructure_hook(torch.dtype, str)
 # ``sharded`` key (it reads as None)
 _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
 _converter.register_unstructure_hook(
-    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True)))
+    RankEntry, make_dict_unstructure_fn(RankEntry, _converter, extra=override(omit_if_default=True)))
+_converter.register_unstructure_hook(
+    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True),
+                                       stopped=override(omit_if_default=True)))
 
 
 def unstructure(value: Any) -> Any:
@@ -235,7 +247,7 @@ def read(directory: Path) -> Manifest:
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]
 #: Snapshot fields that differ between ranks (in each RankEntry) and those every rank shares
 #: (in the Manifest); the model's tensors go to their own table, under their own names
-PER_RANK: tuple[str, ...] = tuple(f.name for f in attrs.fields(RankEntry))
+PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads")
 SHARED: tuple[str, ...] = tuple(f.name for f in attrs.fields(Snapshot) if f.name not in PER_RANK)
 
 
@@ -246,8 +258,48 @@ def _rank_group(rank: int) -> str:
 def rank_part(snap: Snapshot) -> RankPart:
     """This rank's entry and its tensors (open-window gradients, transform-state tensors)."""
     encoder = Encoder()
-    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK})
+    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK},
+                      extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
     return entry, encoder.tensors
+
+
+def _refs(tree: Any) -> set[str]:
+    """The tensor keys an encoded tree refers to."""
+    if isinstance(tree, Mapping):
+        if set(tree) == {TENSOR}:
+            return {tree[TENSOR]}
+        return set().union(*(_refs(v) for v in tree.values())) if tree else set()
+    if isinstance(tree, (list, tuple)):
+        return set().union(*(_refs(v) for v in tree)) if tree else set()
+    return set()
+
+
+def _same(a: tuple[Any, dict[str, torch.Tensor]], b: tuple[Any, dict[str, torch.Tensor]]) -> bool:
+    (tree_a, tensors_a), (tree_b, tensors_b) = a, b
+    if tree_a != tree_b:
+        return False
+    return all(tensors_a[k].dtype == tensors_b[k].dtype and tensors_a[k].shape == tensors_b[k].shape
+               and torch.equal(tensors_a[k], tensors_b[k]) for k in _refs(tree_a))
+
+
+def per_rank_extra(parts: list[RankPart]) -> list[RankPart]:
+    """Every rank's part with only the ``extra`` states that differ between ranks kept (and
+    their tensors): an entry equal on every rank is rank 0's, which the manifest's shared
+    ``extra`` holds."""
+    if not parts or parts[0][0].extra is None:
+        return parts
+    names = list(parts[0][0].extra)
+    differ = {name for name in names if any(
+        entry.extra is None or name not in entry.extra
+        or not _same((parts[0][0].extra[name], parts[0][1]), (entry.extra[name], tensors))
+        for entry, tensors in parts[1:])}
+    out = []
+    for entry, tensors in parts:
+        own = entry.extra or {}
+        dropped = set().union(*(_refs(tree) for name, tree in own.items() if name not in differ)) if own else set()
+        kept = {name: own[name] for name in own if name in differ}
+        out.append((attrs.evolve(entry, extra=kept or None), {k: v for k, v in tensors.items() if k not in dropped}))
+    return out
 
 
 def pack_part(part: RankPart) -> torch.Tensor:
@@ -292,6 +344,7 @@ def write_snapshot(directory: Path, snap: Snapshot, parts: list[RankPart], trans
     """Writes ``snap`` (with every rank's part) into ``directory``: tensor files, then the
     manifest, which also lists ``files`` written already (a sharded checkpoint's DCP files,
     whose tensors ``sharded`` places)."""
+    parts = per_rank_extra(parts)
     encoders = {"model": Encoder(), "state": Encoder()}
     trees = {name: encoders[_table(name)].encode(getattr(snap, name), "" if name == "model" else name)
              for name in SHARED}
@@ -365,6 +418,8 @@ def read_snapshot(directory: Path, manifest: Manifest, *, rank: int,
     try:
         fields = {name: decode(getattr(manifest, name), tables.get(_table(name), {}), paths[name]) for name in SHARED}
         fields |= {name: decode(getattr(entry, name), own, paths[name]) for name in PER_RANK}
+        if entry.extra:  # this rank's own states of the entries that differ between ranks
+            fields["extra"] = {**fields["extra"], **decode(entry.extra, own, f"ranks[{own_section}].extra")}
     except CheckpointError as e:
         raise CheckpointError(f"{directory / MANIFEST}: {e}") from None
     return Snapshot(**fields)

@@ -201,6 +201,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         except collectives.ArrivalError as e:
             raise CheckpointError(str(e)) from None
     main = backend.is_main_process
+    collectives.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     files = _plan(tensors, limit)
     names = [WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"

@@ -23,7 +23,7 @@ from accelfn.checkpoint import _atomic, _format, _sharded
 from accelfn.checkpoint._format import Manifest, RankPart
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwrap, verify
-from accelfn.collectives import ProcessContext
+from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, check_directory, to_path
 from accelfn.state import TrainState
 
@@ -98,6 +98,35 @@ def _check_state(state: Any) -> None:
                            "state_dict()/load_state_dict() in TrainState.extra" if isinstance(state, Mapping) else ""))
 
 
+def _sharded_in_extra(tree: Any, path: str) -> str | None:
+    """Where in ``tree`` (an ``extra`` object's ``state_dict``) a DTensor is, or None."""
+    if is_dtensor(tree):
+        return path
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        found = _sharded_in_extra(value, f"{path}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def _check_extra(state: TrainState) -> None:
+    """Raises before any collective if an ``extra`` state holds a DTensor (not supported yet).
+
+    Raises:
+        CheckpointError: naming where the DTensor is and what to keep instead.
+    """
+    for name, obj in state.extra.items():
+        where = _sharded_in_extra(obj.state_dict(), f"extra[{name!r}].state_dict()")
+        if where is not None:
+            raise CheckpointError(
+                f"{where} is a DTensor (a tensor sharded over ranks): checkpoints do not carry sharded tensors "
+                "in TrainState.extra yet. Keep this rank's shard as a plain tensor instead (p.to_local().clone(), "
+                "as an EMA of a sharded model's shards): an extra state that differs between ranks is saved for "
+                "every rank and comes back on each rank as its own; or keep full tensors (p.full_tensor())"
+            )
+
+
 def _arrived(backend: ProcessContext, what: str, path: Path | None = None) -> None:
     """Raises CheckpointError unless every rank called ``what`` for ``path`` (``collectives.arrive``)."""
     if backend.world_size > 1:
@@ -162,7 +191,9 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
     """
     _check_state(state)
     assert not is_sharded(state), "a sharded state is saved by every rank (write)"
+    _check_extra(state)
     _arrived(backend, what, path)
+    collectives.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
     parts = _gather_parts(backend, _format.rank_part(snap))
     return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
@@ -187,7 +218,9 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
             except BaseException as e:  # re-raised below, after telling the other ranks
                 failure = e
     else:
+        _check_extra(state)
         _arrived(backend, what, path)
+        collectives.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
     collectives.outcome_of_rank_0(
         failure, lambda: CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why"),

@@ -32,10 +32,10 @@ from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
 from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
-from accelfn.state import TrainState
+from accelfn.state import Stopped, TrainState
 
 #: TrainState fields a snapshot holds in parts of their own; every other field is a counter
-_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra"})
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
 #: transform state that belongs to the micro-batches consumed (the open accumulation
 #: window): restored from the snapshot or dropped, never kept from the target state
@@ -68,6 +68,8 @@ class Snapshot:
         grads: the accumulated ``.grad`` of each parameter that has one (an open
             accumulation window), by name; empty after an optimizer update.
         rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
+        stopped: ``{"step": int, "reason": str}`` when a hook's ``af.Stop`` ended the run
+            (``TrainState.stopped``), else None (and in snapshots of accelfn before it).
     """
 
     model: Mapping[str, Any] = attrs.field(converter=_frozen)
@@ -81,6 +83,7 @@ class Snapshot:
     transforms_state: Mapping[str, Any] = attrs.field(converter=_frozen)
     grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
     rng: RngState
+    stopped: Mapping[str, Any] | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -176,6 +179,7 @@ def capture(state: TrainState, *, copy: bool,
         transforms_state={k: copy_tree(v, to_cpu) for k, v in state.transforms_state.items()},
         grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
         rng=_rng.capture(),
+        stopped=None if state.stopped is None else {"step": state.stopped.step, "reason": state.stopped.reason},
     )
 
 
@@ -342,6 +346,12 @@ def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyTyp
     if not found and snap.counters.get("micro_step", 0) < snap.counters.get("step", 0):
         found.append(f"{counters}.micro_step: {snap.counters['micro_step']}, below {counters}.step "
                      f"({snap.counters['step']}); every optimizer update consumes at least one micro-batch")
+    stopped = snap.stopped
+    if stopped is not None and not (set(stopped) == {"step", "reason"} and isinstance(stopped["reason"], str)
+                                    and isinstance(stopped["step"], int) and not isinstance(stopped["step"], bool)
+                                    and stopped["step"] >= 0):
+        found.append(f"{names.get('stopped', 'stopped')}: {describe(stopped)}, must be None or "
+                     "{'step': <int >= 0>, 'reason': <str>}")
     found += [f"{names.get('rng', 'rng')}.{problem}" for problem in _rng.problems(snap.rng)]
     groups = snap.optimizer.get("param_groups")
     if not (isinstance(snap.optimizer.get("state"), Mapping) and isinstance(groups, (list, tuple))
@@ -418,7 +428,8 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
         if key not in restored and key not in TRANSIENT:  # a transform added since the snapshot
             restored[key] = value
     _rng.restore(snap.rng)
-    return state.replace(transforms_state=restored, **snap.counters)
+    stopped = None if snap.stopped is None else Stopped(snap.stopped["step"], snap.stopped["reason"])
+    return state.replace(transforms_state=restored, stopped=stopped, **snap.counters)
 
 
 def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -23,16 +23,18 @@ from accelfn.collectives.ops import (
     gather,
     gather_object,
     is_dtensor,
+    mark_replicas,
     pad_across_processes,
     rank,
     reduce,
     split_between_processes,
+    sync_buffers,
     world_size,
 )
 
 __all__ = [
     "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
-    "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather", "gather_object",
-    "is_dtensor", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce", "split_between_processes",
-    "world_size",
+    "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather",
+    "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce",
+    "split_between_processes", "sync_buffers", "world_size",
 ]

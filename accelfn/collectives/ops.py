@@ -107,6 +107,46 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return out
 
 
+#: the attribute ``backend.prepare`` sets on a model whose copies on the ranks are one model
+_REPLICAS = "_accelfn_replicas"
+
+
+def mark_replicas(module: torch.nn.Module) -> None:
+    """Records that ``module``'s copies on every rank are one model (``replicate`` or
+    ``shard_params``): ``sync_buffers`` then makes their buffers rank 0's."""
+    setattr(module, _REPLICAS, True)
+
+
+def sync_buffers(module: torch.nn.Module, device: torch.device | None = None) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics, ...) copied into every rank's copy
+    of ``module``, in place, when ``mark_replicas`` marked it and the world has several
+    ranks; else nothing. A collective: every rank calls it at the same point.
+
+    Each rank's last training forward updates its own buffers from its own batch, so the
+    copies drift apart between DDP's broadcasts (at the start of each training forward) and
+    FSDP2 never broadcasts them: whatever reads "the model" (evaluation, a checkpoint, an
+    export, a hook) takes rank 0's, as DDP's next forward would. One broadcast per buffer
+    dtype (the buffers flattened together), on ``device`` (the process group's; default:
+    ``default_device()``).
+    """
+    if not getattr(module, _REPLICAS, False) or world_size() == 1:
+        return
+    device = device if device is not None else default_device()
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        if is_dtensor(buffer):  # sharded: each rank holds its own part
+            continue
+        groups.setdefault(buffer.dtype, []).append(buffer)
+    for dtype, buffers in groups.items():
+        flat = torch.cat([b.detach().reshape(-1).to(device) for b in buffers])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        with torch.no_grad():
+            for b in buffers:
+                b.copy_(flat[offset:offset + b.numel()].view(b.shape))
+                offset += b.numel()
+
+
 def pad_across_processes(
     tensor: torch.Tensor, *, dim: int = 0, pad_index: float = 0, pad_first: bool = False
 ) -> torch.Tensor:

@@ -19,7 +19,7 @@ from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
 from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
-from accelfn.state import TrainState
+from accelfn.state import Stopped, TrainState
 from accelfn.step import Step
 from accelfn.tracking import Tracker
 
@@ -72,6 +72,7 @@ def run(
     config: Mapping[str, Any] | None = None,
     hooks: Sequence[Hook] = (),
     profile: Profile | None = None,
+    continue_after_stop: bool = False,
 ) -> TrainState:
     """Trains ``state`` with ``step`` over ``data`` until ``epochs`` or ``max_steps`` (totals).
 
@@ -109,6 +110,16 @@ def run(
         hooks: ``af.Hook`` functions called every N updates and/or at each epoch's end; what
             they return is logged at the current step, and ``af.Stop`` ends the run.
         profile: an ``af.Profile`` recording a ``torch.profiler`` trace of a window of updates.
+        continue_after_stop: train on from a state a hook's ``af.Stop`` ended
+            (``state.stopped``, also when it comes from the checkpoint ``resume`` loads):
+            the stop is cleared first. False: such a run trains nothing and returns the
+            state as it is, so a rerun of a job that stopped early (a requeue, a restart
+            after a crash in code after training) ends where the job ended.
+
+    A hook's ``af.Stop`` is part of the state: ``state.stopped`` records the update and the
+    reason, every checkpoint from then on holds it, and when a checkpoint schedule is given
+    the stopping update is saved (if it was not due anyway), so a rerun with
+    ``resume="auto"`` resumes there and stops at once.
 
     The model trains in the modes its submodules are in: a submodule the user put in eval
     mode (a frozen backbone keeping its BatchNorm statistics) stays there. Only a model
@@ -157,18 +168,20 @@ def run(
         collectives.arrive("af.run", backend.env.timeout_s)
     with backend.user_code("af.run"):
         return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
-                    log_every, config, hooks, profile)
+                    log_every, config, hooks, profile, continue_after_stop)
 
 
 def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
          max_steps: int | None, checkpoints: Checkpoints | None, resume: str | os.PathLike[str] | None,
          trackers: tuple[Tracker, ...], progress: bool, log_every: int, config: Mapping[str, Any] | None,
-         hooks: Sequence[Hook], profile: Profile | None) -> TrainState:
+         hooks: Sequence[Hook], profile: Profile | None, continue_after_stop: bool) -> TrainState:
     hooks = check_hooks(hooks)
     check_config(config)
     if profile is not None and not isinstance(profile, Profile):
         raise TypeError(f"run(profile=...) takes af.Profile(dir, wait=..., warmup=..., active=...), got {profile!r}")
     check_run_arguments(checkpoints, resume)
+    if not isinstance(continue_after_stop, bool):
+        raise TypeError(f"run(continue_after_stop=...) takes True or False, got {continue_after_stop!r}")
     state, step_fn = backend.prepare(step, state)
     step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation
@@ -176,6 +189,8 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
     schedule = (checkpoints.schedule(backend, program=step, timeout_s=backend.env.timeout_s)
                 if checkpoints is not None else None)
     state = resume_state(state, schedule, resume, backend, program=step, data=data)
+    if continue_after_stop and state.stopped is not None:
+        state = state.replace(stopped=None)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step)
     preemption = Preemption(backend) if schedule is not None else None
@@ -188,6 +203,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
                             Hooks(hooks, backend, state.step), profiler)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
+        collectives.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
         ended = True
     finally:
         try:
@@ -213,6 +229,11 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             preemption: Preemption | None, hooks: Hooks, profiler: Any = None) -> TrainState:
     if max_steps is not None and state.step >= max_steps:
         return state
+    if state.stopped is not None:
+        backend.print(f"accelfn: nothing to train: this run stopped at step {state.stopped.step} "
+                      f"({state.stopped.reason}); pass run(..., continue_after_stop=True) to train on",
+                      file=sys.stderr)
+        return state
     step_once = step_fn.__call__  # a bound method is called without the slower instance-call path
     after_update = hooks.after_update if hooks else None
     profiler_step = profiler.step if profiler is not None else None
@@ -228,6 +249,8 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                     profiler_step()
                 if after_update is not None:  # before a checkpoint of this step, which then holds their changes
                     bar.log(state.step, after_update(state, last))
+                    if hooks.stop_reason is not None:  # part of the state, and of its checkpoints
+                        state = state.replace(stopped=Stopped(state.step, hooks.stop_reason))
             if preemption is not None and preemption.requested():
                 preemption.stop(state, schedule)
             if not metrics:
@@ -237,7 +260,10 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                     bar.flush()  # the points up to a checkpoint survive a kill after it
             if max_steps is not None and state.step >= max_steps:
                 break
-            if after_update is not None and hooks.stop_reason is not None:
+            if state.stopped is not None:
+                if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
+                    schedule.save(state)
+                    bar.flush()
                 backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
                 return state
         if max_steps is not None and state.step >= max_steps:

@@ -131,6 +131,7 @@ class Hooks:
                or (advanced and hook.every_steps is not None and step % hook.every_steps == 0)]
         if not due:
             return {}
+        collectives.sync_buffers(state.model, self._backend.collective_device)  # hooks read one model
         logged: dict[str, float] = {}
         reason: str | None = None
         for hook in due:

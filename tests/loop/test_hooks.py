@@ -88,7 +88,9 @@ def early_stopping(state: af.TrainState, backend: af.backends.Backend) -> dict[s
     return {"val": value}
 
 
-def train_with_patience(tmp_path, cpu, *, crash_at: int | None = None, resume: str | None = None) -> af.TrainState:
+def train_with_patience(tmp_path, cpu, *, crash_at: int | None = None, resume: str | None = None,
+                        hooks: tuple[af.Hook, ...] | None = None, every_steps: int = 4,
+                        epochs: int = len(VAL_BY_EPOCH), **options: Any) -> af.TrainState:
     calls = [0]
 
     def loss_fn(model, batch):
@@ -101,9 +103,10 @@ def train_with_patience(tmp_path, cpu, *, crash_at: int | None = None, resume: s
     model = torch.nn.Linear(2, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01), extra={"patience": Patience()})
     data = [(torch.randn(3, 2), torch.randn(3, 1)) for _ in range(4)]  # 4 updates per epoch
-    return af.run(af.train_step(loss_fn), state, data, backend=cpu, epochs=len(VAL_BY_EPOCH), progress=False,
-                  hooks=[af.Hook(early_stopping, at_epoch_end=True)], trackers=[af.JSONL(tmp_path / "m.jsonl")],
-                  checkpoints=af.Checkpoints(tmp_path / "ckpt", every_steps=4), resume=resume)
+    return af.run(af.train_step(loss_fn), state, data, backend=cpu, epochs=epochs, progress=False,
+                  hooks=[af.Hook(early_stopping, at_epoch_end=True)] if hooks is None else list(hooks),
+                  trackers=[af.JSONL(tmp_path / "m.jsonl")],
+                  checkpoints=af.Checkpoints(tmp_path / "ckpt", every_steps=every_steps), resume=resume, **options)
 
 
 def test_early_stopping_stops_at_the_right_update_also_after_a_resume(tmp_path, cpu, capfd):
@@ -119,6 +122,68 @@ def test_early_stopping_stops_at_the_right_update_also_after_a_resume(tmp_path, 
     state = train_with_patience(tmp_path / "b", cpu, resume="auto")
     assert (state.step, state.extra["patience"].bad_epochs) == (16, 2)
     assert points(jsonl(tmp_path / "b" / "m.jsonl"), "val") == [(4, 5.0), (8, 4.0), (12, 4.5), (16, 4.6)]
+
+
+def _weights(state: af.TrainState) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in state.model.parameters()]
+
+
+def test_a_rerun_of_a_job_that_stopped_early_trains_nothing_more(tmp_path, cpu, capfd):
+    """The job stops at step 16 (patience); the same command again with resume="auto" (a
+    requeue, a restart after a crash in code after training) resumes at 16 and stops there:
+    no update, no logged point, the weights bitwise the first run's, state.stopped says why.
+    With continue_after_stop=True it trains on, bitwise as a job without the stopping hook
+    (hand-written patience kept alone) trained 5 epochs."""
+    first = train_with_patience(tmp_path, cpu)
+    assert first.stopped == af.Stopped(16, "val has not improved for 2 epochs")
+    logged = jsonl(tmp_path / "m.jsonl")
+    again = train_with_patience(tmp_path, cpu, resume="auto")
+    assert (again.step, again.epoch, again.stopped) == (16, 4, first.stopped)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(first)))
+    assert jsonl(tmp_path / "m.jsonl") == logged
+    assert ("accelfn: nothing to train: this run stopped at step 16 (val has not improved for 2 epochs); "
+            "pass run(..., continue_after_stop=True) to train on") in capfd.readouterr().err
+    on = train_with_patience(tmp_path, cpu, resume="auto", continue_after_stop=True)
+    assert on.step == 20 and on.stopped == af.Stopped(20, "val has not improved for 3 epochs")
+    whole = train_with_patience(tmp_path / "whole", cpu, hooks=(), epochs=5)
+    assert whole.stopped is None and whole.step == 20
+    assert all(torch.equal(a, b) for a, b in zip(_weights(on), _weights(whole)))
+
+
+def test_a_stop_between_checkpoints_is_saved_and_a_per_epoch_loop_stops_too(tmp_path, cpu):
+    """A stop at step 6 with checkpoints every 5 steps writes step 6's checkpoint, holding the
+    stop (the manifest's "stopped"), so a rerun resumes there and neither trains nor calls the
+    hook again; a run loop of one epoch per call on the live state, and af.load of the
+    checkpoint into a fresh state, keep the stop as well."""
+    calls: list[int] = []
+
+    def stop_at_6(state: af.TrainState, backend: af.backends.Backend) -> af.Stop | None:
+        calls.append(state.step)
+        return af.Stop("enough") if state.step == 6 else None
+
+    hooks = (af.Hook(stop_at_6, every_steps=3),)
+    first = train_with_patience(tmp_path, cpu, hooks=hooks, every_steps=5)
+    assert (first.step, first.stopped, calls) == (6, af.Stopped(6, "enough"), [3, 6])
+    checkpoints = af.Checkpoints(tmp_path / "ckpt")
+    assert checkpoints.steps() == [5, 6]
+    manifest = orjson.loads((checkpoints.path_for(6) / "manifest.json").read_bytes())
+    assert manifest["stopped"] == {"step": 6, "reason": "enough"}
+    assert "stopped" not in orjson.loads((checkpoints.path_for(5) / "manifest.json").read_bytes())
+    again = train_with_patience(tmp_path, cpu, hooks=hooks, every_steps=5, resume="auto")
+    assert (again.step, calls) == (6, [3, 6])
+    assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(first)))
+    looped = first
+    for epochs in range(3, 6):  # one epoch per call, as in a loop of the user's own
+        looped = af.run(af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])), looped,
+                        [(torch.randn(3, 2), torch.randn(3, 1))] * 4, backend=cpu, epochs=epochs, progress=False)
+    assert looped.step == 6 and all(torch.equal(a, b) for a, b in zip(_weights(looped), _weights(first)))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    fresh = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.01), extra={"patience": Patience()})
+    assert af.load(checkpoints.path_for(6), into=fresh).stopped == af.Stopped(6, "enough")
+    assert af.load(checkpoints.path_for(5), into=fresh).stopped is None
+    with pytest.raises(TypeError, match=r"continue_after_stop=\.\.\.\) takes True or False, got 'yes'"):
+        train_with_patience(tmp_path, cpu, hooks=hooks, resume="auto", continue_after_stop="yes")
 
 
 def test_a_stop_asked_mid_epoch_by_an_every_steps_hook_ends_the_run_there(cpu):
