@@ -110,15 +110,11 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
     # torchrun's workers inherit this process's environment (the config already holds the
     # variables set there, below the flags)
-    passed = config.worker_env()
-    for name, value in passed.items():
+    for name, value in config.worker_env().items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    # told apart from the user's settings by a launch started inside a worker
-    os.environ[_config.LAUNCHER_SET_ENV] = "".join(f"{name}={value}\n" for name, value in passed.items()
-                                                   if value is not None and name.startswith("ACCELFN_"))
     origin = resolved.sources.get("precision")  # where it came from, for the workers' warnings
     if config.precision is not None and origin is not None and origin != _config.WORKER_ENV["precision"]:
         os.environ[PRECISION_FROM_ENV] = origin

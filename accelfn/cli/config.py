@@ -177,7 +177,8 @@ class LaunchConfig:
                 "--node-rank", str(self.node_rank), "--rdzv-conf", f"timeout={seconds}"]
 
     def worker_env(self) -> dict[str, str | None]:
-        """The variables ``accelfn launch`` sets for the workers (names in ``WORKER_ENV``):
+        """The variables ``accelfn launch`` (and ``af.launch``) set for the workers (names in
+        ``WORKER_ENV``, and ``LAUNCHER_SET_ENV`` listing the ``ACCELFN_*`` ones among them):
         ``LaunchEnv.from_env`` reads the ``ACCELFN_*`` ones, CUDA the GPU list. A value of
         None removes the variable (``gpu_ids="all"``); a field that is None sets nothing."""
         env: dict[str, str | None] = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}",
@@ -188,6 +189,9 @@ class LaunchConfig:
                 env[WORKER_ENV[name]] = str(value)
         if self.gpu_ids is not None:
             env[WORKER_ENV["gpu_ids"]] = None if self.gpu_ids == "all" else self.gpu_ids
+        # told apart from the user's settings by a launch started inside a worker
+        env[LAUNCHER_SET_ENV] = "".join(f"{name}={value}\n" for name, value in env.items()
+                                        if value is not None and name.startswith("ACCELFN_"))
         return env
 
 
