@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/fsdp.py                 # starts 2 processes itself
     PYTHONPATH=$PWD python benchmarks/fsdp.py --rounds 40 --updates 25
-    PYTHONPATH=$PWD python benchmarks/fsdp.py --profile accelfn   # cProfile of rank 0, one contestant
+    PYTHONPATH=$PWD python benchmarks/fsdp.py --profile both      # cProfile of rank 0: calls, collectives
 
 Both contestants train their own copy of the same model (a stack of equal residual MLP
 blocks, AdamW) with ``accumulate(2)`` and ``clip(1.0)``. The hand-written loop applies
@@ -126,6 +126,63 @@ def accelfn(backend: af.backends.Backend, model: Stack):
     return one_round
 
 
+class Profiled(Timed):
+    """A round's batches that run ``profiler`` over the timed updates (from the batch opening
+    the first timed update to the request after the last)."""
+
+    def __init__(self, batches: list[Batch], warmup: int, profiler: cProfile.Profile | None):
+        super().__init__(batches, warmup)
+        self.profiler = profiler
+
+    def __iter__(self):
+        for i, batch in enumerate(self.batches):
+            if i == self.warmup and self.profiler is not None:
+                self.profiler.enable()
+            yield batch
+        if self.profiler is not None:
+            self.profiler.disable()
+
+
+#: what the call counts per update are reported of: (label, the built-in's name in cProfile)
+COUNTED = (("all-gathers", "torch._C._distributed_c10d.all_gather_single"),
+           ("reduce-scatters", "torch._C._distributed_c10d.reduce_scatter_single"),
+           ("all-reduces", "torch._C._distributed_c10d.allreduce"),
+           ("functional all-reduces", "torch._ops._c10d_functional.all_reduce"),
+           ("waits on a collective", "torch._C._distributed_c10d.wait"))
+
+
+def profile_rounds(runners: dict, batches: list[Batch], rounds: int, updates: int, names: list[str],
+                   rank: int) -> None:
+    """Each contestant in ``names`` under cProfile on rank 0 over its timed updates (rank 1
+    runs them unprofiled): the top of each profile, and per update its Python function calls
+    and collectives, which the machine's other jobs do not change."""
+    counts = {}
+    for name in names:
+        profiler = cProfile.Profile() if rank == 0 else None
+        for _ in range(rounds):
+            dist.barrier()
+            runners[name](Profiled(batches, WARMUP_UPDATES * ACCUMULATE, profiler))
+        if profiler is None:
+            continue
+        stats = pstats.Stats(profiler)
+        path = os.path.join(tempfile.gettempdir(), f"fsdp.{name}.prof")
+        stats.dump_stats(path)
+        print(f"\n== {name}: the whole profile is {path} (read it with pstats)")
+        stats.sort_stats("tottime").print_stats(25)
+        per_update = rounds * updates
+        row = {"Python function calls": stats.total_calls / per_update}  # type: ignore[attr-defined]
+        for label, function in COUNTED:
+            calls = sum(nc for (_, _, fn), (_, nc, _, _, _) in stats.stats.items()  # type: ignore[attr-defined]
+                        if fn == f"<built-in method {function}>")
+            row[label] = calls / per_update
+        counts[name] = row
+    if rank == 0:
+        print(f"\nper optimizer update, rank 0 ({rounds} rounds x {updates} updates):")
+        print(f"{'':24}" + "".join(f"{name:>12}" for name in counts))
+        for label in next(iter(counts.values())):
+            print(f"{label:24}" + "".join(f"{row[label]:12.1f}" for row in counts.values()))
+
+
 def worker(rounds: int, updates: int, profile: str | None, width: int, depth: int) -> None:
     torch.set_num_threads(1)
     backend = af.backends.CPU()  # joins the gloo group torchrun describes
@@ -135,20 +192,8 @@ def worker(rounds: int, updates: int, profile: str | None, width: int, depth: in
     names = list(runners)
     for fn in runners.values():
         fn(Timed(batches, WARMUP_UPDATES * ACCUMULATE))
-    if profile is not None:  # one contestant under cProfile on rank 0, the other rank runs it plainly
-        profiler = cProfile.Profile()
-        for _ in range(rounds):
-            dist.barrier()
-            if rank == 0:
-                profiler.enable()
-            runners[profile](Timed(batches, WARMUP_UPDATES * ACCUMULATE))
-            if rank == 0:
-                profiler.disable()
-        if rank == 0:
-            path = os.path.join(tempfile.gettempdir(), f"fsdp.{profile}.prof")
-            profiler.dump_stats(path)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
-            print(f"(the whole profile: {path}, read it with pstats)")
+    if profile is not None:
+        profile_rounds(runners, batches, rounds, updates, names if profile == "both" else [profile], rank)
         return
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(rounds):
@@ -175,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--updates", type=int, default=25, help="timed optimizer updates per round (default 25)")
-    parser.add_argument("--profile", choices=("raw", "accelfn"),
-                        help="instead of timing, print a cProfile of this contestant's rounds on rank 0")
+    parser.add_argument("--profile", choices=("raw", "accelfn", "both"),
+                        help="instead of timing, profile the timed updates of this contestant (or both) on rank 0: "
+                             "the top of the profile, Python calls and collectives per update")
     parser.add_argument("--width", type=int, default=WIDTH, help=f"block width (default {WIDTH})")
     parser.add_argument("--depth", type=int, default=DEPTH, help=f"blocks (default {DEPTH})")
     args = parser.parse_args(argv)
