@@ -87,8 +87,10 @@ class ShardParams(TransformBase):
     Attributes:
         units: which submodules become FSDP units (see :func:`shard_params`).
         reshard_after_forward: free the gathered parameters after each unit's forward and
-            gather them again for its backward (ZeRO-3); ``False`` keeps them (ZeRO-2-like:
-            less communication, the whole unsharded model held between forward and backward).
+            gather them again for its backward (ZeRO-3; the root unit, gathered for the whole
+            forward and the first to run backward, keeps its own, as FSDP2 does by default);
+            ``False`` keeps them (ZeRO-2-like: less communication, the whole unsharded model
+            held between forward and backward).
         offload: keep the sharded parameters, gradients and optimizer state in CPU memory
             (``CPUOffloadPolicy``; CUDA only); the optimizer step runs on the CPU.
         reduce_every_micro_batch: under ``accumulate(n)``, reduce-scatter the gradients of
@@ -181,7 +183,8 @@ def shard_params(
             set of classes, or a predicate ``(qualified name, module) -> bool``. The root
             module is always a unit too and holds every parameter not in another unit.
         reshard_after_forward: ``True`` (ZeRO-3) frees gathered parameters after the
-            forward; ``False`` keeps them until the backward (more memory, fewer all-gathers).
+            forward (except the root unit's, needed first by the backward: FSDP2's default);
+            ``False`` keeps them until the backward (more memory, fewer all-gathers).
         offload: keep sharded parameters, gradients and optimizer state in CPU memory
             (CUDA only).
         reduce_every_micro_batch: under ``accumulate(n)``, reduce-scatter after every

@@ -252,3 +252,26 @@ def test_loss_counts_are_summed_over_sharded_ranks(run: dict[str, Any]) -> None:
         got = _with_prefix(run["tensors"][rank], "tokens.")
         for name, value in model.state_dict().items():
             torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("model", ["narrow", "blocks"])
+@pytest.mark.parametrize("norm", ["inf", "2"])
+def test_clip_over_parameters_with_fewer_rows_than_ranks_equals_the_hand_written_loop(run: dict[str, Any],
+                                                                                      model: str, norm: str) -> None:
+    """clip(1.0) with the inf-norm and the 2-norm where rank 1's shards are empty (Linear(4, 1):
+    all of them; Blocks: its output layer's) runs on both ranks (the inf-norm of an empty shard
+    has no identity) and gives the logged grad norms and, on both ranks, the parameters of a
+    hand-written 1-process loop with clip_grad_norm_ of that norm."""
+    expected_model, norms = S.hand_written("sgd", norm_type=float(norm), narrow=model == "narrow")
+    reference = {k: v.detach() for k, v in expected_model.state_dict().items()}
+    key = f"narrow_clip.{model}.{norm}"
+    logged = run["json"][0][key]["grad_norms"]
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
+    for rank in range(2):
+        gathered = _with_prefix(run["tensors"][rank], key + ".")
+        assert gathered.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(gathered[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+    assert run["json"][1][key]["empty_shards"] == 2  # the 1-row weight and the 1-element bias
+    assert run["json"][0][key]["empty_shards"] == 0
+    assert len(norms) == 6 and min(norms) > S.CLIP  # every update was clipped

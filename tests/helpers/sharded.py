@@ -45,9 +45,12 @@ def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def make_state(optimizer: str = "adamw", *, seed: int = 0, depth: int = DEPTH) -> af.TrainState:
+def make_state(optimizer: str = "adamw", *, seed: int = 0, depth: int = DEPTH, narrow: bool = False) -> af.TrainState:
+    """AdamW or SGD over ``Blocks(depth)``, or with ``narrow`` over one ``Linear(4, 1)``: a
+    weight of 1 row and a bias of 1 element, fewer rows than ranks (the other ranks' shards
+    of both are empty)."""
     torch.manual_seed(seed)
-    model = Blocks(depth)
+    model = torch.nn.Linear(4, 1) if narrow else Blocks(depth)
     return af.TrainState.create(model, make_optimizer(optimizer, model))
 
 
@@ -62,20 +65,22 @@ def loader(batch_size: int) -> DataLoader:
     return DataLoader(P.regression_data(), batch_size=batch_size, shuffle=True)
 
 
-def hand_written(optimizer: str, *, clip_value: float | None = None,
-                 world_size: int = 2) -> tuple[torch.nn.Module, list[float]]:
+def hand_written(optimizer: str, *, clip_value: float | None = None, world_size: int = 2,
+                 max_norm: float = CLIP, norm_type: float = 2.0,
+                 narrow: bool = False) -> tuple[torch.nn.Module, list[float]]:
     """One process, no accelfn: what ``train_program`` does on ``world_size`` ranks x batch 3.
 
     Each update is one window of 2 micro-batches of 3 samples on each of 2 ranks, i.e. 12
     samples of the epoch's shard_data order (the last window of an epoch holds 4; on 4
     ranks, 24 samples and then 4); its
-    gradient is the mean over the window's samples, clipped to norm CLIP (or, given
-    ``clip_value``, clamped to it element-wise).
+    gradient is the mean over the window's samples, clipped to ``max_norm`` in the
+    ``norm_type`` norm (or, given ``clip_value``, clamped to it element-wise). ``narrow``:
+    the model of ``make_state(narrow=True)``.
 
     Returns:
         The trained model and the gradient norm before clipping of every update.
     """
-    state = make_state(optimizer)
+    state = make_state(optimizer, narrow=narrow)
     model, opt = state.model, state.optimizer
     x, y = P.regression_data().tensors
     norms = []
@@ -88,7 +93,7 @@ def hand_written(optimizer: str, *, clip_value: float | None = None,
             window = order[start:start + window_size]
             F.mse_loss(model(x[window]), y[window]).backward()
             if clip_value is None:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
             else:
                 torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
             opt.step()

@@ -93,6 +93,25 @@ def train(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[s
         results["unsharded_step_on_sharded_state"] = str(e)
 
 
+def narrow_clip(backend: af.backends.Backend, results: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """clip with the inf-norm (and the 2-norm) over parameters with fewer rows than ranks:
+    rank 1's shards of ``Linear(4, 1)`` are all empty, of ``Blocks``' output layer some."""
+    for model in ("narrow", "blocks"):
+        for norm in ("inf", "2"):
+            clip = af.clip(S.CLIP, norm_type=float(norm))
+            step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.shard_params(), af.accumulate(2),
+                              clip)(af.train_step(P.mse))
+            record = Record()
+            state = af.run(step, S.make_state("sgd", narrow=model == "narrow"), S.loader(P.PER_RANK_BATCH),
+                           backend=backend, epochs=S.EPOCHS, progress=False, trackers=[record])
+            norms = [p["grad_norm"] for p in record.points]  # logged on rank 0
+            results[f"narrow_clip.{model}.{norm}"] = {
+                "grad_norms": norms,
+                "empty_shards": sum(p.to_local().numel() == 0 for p in state.model.parameters()),
+            }
+            tensors.update(S.full_parameters(state.model, f"narrow_clip.{model}.{norm}."))
+
+
 def memory(backend: af.backends.Backend, results: dict[str, Any]) -> None:
     """Acceptance 2: this rank's parameter + AdamW-state bytes after one update, 4 equal blocks."""
     step = af.compose(af.shard_params())(af.train_step(P.mse))
@@ -205,6 +224,7 @@ def main() -> None:
     results: dict[str, Any] = {"world_size": backend.world_size}
     tensors: dict[str, torch.Tensor] = {}
     train(backend, results, tensors)
+    narrow_clip(backend, results, tensors)
     memory(backend, results)
     optimizer_state_before_prepare(backend, tensors)
     precision(backend, results)
