@@ -1,4 +1,5 @@
-"""Shared fixtures: the same global RNG state for every test, and the one-process CPU backend."""
+"""Shared fixtures: the same global RNG state for every test, the one-process CPU backend, and the
+session's pools of started 2-process workers (``tests/helpers/pool.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import accelfn as af
+from tests.helpers.pool import Pools
 
 
 @pytest.fixture(autouse=True)
@@ -32,3 +34,12 @@ def _no_users_launch_config(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: p
 def cpu() -> af.backends.CPU:
     """The one-process CPU backend."""
     return af.backends.CPU(af.backends.LaunchEnv())
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory: pytest.TempPathFactory):
+    """Started ``accelfn launch`` jobs that run worker scripts and scenarios for tests which
+    do not test the launch itself (``Pools.launch``, ``Pools.call``); ended with the session."""
+    pools = Pools(tmp_path_factory.mktemp("pool"))
+    yield pools
+    pools.close()
