@@ -16,6 +16,8 @@ worker of the same launch and leaves nothing behind:
 - random generators: torch's, Python's and NumPy's global ones as at the worker's start;
 - modules of ``tests.workers`` a scenario imported are forgotten (their module state is new
   each time); torch.compile's caches are reset;
+- a function or class of an already imported module that a scenario replaced (a patched
+  ``pickle.load``, ``safetensors.torch.save``) is put back;
 - the process group the scenario formed is left (the ranks meet first) and destroyed.
 
 Standard output and error (Python's ``sys.stdout``/``sys.stderr``) are captured per
@@ -69,6 +71,7 @@ class Start:
         self.threads = torch.get_num_threads()
         self.dtype = torch.get_default_dtype()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.functions = {name: _functions(module) for name, module in list(sys.modules.items())}
 
     def enter(self, request: dict[str, Any]) -> None:
         os.environ.clear()
@@ -94,6 +97,15 @@ class Start:
         for name in [m for m in sys.modules if m not in self.modules and m.startswith("tests.workers")]:
             del sys.modules[name]
         importlib.invalidate_caches()
+        for name, functions in self.functions.items():
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            now = vars(module)
+            for attribute, value in functions.items():
+                if now.get(attribute) is not value:
+                    with contextlib.suppress(AttributeError, TypeError):
+                        setattr(module, attribute, value)
         for s, handler in self.handlers.items():
             signal.signal(s, handler)
         torch.set_num_threads(self.threads)
@@ -103,6 +115,15 @@ class Start:
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
         gc.collect()
+
+
+def _functions(module: Any) -> dict[str, Any]:
+    """The functions and classes a module holds (the values a test would patch)."""
+    try:
+        items = list(vars(module).items())
+    except TypeError:
+        return {}
+    return {k: v for k, v in items if callable(v) and not k.startswith("__")}
 
 
 def scenario(request: dict[str, Any]) -> Any:
