@@ -65,7 +65,8 @@ def test_sigterm_saves_a_sharded_checkpoint_and_the_restarted_job_ends_bitwise(r
                 safetensors.torch.load_file(runs / "full.safetensors"))
 
 
-def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(pool: Pools, runs: Path, tmp_path: Path) -> None:
+def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(pool: Pools, runs: Path,
+                                                                              tmp_path: Path) -> None:
     """Checkpoints(asynchronous=True) writes a sharded state synchronously (every rank writes its
     own shards): stopped after 3 updates, the run leaves a checkpoint with bitwise the tensors
     of each rank's shard file and the counters of the one the synchronous run wrote at that

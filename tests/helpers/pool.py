@@ -26,6 +26,7 @@ JSON, no pickle), authenticated by a random token the job gets in its environmen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -92,6 +93,7 @@ class Pool:
             self.proc = subprocess.Popen(_launch.accelfn_command("launch", *launch_args, SERVER), env=env,
                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.ranks: dict[int, socket.socket] = {}
+        self.quitting = False
         try:
             self._accept(listener, token)
         except BaseException:
@@ -180,23 +182,26 @@ class Pool:
             raise PoolError("\n".join(lines))
         return [replies[r] for r in sorted(replies)]
 
+    def quit(self) -> None:
+        """Asks the workers to return from their loop (the job then ends; ``close`` waits for it)."""
+        if self.quitting:
+            return
+        self.quitting = True
+        for sock in self.ranks.values():
+            with contextlib.suppress(OSError):  # already gone: close kills what is left
+                send(sock, {"quit": True})
+
     def close(self, *, kill: bool = False) -> None:
         """Ends the job: its workers return from their loop (or, with ``kill``, the whole session is killed)."""
         if not kill and self.alive:
-            for sock in self.ranks.values():
-                try:
-                    send(sock, {"quit": True})
-                except OSError:
-                    kill = True
+            self.quit()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 kill = True
         if kill and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait()
         for sock in self.ranks.values():
             sock.close()
@@ -266,7 +271,9 @@ class Pools:
                 "unset": removed}
 
     def close(self) -> None:
-        """Ends every pool (at the end of the session)."""
+        """Ends every pool (at the end of the session), all at once."""
+        for pool in self._pools.values():
+            pool.quit()
         for pool in self._pools.values():
             pool.close()
         self._pools = {}
