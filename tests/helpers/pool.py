@@ -141,6 +141,15 @@ class Pool:
             PoolError: a rank failed (its traceback), died, or did not answer within ``timeout_s``;
                 the pool is closed then.
         """
+        try:
+            return self._run(request, timeout_s)
+        except PoolError:
+            raise
+        except BaseException:  # interrupted (a test timeout, Ctrl-C): replies may still come, so no reuse
+            self.close(kill=True)
+            raise
+
+    def _run(self, request: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         for sock in self.ranks.values():
             send(sock, request)
         deadline = time.monotonic() + timeout_s
@@ -191,12 +200,13 @@ class Pool:
             with contextlib.suppress(OSError):  # already gone: close kills what is left
                 send(sock, {"quit": True})
 
-    def close(self, *, kill: bool = False) -> None:
-        """Ends the job: its workers return from their loop (or, with ``kill``, the whole session is killed)."""
+    def close(self, *, kill: bool = False, wait_s: float = 60) -> None:
+        """Ends the job: its workers return from their loop, and after ``wait_s`` (or at once,
+        with ``kill``) the launch's whole process session is killed."""
         if not kill and self.alive:
             self.quit()
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 kill = True
         if kill and self.proc.poll() is None:
@@ -275,5 +285,5 @@ class Pools:
         for pool in self._pools.values():
             pool.quit()
         for pool in self._pools.values():
-            pool.close()
+            pool.close(wait_s=5)  # nothing is left to save: no need to wait for torchrun's own shutdown
         self._pools = {}

@@ -11,8 +11,9 @@ worker of the same launch and leaves nothing behind:
   ``TORCHELASTIC_USE_AGENT_STORE``, so that the scenario's backend forms a new default
   process group (rank 0 hosts its store) instead of reusing the previous scenario's;
 - working directory, ``sys.argv``, ``sys.path``, warning filters, the handlers of the
-  signals tests use, torch's thread count, default dtype, grad mode and deterministic
-  flag, accelfn's count of ``arrive`` checks: as at the worker's start, put back after;
+  signals tests use, the root logger's handlers and level, torch's thread count, default
+  dtype, float32 matmul precision, grad mode and deterministic flag, accelfn's count of
+  ``arrive`` checks: as at the worker's start, put back after;
 - random generators: torch's, Python's and NumPy's global ones as at the worker's start;
 - modules of ``tests.workers`` a scenario imported are forgotten (their module state is new
   each time); torch.compile's caches are reset;
@@ -31,6 +32,7 @@ import contextlib
 import gc
 import importlib
 import io
+import logging
 import os
 import random
 import runpy
@@ -71,6 +73,8 @@ class Start:
         self.threads = torch.get_num_threads()
         self.dtype = torch.get_default_dtype()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        self.log_handlers, self.log_level = list(logging.root.handlers), logging.root.level
         self.functions = {name: _functions(module) for name, module in list(sys.modules.items())}
 
     def enter(self, request: dict[str, Any]) -> None:
@@ -111,7 +115,10 @@ class Start:
         torch.set_num_threads(self.threads)
         torch.set_default_dtype(self.dtype)
         torch.use_deterministic_algorithms(self.deterministic)
+        torch.set_float32_matmul_precision(self.matmul_precision)
         torch.set_grad_enabled(True)
+        logging.root.handlers[:] = self.log_handlers
+        logging.root.setLevel(self.log_level)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
         gc.collect()
