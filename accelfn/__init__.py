@@ -25,7 +25,7 @@ from accelfn.loop import (
 from accelfn.seed import set_seed
 from accelfn.state import TrainState
 from accelfn.step import Loss, Step, train_step
-from accelfn.tracking import JSONL, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
+from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -56,6 +56,7 @@ __all__ = [
     "Checkpoints",
     "Clip",
     "ClipValue",
+    "Comet",
     "Compile",
     "ConfigTracker",
     "Hook",

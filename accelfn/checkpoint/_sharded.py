@@ -202,7 +202,7 @@ def _own_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
     """Checksum and size of the DCP files rank ``rank`` wrote into ``folder``."""
     mine = sorted(e.name for e in os.scandir(folder)
                   if (m := _RANK_FILE.match(e.name)) is not None and int(m[1]) == rank + 1)
-    digests = list(_tensorfiles.threads().map(lambda n: _tensorfiles.hash_file(folder / n), mine))
+    digests = _tensorfiles.in_parallel(lambda n: _tensorfiles.hash_file(folder / n), mine)
     return {name: {algorithm: digest, "num_bytes": (folder / name).stat().st_size}
             for name, (algorithm, digest) in zip(mine, digests)}
 
@@ -262,7 +262,7 @@ def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, Fi
             return str(e)
         return None
 
-    found = [problem for problem in _tensorfiles.threads().map(check, names[backend.rank::backend.world_size])
+    found = [problem for problem in _tensorfiles.in_parallel(check, names[backend.rank::backend.world_size])
              if problem]
     problems = collectives.failures("\n".join(found) or None, device=backend.collective_device)
     if problems:

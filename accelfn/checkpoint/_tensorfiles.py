@@ -31,10 +31,10 @@ import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 import orjson
@@ -239,16 +239,28 @@ SUFFIX = ".safetensors"
 #: threads that write, read and hash files (one per core, at most 8)
 WORKERS = max(1, min(8, os.cpu_count() or 1))
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, the pool of that process)
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def threads() -> ThreadPoolExecutor:
-    """The threads that read and hash files (one per core, at most 8), made once per process:
-    starting threads for every load costs milliseconds on a busy machine.
-    Never submit to it from one of its own threads (a job waiting for a job would wait forever)."""
+def in_parallel(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """``[fn(item) for item in items]``, the items spread over the calling thread and the
+    file threads (one per core, at most 8, made once per process: starting threads for every
+    load costs milliseconds on a busy machine). The calling thread runs the first item
+    itself rather than waiting idle, so one item costs no thread hand-off at all. Every
+    item has finished before this returns or raises (the first failure in item order).
+    Never call it from ``fn`` (a job waiting for a job of the same pool could wait forever)."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
     global _pool
     if _pool is None or _pool[0] != os.getpid():  # a forked child has no threads of its parent's pool
-        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="accelfn-files"))
-    return _pool[1]
+        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=WORKERS - 1 or 1, thread_name_prefix="accelfn-files"))
+    jobs = [_pool[1].submit(fn, item) for item in items[1:]]
+    try:
+        first = fn(items[0])
+    finally:
+        wait(jobs)  # all of them, even when one fails: none is left running
+    return [first, *(job.result() for job in jobs)]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -322,13 +334,21 @@ def read(directory: Path, files: Mapping[str, FileEntry]) -> dict[str, dict[str,
         CheckpointError: a missing, truncated or corrupted file (the message names it; the
             first in the manifest's order), or two files of a group holding the same tensor.
     """
+    def verified(name: str) -> dict[str, torch.Tensor] | CheckpointError:
+        try:
+            return read_file(directory / name, *files[name].checksum, files[name].num_bytes)
+        except CheckpointError as e:
+            return e
+
+    names = sorted(files, key=lambda name: -files[name].num_bytes)  # the calling thread reads the largest
+    found = dict(zip(names, in_parallel(verified, names)))
     groups: dict[str, dict[str, torch.Tensor]] = {}
-    jobs = {name: threads().submit(read_file, directory / name, *entry.checksum, entry.num_bytes)
-            for name, entry in files.items()}
-    wait(jobs.values())  # all of them, even when one fails: none is left reading
     for name, entry in files.items():
+        tensors = found[name]
+        if isinstance(tensors, CheckpointError):
+            raise tensors
         table = groups.setdefault(entry.group, {})
-        for key, t in jobs[name].result().items():
+        for key, t in tensors.items():
             if key in table:
                 raise CheckpointError(f"{directory / name}: tensor {key!r} is also in another file")
             table[key] = t

@@ -29,7 +29,7 @@ from accelfn.checkpoint._codec import (
     view_key,
 )
 from accelfn.checkpoint._rng import RngState
-from accelfn.checkpoint._tensorfiles import WORKERS, threads
+from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
 from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
@@ -434,7 +434,7 @@ def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor
 
 def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``target.copy_(value)`` for each pair, without autograd; copies into CPU tensors are
-    spread over the file threads (``_tensorfiles.threads()``; torch's copy releases the GIL),
+    spread over the calling thread and the file threads (``_tensorfiles.in_parallel``; torch's copy releases the GIL),
     each view of a storage copied once."""
     seen: set[Any] = set()
     unique = []
@@ -451,17 +451,13 @@ def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     if sum(t.numel() * t.element_size() for t, _ in parallel) < _PARALLEL_COPY_BYTES:
         _copy_part(parallel)
         return
-    pool = threads()
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(WORKERS)]
     sizes = [0] * len(parts)
     for target, value in sorted(parallel, key=lambda pair: -pair[0].numel() * pair[0].element_size()):
         i = sizes.index(min(sizes))  # the largest first, each to the least loaded thread
         parts[i].append((target, value))
         sizes[i] += target.numel() * target.element_size()
-    jobs = [pool.submit(_copy_part, part) for part in parts if part]
-    wait(jobs)
-    for job in jobs:
-        job.result()
+    in_parallel(_copy_part, [part for part in parts if part])
 
 
 def _copy_part(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

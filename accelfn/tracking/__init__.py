@@ -2,14 +2,17 @@
 and the run configuration.
 
 ``run`` calls trackers on the main process only, with values already reduced over ranks,
-so a multi-process run writes one TensorBoard event file, one JSONL file, one MLflow run and
-one W&B run. A tracker is any object with ``log(metrics, step)`` and ``close()``
-(:class:`Tracker`); one that also has ``log_config(config)`` (:class:`ConfigTracker`)
-receives ``run(config=...)`` once per run.
+so a multi-process run writes one TensorBoard event file, one JSONL file, one MLflow run,
+one W&B run and one Comet experiment. A tracker is any object with ``log(metrics, step)``
+and ``close()`` (:class:`Tracker`); one that also has ``log_config(config)`` (:class:`ConfigTracker`)
+receives ``run(config=...)`` once per run. Each tracker's library object is public
+(``TensorBoard.writer``, ``WandB.run``, ``MLflow.client`` with ``MLflow.run_id``,
+``Comet.experiment``), for what ``run`` does not log.
 """
 
+from accelfn.tracking._comet import Comet
 from accelfn.tracking._files import JSONL, ConfigTracker, TensorBoard, Tracker
 from accelfn.tracking._mlflow import MLflow
 from accelfn.tracking._wandb import WandB
 
-__all__ = ["JSONL", "ConfigTracker", "MLflow", "TensorBoard", "Tracker", "WandB"]
+__all__ = ["JSONL", "Comet", "ConfigTracker", "MLflow", "TensorBoard", "Tracker", "WandB"]

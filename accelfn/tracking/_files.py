@@ -84,8 +84,11 @@ class TensorBoard:
         self.close()
         self._purge_step = step + 1
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Adds each metric as a scalar at global step ``step``."""
+    @property
+    def writer(self) -> Any:
+        """The ``tensorboardX.SummaryWriter`` of the current event file (opened if none is):
+        for what ``run`` does not log (``tracker.writer.add_histogram(...)``). Use it on the
+        main process only, as ``run`` does: on another process it opens a file of its own."""
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
@@ -94,8 +97,13 @@ class TensorBoard:
             self._writer = SummaryWriter(logdir=str(self.logdir), purge_step=self._purge_step,
                                          filename_suffix=f".{time.time_ns()}.{os.getpid()}")
             self._purge_step = None
+        return self._writer
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Adds each metric as a scalar at global step ``step``."""
+        writer = self.writer
         for name, value in metrics.items():
-            self._writer.add_scalar(name, value, global_step=step)
+            writer.add_scalar(name, value, global_step=step)
 
     def flush(self) -> None:
         """Writes every point logged so far to disk: closes the event file (tensorboardX's

@@ -75,6 +75,14 @@ class MLflow:
             return self.tracking_uri  # type: ignore[return-value]
         return f"sqlite:///{(self.dir / 'mlflow.db').resolve()}"
 
+    @property
+    def client(self) -> Any:
+        """The ``mlflow.MlflowClient`` of the tracking URI, with the run created (its id is
+        ``run_id``): for what ``run`` does not log (``tracker.client.log_artifact(tracker.run_id,
+        path)``)."""
+        self._run()
+        return self._client
+
     def _run(self) -> str:
         if self._client is None:
             from mlflow import MlflowClient

@@ -57,7 +57,11 @@ class WandB:
     def __repr__(self) -> str:
         return f"WandB({self.project!r}, dir={str(self.dir)!r}, mode={self.mode!r})"
 
-    def _started(self) -> Any:
+    @property
+    def run(self) -> Any:
+        """The ``wandb`` run (started if it was not): for what ``run`` does not log
+        (``tracker.run.log({"samples": wandb.Table(...)})``). Use it on the main process only,
+        as ``af.run`` does: on another process it starts a W&B run of its own."""
         if self._run is None:
             import wandb
 
@@ -73,7 +77,7 @@ class WandB:
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Logs the metrics as one row at W&B step ``step`` (rows of the same step merge)."""
-        self._started().log(dict(metrics), step=step)
+        self.run.log(dict(metrics), step=step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Adds the configuration to ``run.config`` (nested keys stay nested)."""

@@ -1,0 +1,107 @@
+"""``Comet``: metrics and the run configuration in a Comet experiment (``comet_ml.start``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from accelfn.errors import check_directory, to_path
+from accelfn.tracking._config import flatten, require
+
+Mode = Literal["online", "offline"]
+_MODES = ("online", "offline")
+
+
+class Comet:
+    """Logs metrics (``experiment.log_metrics(metrics, step=step)``) and the run configuration
+    (``experiment.log_parameters``, nested keys joined by dots) to a Comet experiment.
+
+    ``mode="offline"`` needs no account and no network: the experiment is archived as
+    ``dir/<experiment key>*.zip`` when it ends (upload it later with ``comet upload``), and
+    comet_ml's own error reports to Sentry are off (``COMET_ERROR_TRACKING_ENABLE=false``
+    unless set, when comet_ml is first imported by this tracker).
+    ``mode="online"`` logs live and needs ``COMET_API_KEY`` (or ``~/.comet.config``); with
+    ``mode=None`` Comet decides from its own settings (``COMET_START_ONLINE``). Comet's
+    automatic logging (code, git, environment, console output, its own metrics) is off: the
+    experiment holds what ``run`` logs. The experiment starts at the first call, on the
+    process that logs (the main process), and ``close`` ends it; a ``log`` after ``close``
+    continues the same experiment (same ``experiment_key``; offline, in a second archive
+    that ``comet upload`` adds to it). Installed by ``pip install "accelfn[comet]"``.
+
+    Args:
+        project: the Comet project.
+        dir: offline mode: the directory of the archives, created if missing; None for
+            Comet's default (``.cometml-runs``).
+        name: the experiment's display name, or None for Comet's generated one.
+        mode: ``"online"``, ``"offline"``, or None for Comet's own setting.
+        workspace: the Comet workspace, or None for the default one.
+        tags: tags of the experiment.
+
+    Raises:
+        ImportError: comet_ml is not installed (the message says which extra installs it).
+        ValueError: an unknown ``mode``, or ``dir`` is a file.
+
+    Example:
+        >>> import accelfn as af
+        >>> tracker = af.Comet("mnist", dir="runs/comet", mode="offline")
+    """
+
+    def __init__(self, project: str = "accelfn", *, dir: str | os.PathLike[str] | None = None,
+                 name: str | None = None, mode: Mode | None = None, workspace: str | None = None,
+                 tags: Sequence[str] = ()):
+        require("comet_ml", "Comet", "comet")
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"Comet(mode={mode!r}): accepted values are {', '.join(map(repr, _MODES))} or None "
+                             "(Comet's own setting)")
+        self.dir: Path | None = to_path("Comet", "dir", dir) if dir is not None else None
+        if self.dir is not None:
+            check_directory(self.dir, f"Comet(dir={str(dir)!r})")
+        self.project, self.name, self.mode, self.workspace, self.tags = project, name, mode, workspace, tuple(tags)
+        #: the experiment's key once it started (``experiment.get_key()``), else None
+        self.experiment_key: str | None = None
+        self._experiment: Any = None
+
+    def __repr__(self) -> str:
+        return f"Comet({self.project!r}, dir={None if self.dir is None else str(self.dir)!r}, mode={self.mode!r})"
+
+    @property
+    def experiment(self) -> Any:
+        """The ``comet_ml`` experiment (started if it was not): for what ``run`` does not log
+        (``tracker.experiment.log_asset(...)``). Use it on the main process only, as ``run``
+        does: on another process it starts an experiment of its own."""
+        if self._experiment is None:
+            if self.mode == "offline":  # no network: comet_ml reports its own errors to Sentry from import on
+                os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
+            import comet_ml
+
+            if self.dir is not None:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            config = comet_ml.ExperimentConfig(  # Comet's automatic logging off: the experiment holds run's values
+                log_code=False, log_graph=False, parse_args=False, log_git_metadata=False, log_git_patch=False,
+                log_env_details=False, log_env_gpu=False, log_env_host=False, log_env_cpu=False,
+                log_env_network=False, log_env_disk=False, auto_param_logging=False, auto_metric_logging=False,
+                auto_log_co2=False, auto_output_logging=False,  # type: ignore[arg-type]  # False is documented
+                display_summary_level=0, name=self.name, tags=list(self.tags) or None,
+                offline_directory=None if self.dir is None else str(self.dir))
+            self._experiment = comet_ml.start(
+                project_name=self.project, workspace=self.workspace, experiment_key=self.experiment_key,
+                mode="get" if self.experiment_key is not None else "create",
+                online=None if self.mode is None else self.mode == "online", experiment_config=config)
+            self.experiment_key = self._experiment.get_key()
+        return self._experiment
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Logs the metrics at Comet step ``step``."""
+        self.experiment.log_metrics(dict(metrics), step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Logs the configuration as parameters, nested keys joined by dots (``"accelfn.world_size"``)."""
+        self.experiment.log_parameters(flatten(config))
+
+    def close(self) -> None:
+        """Ends the experiment (offline: writes its archive)."""
+        if self._experiment is not None:
+            self._experiment.end()
+            self._experiment = None
