@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.background import Mypy
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -44,9 +46,10 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path, module, line, broken) 
     assert broken in result.stdout, result.stdout
 
 
-def test_mypy_is_clean() -> None:
-    """mypy (configured in pyproject.toml) reports no error in accelfn/."""
-    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_mypy_is_clean(mypy: Mypy) -> None:
+    """mypy (configured in pyproject.toml) reports no error in accelfn/ (run in the background
+    from the start of the session: tests/helpers/background.py)."""
+    result = mypy.result()
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
+from tests.helpers.pool import Pools
 
 CPU = af.backends.CPU(af.backends.LaunchEnv())
 
@@ -48,11 +49,12 @@ def test_eval_batches_refuses_data_it_cannot_shard_by_samples() -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_read_their_padded_shards_and_gather_for_metrics_drops_the_padding(tmp_path: Any) -> None:
+def test_two_ranks_read_their_padded_shards_and_gather_for_metrics_drops_the_padding(pool: Pools,
+                                                                                     tmp_path: Any) -> None:
     """11 samples at batch 4 on 2 ranks: rank 0 reads 0,2,..,10, rank 1 reads 1,3,..,9 then 0 (padding);
     gather_for_metrics gives every rank 8 then 3 values, sample 0 only once."""
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="eval_batches.py",
-                   script_args=("--out", tmp_path), cwd=tmp_path)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="eval_batches.py",
+                script_args=("--out", tmp_path), cwd=tmp_path)
     ranks = _launch.read_ranks(tmp_path, 2)
     assert ranks[0]["seen"] == [[0, 2, 4, 6], [8, 10]]
     assert ranks[1]["seen"] == [[1, 3, 5, 7], [9, 0]]

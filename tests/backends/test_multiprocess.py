@@ -19,15 +19,16 @@ from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers.events import read_scalars
 from tests.helpers.tracking import Recorder
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def mp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def mp(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("mp_checks")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="mp_checks.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="mp_checks.py",
+                script_args=("--out", out), cwd=out)
     return {
         "out": out,
         "json": _launch.read_ranks(out, 2),

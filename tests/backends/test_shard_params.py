@@ -17,15 +17,16 @@ from tests.helpers import fsdp_dtypes as D
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers import sharded as S
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("shard_checks")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="shard_checks.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="shard_checks.py",
+                script_args=("--out", out), cwd=out)
     return {"json": _launch.read_ranks(out, 2), "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)]}
 
 

@@ -13,6 +13,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 from tests.helpers.sharding import Blocks, build, loader, program
 
 EXAMPLE = _launch.ROOT / "examples" / "hf_gpt2.py"
@@ -161,12 +162,12 @@ def test_save_model_of_gpt2_loads_with_from_pretrained(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_save_model_of_a_sharded_state_holds_its_full_weights(tmp_path: Path) -> None:
+def test_save_model_of_a_sharded_state_holds_its_full_weights(pool: Pools, tmp_path: Path) -> None:
     """Under 2 sharded processes, save_model writes the gathered full weights (in shards of
     300 bytes): they equal the state's full parameters and load strictly into a fresh
     tied model."""
-    _launch.launch("--nproc-per-node", "2", script="sharded_ckpt.py",
-                   script_args=("export", "--export", tmp_path / "export", "--out", tmp_path / "full.safetensors"))
+    pool.launch("--nproc-per-node", "2", script="sharded_ckpt.py",
+                script_args=("export", "--export", tmp_path / "export", "--out", tmp_path / "full.safetensors"))
     full = safetensors.torch.load_file(tmp_path / "full.safetensors")
     exported = _read_all(tmp_path / "export")
     model = {k.removeprefix("model/"): v for k, v in full.items() if k.startswith("model/")}

@@ -1,8 +1,9 @@
 """Sharded (FSDP2) checkpoints: DCP files in safetensors, bitwise resume, resharding, no pickle.
 
-The sharded runs are real ``accelfn launch`` jobs on 2 (and 3) gloo processes; their states
-are built by ``tests.helpers.sharding`` (``shard`` is FSDP2 ``fully_shard`` per block, then
-the root). One module fixture runs the jobs the tests share.
+The sharded runs are 2 gloo processes of the session's worker pool (``tests/helpers/pool.py``;
+the SIGTERM test and the 3-process one are real ``accelfn launch`` jobs); their states are
+built by ``tests.helpers.sharding`` (``shard`` is FSDP2 ``fully_shard`` per block, then the
+root). One module fixture runs the jobs the tests share.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 from tests.helpers.sharding import assert_same, build, full_state, loader, program
 
 pytestmark = pytest.mark.multiprocess
@@ -26,22 +28,26 @@ WORKER = "sharded_ckpt.py"
 SHARDS = ("dcp/shard-00001-model-00001-of-00001.safetensors", "dcp/shard-00002-model-00001-of-00001.safetensors")
 
 
-def _launch_worker(nproc: int, *args: object) -> None:
-    _launch.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
+def _launch_worker(pool: Pools | None, nproc: int, *args: object) -> None:
+    """The worker on ``nproc`` processes: in the pool of 2, or a launch of its own (``pool`` None)."""
+    if pool is not None:
+        pool.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
+    else:
+        _launch.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def runs(tmp_path_factory: pytest.TempPathFactory, pool: Pools) -> Path:
     """2 sharded processes: ``full.safetensors`` of 10 uninterrupted updates (2 epochs);
     ``stopped.safetensors`` of a run stopped after 3 updates (mid-epoch), with its checkpoint
     ``checkpoints/step_00000003``; ``resumed.safetensors`` of that run resumed to the end,
     saving every 3 updates and keeping 2."""
     out = tmp_path_factory.mktemp("sharded")
-    _launch_worker(2, "train", "--out", out / "full.safetensors")
+    _launch_worker(pool, 2, "train", "--out", out / "full.safetensors")
     common = ("--checkpoints", out / "checkpoints", "--every-steps", 3, "--keep", 2)
-    _launch_worker(2, "train", "--out", out / "stopped.safetensors", "--max-steps", 3, *common)
+    _launch_worker(pool, 2, "train", "--out", out / "stopped.safetensors", "--max-steps", 3, *common)
     shutil.copytree(out / "checkpoints" / "step_00000003", out / "step3")
-    _launch_worker(2, "train", "--out", out / "resumed.safetensors", "--resume", "auto", *common)
+    _launch_worker(pool, 2, "train", "--out", out / "resumed.safetensors", "--resume", "auto", *common)
     return out
 
 
@@ -59,12 +65,13 @@ def test_sigterm_saves_a_sharded_checkpoint_and_the_restarted_job_ends_bitwise(r
                 safetensors.torch.load_file(runs / "full.safetensors"))
 
 
-def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(runs: Path, tmp_path: Path) -> None:
+def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(pool: Pools, runs: Path,
+                                                                              tmp_path: Path) -> None:
     """Checkpoints(asynchronous=True) writes a sharded state synchronously (every rank writes its
     own shards): stopped after 3 updates, the run leaves a checkpoint with bitwise the tensors
     of each rank's shard file and the counters of the one the synchronous run wrote at that
     step (DCP orders its metadata in the headers at random, so the bytes differ)."""
-    _launch_worker(2, "train", "--out", tmp_path / "stopped.safetensors", "--max-steps", 3, "--checkpoints",
+    _launch_worker(pool, 2, "train", "--out", tmp_path / "stopped.safetensors", "--max-steps", 3, "--checkpoints",
                    tmp_path / "checkpoints", "--every-steps", 3, "--asynchronous")
     written = tmp_path / "checkpoints" / "step_00000003"
     for name in SHARDS:
@@ -73,11 +80,11 @@ def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(ru
             == json.loads((runs / "step3" / "manifest.json").read_bytes())["counters"])
 
 
-def test_a_snapshot_of_a_sharded_state_restores_it_in_memory(tmp_path: Path) -> None:
+def test_a_snapshot_of_a_sharded_state_restores_it_in_memory(pool: Pools, tmp_path: Path) -> None:
     """af.snapshot of a sharded state after 2 updates, restored after 2 more, gives back bitwise
     the state it took (parameters, optimizer state, counters), and training on from it repeats
     updates 3 and 4 bitwise."""
-    _launch_worker(2, "snapshot", "--out", tmp_path / "snap.safetensors")
+    _launch_worker(pool, 2, "snapshot", "--out", tmp_path / "snap.safetensors")
     tensors = safetensors.torch.load_file(tmp_path / "snap.safetensors")
 
     def part(prefix: str) -> dict[str, torch.Tensor]:
@@ -88,11 +95,11 @@ def test_a_snapshot_of_a_sharded_state_restores_it_in_memory(tmp_path: Path) -> 
     assert not all(torch.equal(v, part("first/")[k]) for k, v in part("at_snapshot/").items())
 
 
-def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(tmp_path: Path) -> None:
+def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(pool: Pools, tmp_path: Path) -> None:
     """Saved after a micro-batch that skipped FSDP2's reduce-scatter, each rank's unsharded
     window gradients are kept in its own file; loaded into fresh sharded states, the window
     ends bitwise like the uninterrupted one, and one process refuses the checkpoint."""
-    _launch_worker(2, "window", "--save", tmp_path / "mid", "--out", tmp_path / "window.safetensors")
+    _launch_worker(pool, 2, "window", "--save", tmp_path / "mid", "--out", tmp_path / "window.safetensors")
     tensors = safetensors.torch.load_file(tmp_path / "window.safetensors")
     whole = {k.removeprefix("whole/"): v for k, v in tensors.items() if k.startswith("whole/")}
     assert_same({k.removeprefix("resumed/"): v for k, v in tensors.items() if k.startswith("resumed/")}, whole)
@@ -104,13 +111,13 @@ def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(tmp_
         af.load(tmp_path / "mid", into=build(sharded=False))
 
 
-def test_a_rank_failing_to_write_its_shards_leaves_the_old_checkpoint(runs: Path, tmp_path: Path) -> None:
+def test_a_rank_failing_to_write_its_shards_leaves_the_old_checkpoint(pool: Pools, runs: Path, tmp_path: Path) -> None:
     """When rank 1 cannot write its shards (disk full) while replacing a checkpoint, both
     ranks raise a CheckpointError naming rank 1 and its error, the old checkpoint is
     untouched and no temporary directory is left."""
     shutil.copytree(runs / "step3", tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
-    _launch_worker(2, "fail", "--load", tmp_path / "ckpt", "--out", tmp_path / "unused.safetensors")
+    _launch_worker(pool, 2, "fail", "--load", tmp_path / "ckpt", "--out", tmp_path / "unused.safetensors")
     for rank in (0, 1):
         assert (tmp_path / f"error{rank}.txt").read_text() == (
             f"{tmp_path / 'ckpt'}: a rank failed to write its shards: rank 1: OSError: [Errno 28] No space left "
@@ -171,20 +178,20 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process_with_the_same_ful
     assert state.scheduler.last_epoch == 3
 
 
-def test_an_unsharded_checkpoint_loads_into_two_sharded_processes(tmp_path: Path) -> None:
+def test_an_unsharded_checkpoint_loads_into_two_sharded_processes(pool: Pools, tmp_path: Path) -> None:
     """A checkpoint of one unsharded process loads into 2 sharded processes (pickle refused
     there) with bitwise its full parameters, optimizer state and counters."""
     state = af.run(program(), build(sharded=False), loader(), backend=af.backends.CPU(af.backends.LaunchEnv()),
                    epochs=1, max_steps=4, progress=False)
     af.save(state, tmp_path / "unsharded")
-    _launch_worker(2, "load", "--load", tmp_path / "unsharded", "--out", tmp_path / "loaded.safetensors")
+    _launch_worker(pool, 2, "load", "--load", tmp_path / "unsharded", "--out", tmp_path / "loaded.safetensors")
     assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"), full_state(state))
 
 
 def test_a_checkpoint_of_two_sharded_processes_loads_into_three(runs: Path, tmp_path: Path) -> None:
     """Resharding: 3 sharded processes load the checkpoint 2 wrote (other shard boundaries,
     an empty shard) with bitwise the full state saved, and save it again in 3 shards."""
-    _launch_worker(3, "load", "--load", runs / "step3", "--out", tmp_path / "loaded.safetensors",
+    _launch_worker(None, 3, "load", "--load", runs / "step3", "--out", tmp_path / "loaded.safetensors",
                    "--save", tmp_path / "again")
     assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"),
                 safetensors.torch.load_file(runs / "stopped.safetensors"))
@@ -214,11 +221,11 @@ def test_a_flipped_byte_in_any_shard_file_is_refused_naming_the_file(runs: Path,
     assert_same(full_state(state), before)
 
 
-def test_every_rank_refuses_a_shard_file_another_rank_verified(runs: Path, tmp_path: Path) -> None:
+def test_every_rank_refuses_a_shard_file_another_rank_verified(pool: Pools, runs: Path, tmp_path: Path) -> None:
     """The ranks split the checksum work; a corrupted file that rank 1 verified is refused by
     both ranks, each naming it."""
     path = _flipped(runs / "step3", tmp_path / "ckpt", SHARDS[1])
-    _launch_worker(2, "load", "--load", tmp_path / "ckpt", "--out", tmp_path / "loaded.safetensors")
+    _launch_worker(pool, 2, "load", "--load", tmp_path / "ckpt", "--out", tmp_path / "loaded.safetensors")
     for rank in (0, 1):
         assert (tmp_path / f"error{rank}.txt").read_text().startswith(f"{path}: xxh3_128 ")
     assert not (tmp_path / "loaded.safetensors").exists()

@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def seeds(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def seeds(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("worker_seeds")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="worker_seeds.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="worker_seeds.py",
+                script_args=("--out", out), cwd=out)
     return _launch.read_ranks(out, 2)
 
 

@@ -13,6 +13,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 EXAMPLE = _launch.ROOT / "examples" / "byte_lm.py"
 TINY = dict(context=32, width=32, depth=1, heads=2, batch_size=8, accumulate=2, lr=3e-3, max_steps=30,
@@ -76,12 +77,13 @@ def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_byte_lm_trains_sharded_under_accelfn_launch_with_two_processes(tmp_path):
-    """``accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard`` (shard_params, each of 2
-    transformer blocks one FSDP unit) lowers the held-out loss by over 1 nat per byte and prints
-    its report and a sample once, sampled by both ranks (a sharded forward is collective)."""
+def test_byte_lm_trains_sharded_on_two_processes(tmp_path, pool: Pools):
+    """``examples/byte_lm.py --shard`` on 2 processes (shard_params, each of 2 transformer
+    blocks one FSDP unit; in the worker pool, the launch itself is the test above's) lowers
+    the held-out loss by over 1 nat per byte and prints its report and a sample once, sampled
+    by both ranks (a sharded forward is collective)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "depth": 2}.items()]
-    result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120", script=EXAMPLE,
-                            script_args=(*flags, "--shard", "--run-dir", tmp_path / "run", "--every-steps", "0",
-                                         "--sample-bytes", "20"), cwd=tmp_path)
+    result = pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script=EXAMPLE,
+                         script_args=(*flags, "--shard", "--run-dir", tmp_path / "run", "--every-steps", "0",
+                                      "--sample-bytes", "20"), cwd=tmp_path)
     _assert_learned_and_reported_once(result.stdout)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gan_digits.py"
 
@@ -70,12 +71,12 @@ def test_two_prepared_programs_equal_a_hand_written_two_optimizer_loop() -> None
 
 
 @pytest.mark.multiprocess
-def test_gan_resumed_on_two_processes_equals_the_uninterrupted_run_bitwise(tmp_path: Path) -> None:
+def test_gan_resumed_on_two_processes_equals_the_uninterrupted_run_bitwise(pool: Pools, tmp_path: Path) -> None:
     """On 2 processes, training to step 20 and resuming in fresh states to step 34 (past the end
     of epoch 0) gives both models, optimizers, counters and RNG states bit for bit as 34 steps
     in one go."""
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="gan_resume.py",
-                   script_args=("--out", tmp_path), cwd=tmp_path)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="gan_resume.py",
+                script_args=("--out", tmp_path), cwd=tmp_path)
     ranks = _launch.read_ranks(tmp_path, 2)
     assert ranks[0]["printed"] == "resumed both models from step 20 (epoch 0)\n"  # the main process prints
     assert ranks[1]["printed"] == ""

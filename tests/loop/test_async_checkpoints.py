@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 
 import accelfn as af
 from accelfn.errors import CheckpointError
-from tests.helpers.launch import environment, launch
+from tests.helpers.launch import environment
 from tests.helpers.states import assert_same_state, build, loader, loss_fn, program
 from tests.workers import async_saves
+from tests.helpers.pool import Pools
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "async_saves.py"
 
@@ -161,13 +162,13 @@ def test_sigterm_during_a_background_save_exits_143_with_the_newest_checkpoint_r
 
 
 @pytest.mark.multiprocess
-def test_two_processes_saving_in_the_background_match_synchronous_saves(tmp_path) -> None:
+def test_two_processes_saving_in_the_background_match_synchronous_saves(pool: Pools, tmp_path) -> None:
     """With 2 processes (gloo), background saves (rank 0 writes; the gather stays in the
     training thread) give every rank the parameters of synchronous saves, and the same
     checkpoints, byte for byte in their manifests (RNG states of both ranks included); when
     rank 0's background write fails, both ranks raise (rank 0 with the path and cause)."""
-    launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="async_ranks.py",
-           script_args=(tmp_path,))
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="async_ranks.py",
+                script_args=(tmp_path,))
     for rank in range(2):
         synchronous = load_file(tmp_path / f"rank{rank}-sync.safetensors")
         asynchronous = load_file(tmp_path / f"rank{rank}-async.safetensors")

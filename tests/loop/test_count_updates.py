@@ -10,6 +10,7 @@ import torch
 import accelfn as af
 from tests.helpers import counting
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 
 @pytest.mark.parametrize("case", counting.CASES, ids=counting.case_id)
@@ -32,11 +33,11 @@ def test_the_counts_follow_the_partial_window_and_drop_last(cpu):
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
+def two_processes(pool: Pools, tmp_path_factory):
     """Both ranks' results of the 2-process worker (one launch for every case)."""
     out = tmp_path_factory.mktemp("count")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="count_updates.py",
-                   script_args=("--out", out))
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="count_updates.py",
+                script_args=("--out", out))
     return _launch.read_ranks(out, 2)
 
 

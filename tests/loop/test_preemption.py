@@ -1,6 +1,7 @@
 """Preemption and restarts: SIGTERM/SIGINT checkpoint and exit, restarted jobs resume bitwise.
 
-Multi-process tests start real workers with ``accelfn launch`` (torchrun) and gloo on 127.0.0.1.
+Multi-process tests start real workers with ``accelfn launch`` (torchrun) and gloo on 127.0.0.1;
+the uninterrupted run they compare with runs in the session's worker pool.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import accelfn as af
 from accelfn.errors import CheckpointError
 from tests.helpers.launch import launch, python
+from tests.helpers.pool import Pools
 from tests.helpers.states import assert_same_state, build
 from tests.workers.resume_script import job, total_steps
 
@@ -132,11 +134,11 @@ def test_a_second_sigint_interrupts_at_once(cpu, tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_two_processes(tmp_path_factory) -> Path:
-    """The result of the 2-process job run without interruption."""
+def uninterrupted_two_processes(tmp_path_factory, pool: Pools) -> Path:
+    """The result of the 2-process job run without interruption (in the worker pool: its
+    subject is the result; the restarts below are real launches)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    done = _launch(tmp)
-    assert done.returncode == 0, done.stderr
+    pool.launch("--nproc-per-node", "2", script=SCRIPT, script_args=(tmp / "ckpts", tmp / "result", tmp / "logs"))
     return tmp / "result"
 
 

@@ -9,15 +9,16 @@ import orjson
 import pytest
 
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def mismatches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def mismatches(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("mismatches")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "30", script="rank_mismatches.py",
-                   script_args=("--out", out), cwd=out, timeout_s=120)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "30", script="rank_mismatches.py",
+                script_args=("--out", out), cwd=out, timeout_s=120)
     return {"ranks": _launch.read_ranks(out, 2), "out": out}
 
 

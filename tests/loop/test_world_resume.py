@@ -11,6 +11,7 @@ import pytest
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 _spec = importlib.util.spec_from_file_location("world_resume", _launch.WORKERS / "world_resume.py")
 worker = importlib.util.module_from_spec(_spec)
@@ -28,7 +29,7 @@ def _run(**run_args):
 
 
 @pytest.mark.multiprocess
-def test_another_world_size_resumes_at_the_epochs_unread_samples(tmp_path, capsys) -> None:
+def test_another_world_size_resumes_at_the_epochs_unread_samples(pool: Pools, tmp_path, capsys) -> None:
     """A mid-epoch checkpoint of 1 process resumed by 2 (and one of 2 resumed by 1) warns
     once (the main process), naming both world sizes, and reads exactly the samples of the
     epoch the writer had not; one written at an epoch boundary resumes on 2 processes
@@ -43,8 +44,8 @@ def test_another_world_size_resumes_at_the_epochs_unread_samples(tmp_path, capsy
     assert json.loads((boundary.latest() / "manifest.json").read_bytes())["counters"] == {
         "step": 12, "micro_step": 12, "epoch": 1, "epoch_micro_step": 0}
 
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="world_resume.py",
-                   script_args=("--mid", mid.latest(), "--boundary", boundary.latest(), "--out", tmp_path))
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="world_resume.py",
+                script_args=("--mid", mid.latest(), "--boundary", boundary.latest(), "--out", tmp_path))
     ranks = _launch.read_ranks(tmp_path, 2)
     for rank, record in enumerate(ranks):
         assert record["mid"]["read"] == order[8 + rank:24:2]  # each rank from its 3rd micro-batch (4 * 1 // 2)

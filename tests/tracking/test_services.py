@@ -22,18 +22,19 @@ import torch
 
 from tests.helpers import hooked
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def job(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output directory of one 2-process launch of tracked.py."""
     pytest.importorskip("mlflow", reason="the MLflow tracker needs mlflow (the dev extra has it)")
     pytest.importorskip("wandb", reason="the W&B tracker needs wandb (the dev extra has it)")
     out = tmp_path_factory.mktemp("tracked")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="tracked.py",
-                   script_args=("--out", out), env=_launch.environment(WANDB_SILENT="true"))
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="tracked.py",
+                script_args=("--out", out), env=_launch.environment(WANDB_SILENT="true"))
     return out
 
 

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import accelfn as af
 from accelfn.backends import LaunchEnv
-from tests.helpers import launch as _launch
 from tests.helpers.models import classification_data, make_mlp
+from tests.helpers.pool import Pools
 
 #: inductor fuses and reorders float32 arithmetic, so compiled parameters may differ from eager by rounding
 RTOL, ATOL = 1e-5, 1e-6
@@ -106,12 +106,13 @@ def test_bad_options_are_refused_when_the_transform_is_built(kwargs: dict, error
 
 
 @pytest.mark.multiprocess
-def test_compile_after_ddp_on_two_processes_matches_one_eager_process(cpu: af.backends.CPU, tmp_path: Path) -> None:
+def test_compile_after_ddp_on_two_processes_matches_one_eager_process(pool: Pools, cpu: af.backends.CPU,
+                                                                      tmp_path: Path) -> None:
     """On 2 gloo processes the forward calls DDP inside torch.compile (TorchDynamo and
     AOTAutograd with DDP's graph split; backend aot_eager skips inductor's slow code
     generation), and training equals one eager process with twice the batch."""
-    _launch.launch("--nproc-per-node", "2", script="compile_ddp.py",
-                   script_args=("--out", tmp_path, "--backend-name", "aot_eager"))
+    pool.launch("--nproc-per-node", "2", script="compile_ddp.py",
+                script_args=("--out", tmp_path, "--backend-name", "aot_eager"))
     assert json.loads((tmp_path / "rank0.json").read_text()) == {
         "layers": ["OptimizedModule", "DistributedDataParallel"], "step": 10}
     program = af.compose(af.accumulate(2), af.clip(0.5))(af.train_step(loss_fn))
