@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from accelfn.backends._distributed import user_code
 from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
 from accelfn.cli.config import LaunchConfig
 from accelfn.errors import LaunchError
@@ -117,7 +118,8 @@ def _run_worker(fn: Callable[..., _R], args: tuple[Any, ...], failures: str) -> 
     """A worker: ``fn(*args)``; an exception is written to ``failures/rank<r>`` (pickled, with
     its traceback and when it was raised) for the launching process, then raised."""
     try:
-        return fn(*args)
+        with user_code("af.launch's function"):  # raised on one rank: leave without the exit barrier
+            return fn(*args)
     except BaseException as e:
         rank, raised_ns = os.environ.get("RANK", "0"), time.monotonic_ns()
         text = "".join(traceback.format_exception(e))
