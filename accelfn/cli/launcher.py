@@ -3,8 +3,8 @@ notebook or a script (Accelerate's ``notebook_launcher``), by torch's elastic ag
 
 from __future__ import annotations
 
+import importlib
 import os
-import pickle
 import sys
 import tempfile
 import time
@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+import orjson
 
 from accelfn.backends._distributed import user_code
 from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
@@ -58,7 +60,8 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         ValueError: an unknown ``start_method``; a bad ``nproc_per_node``, ``backend`` or
             ``timeout_s`` (as ``accelfn launch`` checks them).
         LaunchError: a worker that died without an exception, or a rendezvous that failed.
-        BaseException: the exception a worker raised.
+        BaseException: the exception a worker raised (its class, rebuilt from its arguments;
+            a LaunchError with its traceback where that cannot be done).
 
     Example:
         >>> import accelfn as af
@@ -115,35 +118,58 @@ def _worker_environment(config: LaunchConfig) -> Iterator[None]:
 
 
 def _run_worker(fn: Callable[..., _R], args: tuple[Any, ...], failures: str) -> _R:
-    """A worker: ``fn(*args)``; an exception is written to ``failures/rank<r>`` (pickled, with
-    its traceback and when it was raised) for the launching process, then raised."""
+    """A worker: ``fn(*args)``; an exception is written to ``failures/rank<r>`` (JSON: when it
+    was raised, its class by module and name, its arguments where they are JSON values, and
+    its traceback) for the launching process, then raised."""
     try:
         with user_code("af.launch's function"):  # raised on one rank: leave without the exit barrier
             return fn(*args)
     except BaseException as e:
-        rank, raised_ns = os.environ.get("RANK", "0"), time.monotonic_ns()
-        text = "".join(traceback.format_exception(e))
+        rank = int(os.environ.get("RANK", "0"))
         try:
-            payload = pickle.dumps((raised_ns, e, text))
-        except Exception:  # an exception that does not pickle: its type and message as text
-            payload = pickle.dumps((raised_ns, None, text))
-        (Path(failures) / f"rank{int(rank):06d}").write_bytes(payload)
+            arguments = orjson.loads(orjson.dumps(list(e.args)))
+        except (TypeError, orjson.JSONEncodeError):
+            arguments = None  # the launching process raises it as text
+        record = {"raised_ns": time.monotonic_ns(), "module": type(e).__module__, "name": type(e).__qualname__,
+                  "args": arguments, "traceback": "".join(traceback.format_exception(e))}
+        (Path(failures) / f"rank{rank:06d}").write_bytes(orjson.dumps(record))
         raise
 
 
 def _worker_failure(failures: Path, error: Exception) -> BaseException:
     """The exception raised first (the others are most often the collectives it broke on
-    the other ranks), with a note that gives its rank and traceback; else a LaunchError with
-    the agent's report."""
+    the other ranks), rebuilt from its class and arguments, with a note that gives its rank
+    and traceback; a LaunchError holding that traceback where the class cannot be rebuilt
+    so; a LaunchError with the agent's report where no worker raised."""
     raised = []
     for path in failures.iterdir():
-        raised_ns, exception, text = pickle.loads(path.read_bytes())  # written by this launch's own workers
-        raised.append((raised_ns, int(path.name.removeprefix("rank")), exception, text))
+        record = orjson.loads(path.read_bytes())
+        raised.append((record["raised_ns"], int(path.name.removeprefix("rank")), record))
     if not raised:
         return LaunchError(f"launch: a worker ended without raising an exception (a signal or os._exit): {error}")
-    _, rank, exception, text = min(raised, key=lambda r: r[:2])
+    _, rank, record = min(raised, key=lambda r: r[:2])
+    note = f"raised in af.launch's worker of rank {rank}:\n{record['traceback']}"
+    exception = _rebuilt(record)
     if exception is None:
-        return LaunchError(f"launch: rank {rank} raised an exception that cannot be pickled:\n{text}")
+        return LaunchError(f"launch: rank {rank} raised {record['module']}.{record['name']}, which cannot be "
+                           f"raised here again from its arguments; {note}")
     if hasattr(exception, "add_note"):
-        exception.add_note(f"raised in af.launch's worker of rank {rank}:\n{text}")
+        exception.add_note(note)
     return exception
+
+
+def _rebuilt(record: dict[str, Any]) -> BaseException | None:
+    """The exception of class ``record["module"].record["name"]`` built from ``record["args"]``,
+    or None (its module does not import here, it is no exception class, or its arguments
+    did not survive JSON or do not build it)."""
+    if record["args"] is None:
+        return None
+    try:
+        cls: Any = importlib.import_module(record["module"])
+        for part in record["name"].split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            return cls(*record["args"])
+    except Exception:  # noqa: BLE001 (any failure to rebuild it: raise the text instead)
+        return None
+    return None

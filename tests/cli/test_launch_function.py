@@ -43,6 +43,14 @@ def test_a_workers_exception_is_raised_in_the_caller_with_its_rank():
     assert note.startswith("raised in af.launch's worker of rank 1:\nTraceback") and "fail_on_rank" in note
 
 
+def test_an_exception_that_cannot_be_rebuilt_comes_back_as_its_traceback():
+    """Nothing is unpickled: an exception is rebuilt from its class and JSON arguments, and one
+    whose argument is no JSON value is a LaunchError naming its class and holding its traceback."""
+    with pytest.raises(af.LaunchError, match=r"(?s)launch: rank 0 raised builtins.ValueError, which cannot be "
+                                             r"raised here again.*ValueError: <opaque>"):
+        af.launch(launched.fail_with_opaque_argument, nproc_per_node=1, timeout_s=60)
+
+
 def test_from_a_notebook_the_workers_are_forked_and_run_functions_defined_there(tmp_path):
     """A `__main__` without a file (a notebook, python reading stdin): launch forks, so a
     function defined there runs in the workers; each rank's (rank, world size) comes back."""

@@ -33,3 +33,13 @@ def fail_on_rank(rank: int) -> int:
 
 def loader_length(num_samples: int) -> int:
     return len(DataLoader(P.regression_data(num_samples), batch_size=3))
+
+
+class _Opaque:
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
+def fail_with_opaque_argument() -> None:
+    """Raises an exception whose argument is no JSON value (it cannot be rebuilt elsewhere)."""
+    raise ValueError(_Opaque())
