@@ -80,26 +80,34 @@ def accelfn(backend: af.backends.Backend):
     return one_round
 
 
+def interleaved_rounds(backend: af.backends.Backend, runners: dict, batches: list[Batch], rounds: int,
+                       updates: int, untimed: int) -> dict[str, list[tuple[float, float]]]:
+    """Each runner's (CPU s, wall s) per update in each round, on the slower rank: the
+    runners' order rotates from round to round, all ranks start each run together, and the
+    first ``untimed`` micro-batches of a run are not timed."""
+    names = list(runners)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            gc.collect()
+            dist.barrier()
+            timed = Timed(batches, untimed)
+            runners[name](timed)
+            times[name].append((timed.cpu_s / updates, timed.wall_s / updates))
+    everyone = backend.gather_object(times)
+    return {name: [tuple(max(rank_times[name][r][k] for rank_times in everyone) for k in (0, 1))
+                   for r in range(rounds)] for name in names}
+
+
 def worker(rounds: int, updates: int) -> None:
     torch.set_num_threads(1)
     backend = af.backends.CPU()  # joins the gloo group torchrun describes
     rank = backend.rank
     batches = make_batches(WIDTHS, BATCH_SIZE, (updates + WARMUP_UPDATES) * ACCUMULATE, seed=1 + rank)
     runners = {"raw": raw_ddp(), "accelfn": accelfn(backend)}
-    names = list(runners)
     for fn in runners.values():
         fn(Timed(batches, WARMUP_UPDATES * ACCUMULATE))
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            gc.collect()
-            dist.barrier()
-            timed = Timed(batches, WARMUP_UPDATES * ACCUMULATE)
-            runners[name](timed)
-            times[name].append((timed.cpu_s / updates, timed.wall_s / updates))
-    everyone = backend.gather_object(times)
-    slowest = {name: [tuple(max(rank_times[name][r][k] for rank_times in everyone) for k in (0, 1))
-                      for r in range(rounds)] for name in names}
+    slowest = interleaved_rounds(backend, runners, batches, rounds, updates, WARMUP_UPDATES * ACCUMULATE)
     if backend.is_main_process:
         print(f"torch {torch.__version__}, accelfn {af.__version__}, {backend.world_size} processes (gloo), "
               f"1 thread each")

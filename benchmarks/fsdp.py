@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import os
 import pstats
 import subprocess
@@ -36,7 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import accelfn as af
+from ddp import interleaved_rounds
 from overhead import Batch, Timed, print_table, summarize
+from shard import Block  # x + W2 gelu(W1 x)
 
 WIDTH = 128
 DEPTH = 4
@@ -44,18 +45,6 @@ BATCH_SIZE = 16
 ACCUMULATE = 2
 MAX_NORM = 1.0
 WARMUP_UPDATES = 2  # untimed per round: run's prepare, FSDP2's lazy initialization in the first round
-
-
-class Block(torch.nn.Module):
-    """``x + W2 gelu(W1 x)``: (batch, width) -> (batch, width)."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.up = torch.nn.Linear(width, 4 * width)
-        self.down = torch.nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class Stack(torch.nn.Module):
@@ -195,17 +184,7 @@ def worker(rounds: int, updates: int, profile: str | None, width: int, depth: in
     if profile is not None:
         profile_rounds(runners, batches, rounds, updates, names if profile == "both" else [profile], rank)
         return
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            gc.collect()
-            dist.barrier()
-            timed = Timed(batches, WARMUP_UPDATES * ACCUMULATE)
-            runners[name](timed)
-            times[name].append((timed.cpu_s / updates, timed.wall_s / updates))
-    everyone = backend.gather_object(times)
-    slowest = {name: [tuple(max(rank_times[name][r][k] for rank_times in everyone) for k in (0, 1))
-                      for r in range(rounds)] for name in names}
+    slowest = interleaved_rounds(backend, runners, batches, rounds, updates, WARMUP_UPDATES * ACCUMULATE)
     if backend.is_main_process:
         num_params = sum(p.numel() for p in make_model(width, depth).parameters())
         print(f"torch {torch.__version__}, accelfn {af.__version__}, {backend.world_size} processes (gloo), "
