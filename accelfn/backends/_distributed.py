@@ -160,7 +160,7 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     try:
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
+            init_method=_init_method(env),
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=env.timeout_s),
@@ -174,6 +174,16 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
             "from every node"
         ) from e
     leave_at_exit()
+
+
+def _init_method(env: LaunchEnv) -> str:
+    """torchrun's variables (``env://``, which also joins torchrun's own store when it shares
+    one); another engine's rendezvous address as ``tcp://HOST:PORT`` (its rank 0 hosts the
+    store there), so nothing is written to the environment."""
+    if env.env_rendezvous:
+        return "env://"
+    host = f"[{env.master_addr}]" if env.master_addr and ":" in env.master_addr else env.master_addr
+    return f"tcp://{host}:{env.master_port}"
 
 
 def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,

@@ -3,8 +3,9 @@
 ``torchrun`` (and so ``accelfn launch``) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``accelfn launch`` also sets
 ``ACCELFN_BACKEND``, ``ACCELFN_PRECISION``, ``ACCELFN_ACCUMULATE``, ``ACCELFN_COMPILE`` and
-``ACCELFN_TIMEOUT_S``. Nothing else in
-accelfn reads the environment.
+``ACCELFN_TIMEOUT_S``. Other engines (Slurm's ``srun``, ``mpirun``, Kubeflow) set variables of
+their own, mapped to the same world by ``engines.py``. Nothing else in accelfn reads the
+environment.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from accelfn.backends.engines import detect
 from accelfn.errors import LaunchError
 from accelfn.step import Step
 from accelfn.transforms import (
@@ -52,6 +54,10 @@ class LaunchEnv:
         timeout_s: collective timeout in seconds (process groups never wait forever).
         precision_from: where ``accelfn launch`` took ``precision`` from: ``"--precision"``
             or the launch config file's path (None: ``ACCELFN_PRECISION`` was set by hand).
+        engine: what started this process and set the values above: ``"torchrun"``
+            (``accelfn launch``), ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"kubeflow"``, or
+            ``"none"`` (one process); see ``accelfn/backends/engines.py``.
+        engine_vars: the engine's variables the world was read from, ``(name, value)`` pairs.
     """
 
     rank: int = 0
@@ -66,45 +72,34 @@ class LaunchEnv:
     compile: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     precision_from: str | None = None
+    engine: str = "none"
+    engine_vars: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def env_rendezvous(self) -> bool:
+        """Whether ``MASTER_ADDR``/``MASTER_PORT`` (and torchrun's store) are in the
+        environment for ``init_method="env://"``: launched by torchrun; another engine's
+        address is passed to ``torch.distributed`` as ``tcp://`` instead."""
+        return self.engine == "torchrun"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
         """Reads and checks the launch variables.
 
+        The world (rank, sizes, rendezvous address) comes from the first launch engine whose
+        variables are set: torchrun, Slurm, Open MPI, MPICH, Kubeflow (``engines.detect``).
+
         Raises:
             LaunchError: a variable that is not a number, ``RANK`` without ``WORLD_SIZE``
-                (or the reverse), a rank outside the world, a multi-process world without
-                ``MASTER_ADDR``/``MASTER_PORT``, an unknown backend or precision name, an
-                accumulation count below 1, a compile flag other than 1/0/true/false, or a
-                timeout that is not > 0; the message names the variable and how the process
-                should be started.
+                (or the reverse), an engine's variables incomplete, a rank outside the world,
+                a multi-process world without a rendezvous address, an engine that says
+                several processes while the one detected says one, an unknown backend or
+                precision name, an accumulation count below 1, a compile flag other than
+                1/0/true/false, or a timeout that is not > 0; the message names the variable
+                and how the process should be started.
         """
         env = os.environ if environ is None else environ
-        given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
-        if len(given) == 1:
-            missing = "WORLD_SIZE" if given == ["RANK"] else "RANK"
-            raise LaunchError(
-                f"{given[0]} is set but {missing} is not; start workers with `accelfn launch` "
-                "(or torchrun), which sets both, or unset both to run one process"
-            )
-        world_size = _int(env, "WORLD_SIZE", 1)
-        rank = _int(env, "RANK", 0)
-        local_rank = _int(env, "LOCAL_RANK", rank)
-        local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
-        if world_size < 1:
-            raise LaunchError(f"WORLD_SIZE={world_size} must be >= 1")
-        if not 0 <= rank < world_size:
-            raise LaunchError(f"RANK={rank} is outside the world of WORLD_SIZE={world_size} (0..{world_size - 1})")
-        if not 1 <= local_world_size <= world_size:
-            raise LaunchError(f"LOCAL_WORLD_SIZE={local_world_size} must be in 1..WORLD_SIZE={world_size}")
-        if not 0 <= local_rank < local_world_size:
-            raise LaunchError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
-        addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-        if world_size > 1 and (not addr or not port):
-            raise LaunchError(
-                f"WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; start workers "
-                "with `accelfn launch --nproc-per-node N script.py`"
-            )
+        world = detect(env)
         backend = env.get("ACCELFN_BACKEND") or None
         if backend is not None and backend not in BACKEND_NAMES:
             raise LaunchError(f"ACCELFN_BACKEND={backend!r}: accepted values are {', '.join(BACKEND_NAMES)}")
@@ -118,11 +113,12 @@ class LaunchEnv:
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
         return cls(
-            rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
-            master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
+            rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
+            local_world_size=world.local_world_size, master_addr=world.master_addr, master_port=world.master_port,
             backend=backend, precision=precision, accumulate=accumulate,
             compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
+            engine=world.engine, engine_vars=world.taken,
         )
 
 

@@ -239,6 +239,9 @@ def _report(args: argparse.Namespace) -> int:
                   f"(local rank {env.local_rank} of {env.local_world_size}), backend {env.backend}, "
                   f"precision {env.precision}, accumulate {env.accumulate}, compile {'yes' if env.compile else 'no'}, "
                   f"timeout {env.timeout_s:g} s\n")
+        taken = ", ".join(f"{name}={value}" for name, value in env.engine_vars)
+        out.write(f"launch engine: {env.engine}{f' ({taken})' if taken else ''}; rendezvous "
+                  f"{f'{env.master_addr}:{env.master_port}' if env.master_addr else 'none'}\n")
     except LaunchError as e:
         out.write(f"launch environment: invalid: {e}\n")
     passed = _config.launcher_set(os.environ)

@@ -245,8 +245,8 @@ def test_launch_variables_are_read_into_the_launch_env() -> None:
     env = LaunchEnv.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                               "MASTER_ADDR": "h", "MASTER_PORT": "29500", "ACCELFN_BACKEND": "cpu",
                               "ACCELFN_PRECISION": "bf16", "ACCELFN_TIMEOUT_S": "7.5"})
-    assert env == LaunchEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="h",
-                            master_port=29500, backend="cpu", precision="bf16", timeout_s=7.5)
+    assert attrs.evolve(env, engine_vars=()) == LaunchEnv(rank=3, local_rank=1, world_size=4, local_world_size=2, master_addr="h",
+                            master_port=29500, backend="cpu", precision="bf16", timeout_s=7.5, engine="torchrun")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

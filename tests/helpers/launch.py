@@ -24,11 +24,13 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_
                 "GROUP_RANK", "ACCELFN_BACKEND", "ACCELFN_PRECISION", "ACCELFN_PRECISION_FROM", "ACCELFN_TIMEOUT_S",
                 "ACCELFN_ACCUMULATE", "ACCELFN_COMPILE", "ACCELFN_CONFIG_FILE", "ACCELFN_LAUNCHER_SET")
 DEFAULT_TIMEOUT_S = 240
+# other engines' variables (Kubeflow's, a Slurm job's or mpirun's running the tests): not the test jobs'
+_ENGINE_PREFIXES = ("PET_", "SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")
 
 
 def environment(**extra: str) -> dict[str, str]:
     """The test process's environment without launch variables, with accelfn importable."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("PET_")}
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(_ENGINE_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,0 +1,152 @@
+"""The launch engines' variables (torchrun, Slurm, Open MPI, MPICH, Kubeflow) read into one world."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelfn.backends import LaunchEnv
+from accelfn.backends.engines import expand_hostlist, tasks_per_node
+from accelfn.cli import main
+from accelfn.errors import LaunchError
+
+# what srun sets for task 3 of `srun --nodes=4 --ntasks=7` whose nodes run 2, 2, 2 and 1 tasks
+SLURM_TASK_3 = {"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_NTASKS": "7",
+                "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+                "SLURM_STEP_NODELIST": "node[01-03,07]", "SLURM_JOB_NODELIST": "node[01-04,07]",
+                "SLURM_NODELIST": "node[01-04,07]"}
+
+
+def world(env: LaunchEnv) -> tuple:
+    return (env.engine, env.rank, env.world_size, env.local_rank, env.local_world_size, env.master_addr,
+            env.master_port)
+
+
+@pytest.mark.parametrize(("text", "hosts"), [
+    ("vm", ["vm"]),
+    ("node[01-04,07],gpu-a[1-2]", ["node01", "node02", "node03", "node04", "node07", "gpu-a1", "gpu-a2"]),
+    ("a1,b[9-11]", ["a1", "b9", "b10", "b11"]),
+    ("rack[1-2]-n[08-09]", ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09"]),
+])
+def test_hostlists_expand_in_order_with_their_padding(text: str, hosts: list[str]) -> None:
+    """Slurm's hostlist syntax expands to its hosts in order, zero padding kept."""
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["node[01-04", "node01]", "node[4-2]", "node[a-b]", ""])
+def test_bad_hostlists_raise_launch_error_naming_the_variable(text: str) -> None:
+    """A hostlist that does not parse is a LaunchError naming the variable and the text."""
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST="):
+        expand_hostlist(text)
+
+
+def test_tasks_per_node_expands_repeat_counts() -> None:
+    """``2(x3),1`` is 2, 2, 2, 1 tasks; a malformed list is a LaunchError."""
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert tasks_per_node("4") == [4]
+    with pytest.raises(LaunchError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(3\)' is not a list"):
+        tasks_per_node("2(3)")
+
+
+def test_a_slurm_task_is_placed_from_slurm_s_variables() -> None:
+    """Task 3 of 7 on the second node (2 tasks there): rank 3, local rank 1 of 2, rendezvous at
+    the step's first node on the port derived from the job id, and the variables it read listed."""
+    env = LaunchEnv.from_env(SLURM_TASK_3)
+    assert world(env) == ("slurm", 3, 7, 1, 2, "node01", 10000 + 123456 % 20000)
+    assert dict(env.engine_vars)["SLURM_STEP_TASKS_PER_NODE"] == "2(x3),1"
+    assert dict(env.engine_vars)["SLURM_JOB_ID"] == "123456"
+    last = LaunchEnv.from_env(dict(SLURM_TASK_3, SLURM_PROCID="6", SLURM_LOCALID="0", SLURM_NODEID="3"))
+    assert world(last)[1:5] == (6, 7, 0, 1)
+
+
+def test_slurm_s_other_variables_and_master_variables_are_used_where_set() -> None:
+    """SLURM_NTASKS_PER_NODE, the job's node list, and MASTER_ADDR/MASTER_PORT override the derived values."""
+    env = dict(SLURM_TASK_3, SLURM_NTASKS_PER_NODE="2")
+    del env["SLURM_STEP_TASKS_PER_NODE"], env["SLURM_STEP_NODELIST"]
+    assert world(LaunchEnv.from_env(env))[4:] == (2, "node01", 13456)
+    env.pop("SLURM_JOB_NODELIST")
+    env["SLURM_NODELIST"] = "gpu-a[3-4]"
+    assert world(LaunchEnv.from_env(env))[5] == "gpu-a3"
+    assert world(LaunchEnv.from_env(dict(env, MASTER_ADDR="10.0.0.9", MASTER_PORT="29400")))[5:] == ("10.0.0.9", 29400)
+
+
+def test_torchrun_s_workers_inside_a_slurm_step_are_torchrun_s() -> None:
+    """`srun accelfn launch`: the workers see Slurm's variables and torchrun's, and torchrun's win."""
+    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
+    env = LaunchEnv.from_env(dict(SLURM_TASK_3, SLURM_NTASKS="2", SLURM_PROCID="1", SLURM_LOCALID="0",
+                                  SLURM_STEP_TASKS_PER_NODE="1(x2)", **torchrun))
+    assert world(env) == ("torchrun", 5, 8, 1, 4, "node01", 29500)
+    assert env.env_rendezvous
+
+
+@pytest.mark.parametrize(("variables", "engine"), [
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "openmpi"),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "mpich"),
+])
+def test_mpi_ranks_on_one_node_meet_on_localhost(variables: dict[str, str], engine: str) -> None:
+    """mpirun's rank 1 of 2 on one node: rank 1 of 2, rendezvous at 127.0.0.1:29500 unless MASTER_* say otherwise."""
+    assert world(LaunchEnv.from_env(variables)) == (engine, 1, 2, 1, 2, "127.0.0.1", 29500)
+    moved = LaunchEnv.from_env(dict(variables, MASTER_PORT="23456"))
+    assert (moved.master_addr, moved.master_port, moved.env_rendezvous) == ("127.0.0.1", 23456, False)
+
+
+def test_mpi_ranks_on_several_nodes_need_master_addr() -> None:
+    """Open MPI ranks spread over nodes without MASTER_ADDR: a LaunchError; with it, their world."""
+    spread = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+              "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    with pytest.raises(LaunchError, match="MASTER_ADDR is not set"):
+        LaunchEnv.from_env(spread)
+    assert world(LaunchEnv.from_env(dict(spread, MASTER_ADDR="n1"))) == ("openmpi", 3, 4, 1, 2, "n1", 29500)
+
+
+def test_a_kubeflow_pytorchjob_pod_is_one_process_of_its_node() -> None:
+    """PyTorchJob v1's variables for worker pod 2 of 4 (no LOCAL_RANK): rank 2, local rank 0 of 1."""
+    pod = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456",
+           "PYTHONUNBUFFERED": "1"}
+    assert world(LaunchEnv.from_env(pod)) == ("kubeflow", 2, 4, 0, 1, "train-master-0", 23456)
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"},
+     r"SLURM_NTASKS=2 says this job has 2 processes, but no engine's variables place this process in it "
+     r"\(SLURM_STEP_ID is unset: this is a batch script"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "RANK": "0", "WORLD_SIZE": "1",
+      "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, r"SLURM_NTASKS=2 says this job has 2 processes, but torchrun says 1"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, r"OMPI_COMM_WORLD_SIZE=2 says this job has 2 processes, but no engine"),
+    ({"PMI_SIZE": "3", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, r"PMI_SIZE=3 says .* torchrun says 1"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+     r"slurm: SLURM_PROCID=0, SLURM_NTASKS=2 are set but SLURM_LOCALID, SLURM_NODEID not"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"},
+     r"openmpi: .* OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE not"),
+    ({"PMI_RANK": "x", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}, r"PMI_RANK='x' is not"),
+    ({"PMI_RANK": "2", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"},
+     r"PMI_RANK=2 is outside the world of PMI_SIZE=2"),
+])
+def test_an_engine_that_says_more_processes_than_accelfn_sees_is_an_error(variables: dict[str, str],
+                                                                       message: str) -> None:
+    """Several processes to the engine but one (or an incomplete placement) to accelfn: a LaunchError naming the variables."""
+    with pytest.raises(LaunchError, match=message):
+        LaunchEnv.from_env(variables)
+
+
+def test_one_task_of_an_engine_is_one_process() -> None:
+    """`srun --ntasks=1` and `mpirun -np 1`: a world of one, no rendezvous needed."""
+    single = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_NODELIST": "vm"}
+    assert world(LaunchEnv.from_env(single))[:5] == ("slurm", 0, 1, 0, 1)
+    assert world(LaunchEnv.from_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})) == ("none", 0, 1, 0, 1, None, None)
+
+
+def test_accelfn_env_names_the_engine_and_the_values_it_took(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelfn env` in a Slurm task prints the engine, the variables read and the rendezvous address."""
+    for name, value in SLURM_TASK_3.items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "launch environment: rank 3 of world size 7 (local rank 1 of 2)" in out
+    assert ("launch engine: slurm (SLURM_PROCID=3, SLURM_NTASKS=7, SLURM_LOCALID=1, SLURM_STEP_TASKS_PER_NODE=2(x3),1, "
+            "SLURM_NODEID=1, SLURM_STEP_NODELIST=node[01-03,07], SLURM_JOB_ID=123456); rendezvous node01:13456") in out
