@@ -7,15 +7,28 @@ first renamed to ``.name.old-<token>`` and deleted only once the new one is in p
 crash between the two renames leaves both complete siblings, and ``resolve`` finds them.
 Leftovers (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned up by the
 next writer. A directory is a complete checkpoint iff it holds ``manifest.json``.
+
+One writer per directory: every write holds an exclusive ``flock`` on the parent directory
+itself (``writing``; no lock file is created), and so does rank 0 of each ``run`` with
+``Checkpoints`` for the run's whole duration. A second process that tries to write there
+meanwhile gets a ``CheckpointError``, never a checkpoint written over another's: two jobs
+sharing one directory would otherwise delete each other's temporary folders while cleaning
+up. The kernel releases the lock when its process dies, so a leftover found under the lock
+is provably a dead writer's and is cleaned up. The lock is reentrant within a process (a
+``run``'s background thread writes under the run's lock). Where the file system has no
+``flock`` on directories (some NFS mounts), writes go on unguarded, as before; on a shared
+file system that has it, the lock holds across hosts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,6 +36,62 @@ from accelfn.checkpoint._format import MANIFEST
 from accelfn.errors import CheckpointError
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{16}$")
+
+
+_held: dict[Path, list[int]] = {}  # directory -> [descriptor, depth] while this process holds its lock
+_held_guard = threading.Lock()
+
+
+def acquire(directory: Path) -> Path:
+    """Takes this process's exclusive write lock on ``directory`` (reentrant; give it back
+    with ``release``), creating the directory when needed.
+
+    Raises:
+        CheckpointError: another process holds the lock (the message says how to fix it).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    key = directory.resolve()
+    with _held_guard:
+        if key in _held:
+            _held[key][1] += 1
+            return key
+        fd = os.open(key, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"{directory} is being written by another process (it holds the directory's write lock, a "
+                "flock): two jobs must not write one checkpoint directory at once, they would replace each "
+                "other's checkpoints. Give each job its own directory, or start the processes of one job so "
+                "that they form one world (`accelfn launch`, `srun`, `mpirun`: rank 0 writes for all)"
+            ) from None
+        except OSError:  # a file system without flock on directories: unguarded, as before
+            os.close(fd)
+            fd = -1
+        _held[key] = [fd, 1]
+        return key
+
+
+def release(lock: Path) -> None:
+    """Gives back one ``acquire`` (``lock`` is what it returned); the last one unlocks."""
+    with _held_guard:
+        entry = _held[lock]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[lock]
+            if entry[0] >= 0:
+                os.close(entry[0])  # closing the only descriptor releases the flock
+
+
+@contextlib.contextmanager
+def writing(directory: Path) -> Iterator[None]:
+    """Holds the write lock of ``directory`` (see ``acquire``) for the ``with`` block."""
+    lock = acquire(directory)
+    try:
+        yield
+    finally:
+        release(lock)
 
 
 def is_complete(path: Path) -> bool:
@@ -67,7 +136,8 @@ def _mtime(path: Path) -> float:
 
 
 def recover(target: Path) -> None:
-    """Finishes an interrupted replace of ``target`` and deletes its other leftovers (writer only)."""
+    """Finishes an interrupted replace of ``target`` and deletes its other leftovers (a
+    writer holding the directory's lock: any leftover is then a dead writer's)."""
     found = resolve(target)
     if found is not None and found != target and not target.exists():
         os.rename(found, target)
@@ -106,10 +176,15 @@ def write_directory(target: Path, fill: Callable[[Path], None]) -> None:
     (fsynced) and, last, ``manifest.json``.
 
     Raises:
-        CheckpointError: ``target`` exists and is neither a checkpoint nor an empty directory.
+        CheckpointError: ``target`` exists and is neither a checkpoint nor an empty
+            directory, or another process is writing in its parent directory.
         Whatever ``fill`` raises; the temporary directory is then removed, ``target`` untouched.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with writing(target.parent):
+        _write_directory(target, fill)
+
+
+def _write_directory(target: Path, fill: Callable[[Path], None]) -> None:
     _check_replaceable(target)
     recover(target)
     tmp = _sibling(target, "tmp")

@@ -174,11 +174,12 @@ class Checkpoints:
         """
         path = self.path_for(state.step)
         main = backend.is_main_process if backend is not None else collectives.rank() == 0
-        if main:
-            self._recover()
-        write(state, path, backend, program=program)
-        if main:
-            self._retain(state.step)
+        with _atomic.writing(self.directory) if main else contextlib.nullcontext():
+            if main:
+                self._recover()
+            write(state, path, backend, program=program)
+            if main:
+                self._retain(state.step)
         return path
 
     def schedule(self, backend: ProcessContext, *, program: Step | None, timeout_s: float) -> Schedule:
@@ -188,17 +189,22 @@ class Checkpoints:
             backend: the run's process context (its ranks agree on the clock).
             program: the program, whose transforms each manifest records.
             timeout_s: how long a rank waits for the others' agreement (seconds).
+
+        Raises:
+            CheckpointError: another process is writing in ``directory`` (rank 0 holds the
+                directory's write lock from here until the schedule's ``close``).
         """
         return Schedule(self, backend, program=program, timeout_s=timeout_s)
 
     def _write(self, path: Path, write_files: Callable[[Path], None]) -> None:
         """Rank 0's writing of ``path`` (in a background thread): finishes or removes
         leftovers of interrupted writes, writes, then applies ``keep``."""
-        self._recover()
-        write_files(path)
-        step = self.step_of(path)
-        assert step is not None, "path_for made the path"
-        self._retain(step)
+        with _atomic.writing(self.directory):
+            self._recover()
+            write_files(path)
+            step = self.step_of(path)
+            assert step is not None, "path_for made the path"
+            self._retain(step)
 
     def _recover(self) -> None:
         for name in {n for n, _, _ in _atomic.leftovers(self.directory) if _STEP_DIR.match(n)}:
@@ -354,6 +360,16 @@ class Schedule:
         self._failure: Agreement | None = None
         if self._background is not None and backend.world_size > 1:
             self._failure = Agreement(backend.world_size, timeout_s)
+        self._lock: Path | None = None  # the directory's write lock, rank 0's for the whole run
+        failure = None
+        if backend.is_main_process:
+            try:
+                self._lock = _atomic.acquire(policy.directory)
+            except CheckpointError as e:
+                failure = e
+        collectives.outcome_of_rank_0(failure, lambda: CheckpointError(
+            f"rank 0 cannot write in {policy.directory}: another process is writing there; rank 0's error says which"),
+            device=backend.collective_device)
 
     def save(self, state: TrainState) -> Path:
         """Saves ``state`` now and waits for it (a collective), then applies ``keep``; a
@@ -437,6 +453,9 @@ class Schedule:
         finally:
             if self._failure is not None:
                 self._failure.close(wait=ok)
+            if self._lock is not None:
+                _atomic.release(self._lock)
+                self._lock = None
 
     def latest_agreed(self) -> Path | None:
         """The latest complete checkpoint as rank 0 sees it, on every rank (a collective)."""

@@ -67,7 +67,8 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
         TypeError: ``state`` is not a TrainState, or ``path`` not a path.
         CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
             (nothing is ever deleted that accelfn did not write), rank 0 (or, sharded, any
-            rank) failed to write, or some rank did not call ``save`` (rank 0 names it).
+            rank) failed to write, some rank did not call ``save`` (rank 0 names it), or
+            another process is writing in ``path``'s parent directory (its write lock).
         ValueError: the optimizer updates a tensor that is not a parameter of the model;
             ``path`` is a file or lies under one (checked before anything is gathered).
         PermissionError: ``path`` cannot be created by this process.

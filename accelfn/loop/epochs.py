@@ -188,7 +188,12 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
         state.model.train()
     schedule = (checkpoints.schedule(backend, program=step, timeout_s=backend.env.timeout_s)
                 if checkpoints is not None else None)
-    state = resume_state(state, schedule, resume, backend, program=step, data=data)
+    try:
+        state = resume_state(state, schedule, resume, backend, program=step, data=data)
+    except BaseException:
+        if schedule is not None:  # gives back the checkpoint directory's write lock
+            schedule.close(ok=False)
+        raise
     if continue_after_stop and state.stopped is not None:
         state = state.replace(stopped=None)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
