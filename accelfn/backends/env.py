@@ -2,7 +2,8 @@
 
 ``torchrun`` (and so ``accelfn launch``) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``accelfn launch`` also sets
-``ACCELFN_BACKEND``, ``ACCELFN_PRECISION``, ``ACCELFN_ACCUMULATE``, ``ACCELFN_COMPILE`` and
+``ACCELFN_BACKEND``, ``ACCELFN_PRECISION``, ``ACCELFN_ACCUMULATE``, ``ACCELFN_SHARD_PARAMS``,
+``ACCELFN_COMPILE`` and
 ``ACCELFN_TIMEOUT_S``. Other engines (Slurm's ``srun``, ``mpirun``, Kubeflow) set variables of
 their own, mapped to the same world by ``engines.py``. Nothing else in accelfn reads the
 environment.
@@ -23,8 +24,11 @@ from accelfn.step import Step
 from accelfn.transforms import (
     Accumulate,
     Compile,
+    Replicate,
+    ShardParams,
     WithPrecision,
     accumulate,
+    shard_params,
     with_precision,
 )
 from accelfn.transforms import compile as compile_transform
@@ -34,6 +38,49 @@ DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
 #: set by ``accelfn launch`` beside ``ACCELFN_PRECISION``: where the policy came from
 PRECISION_FROM_ENV = "ACCELFN_PRECISION_FROM"
+#: ``accelfn launch --shard-params`` without options
+SHARD_PARAMS_DEFAULTS = "defaults"
+#: the options of ``shard_params`` a launch may set, and how each value is read
+_SHARD_OPTIONS = {"reshard_after_forward": "bool", "offload": "bool", "reduce_every_micro_batch": "bool",
+                  "shard_size": "size"}
+
+
+def parse_shard_params(text: str) -> ShardParams:
+    """The ``shard_params`` transform a launch asks for: ``"defaults"`` (``shard_params()``)
+    or options as ``name=value`` pairs separated by commas, e.g.
+    ``"shard_size=node,reshard_after_forward=false"``; options: ``reshard_after_forward``,
+    ``offload``, ``reduce_every_micro_batch`` (true/false) and ``shard_size`` (an int,
+    ``node`` or ``all``). Module units are the script's business (``units`` is not an option).
+
+    Raises:
+        ValueError: an unknown option, a pair without ``=``, or a value the option refuses.
+    """
+    if text.strip() == SHARD_PARAMS_DEFAULTS:
+        return shard_params()
+    options: dict[str, object] = {}
+    for pair in text.split(","):
+        name, sep, value = (part.strip() for part in pair.partition("="))
+        if not sep or name not in _SHARD_OPTIONS:
+            raise ValueError(f"shard_params={text!r}: {pair.strip()!r} is not an option; give {SHARD_PARAMS_DEFAULTS!r} "
+                             f"or name=value pairs separated by commas, names: {', '.join(_SHARD_OPTIONS)}")
+        lowered = value.lower()
+        if _SHARD_OPTIONS[name] == "bool":
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError(f"shard_params={text!r}: {name}={value!r} must be true or false")
+            options[name] = lowered in ("true", "1")
+        else:
+            options[name] = None if lowered == "all" else "node" if lowered == "node" else _size(text, value)
+    try:
+        return shard_params(**options)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"shard_params={text!r}: {e}") from None
+
+
+def _size(text: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"shard_params={text!r}: shard_size={value!r} must be an int, node or all") from None
 
 
 @attrs.frozen
@@ -58,6 +105,8 @@ class LaunchEnv:
             (``accelfn launch``), ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"kubeflow"``, or
             ``"none"`` (one process); see ``accelfn/backends/engines.py``.
         engine_vars: the engine's variables the world was read from, ``(name, value)`` pairs.
+        shard_params: ``accelfn launch --shard-params``: the ``shard_params`` transform for
+            scripts that set none (it replaces a script's ``replicate()``); None: the script's.
     """
 
     rank: int = 0
@@ -74,6 +123,7 @@ class LaunchEnv:
     precision_from: str | None = None
     engine: str = "none"
     engine_vars: tuple[tuple[str, str], ...] = ()
+    shard_params: ShardParams | None = None
 
     @property
     def env_rendezvous(self) -> bool:
@@ -95,7 +145,8 @@ class LaunchEnv:
                 a multi-process world without a rendezvous address, an engine that says
                 several processes while the one detected says one, an unknown backend or
                 precision name, an accumulation count below 1, a compile flag other than
-                1/0/true/false, or a timeout that is not > 0; the message names the variable
+                1/0/true/false, a ``shard_params`` spec that does not parse, or a timeout that
+                is not > 0; the message names the variable
                 and how the process should be started.
         """
         env = os.environ if environ is None else environ
@@ -109,6 +160,12 @@ class LaunchEnv:
         accumulate = _int(env, "ACCELFN_ACCUMULATE", 0) if env.get("ACCELFN_ACCUMULATE") else None
         if accumulate is not None and accumulate < 1:
             raise LaunchError(f"ACCELFN_ACCUMULATE={accumulate} must be >= 1 micro-batches per update")
+        sharded = None
+        if env.get("ACCELFN_SHARD_PARAMS"):
+            try:
+                sharded = parse_shard_params(env["ACCELFN_SHARD_PARAMS"])
+            except ValueError as e:
+                raise LaunchError(f"ACCELFN_SHARD_PARAMS: {e}") from None
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
@@ -118,7 +175,7 @@ class LaunchEnv:
             backend=backend, precision=precision, accumulate=accumulate,
             compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
-            engine=world.engine, engine_vars=world.taken,
+            engine=world.engine, engine_vars=world.taken, shard_params=sharded,
         )
 
 
@@ -169,10 +226,11 @@ def launcher_environment(backend: str | None) -> dict[str, str]:
 
 
 def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
-    """``step`` with the transforms ``accelfn launch --precision/--accumulate/--compile``
-    asked for, added where the script set none of that kind. A script's own transform
-    wins, with a warning (when ``warn``: the main process, once per job) where it differs
-    from the launch's."""
+    """``step`` with the transforms ``accelfn launch --precision/--accumulate/--shard-params/
+    --compile`` asked for, added where the script set none of that kind (``--shard-params``
+    replaces the script's ``replicate()``: the launch chooses sharded over data parallel). A
+    script's own transform wins, with a warning (when ``warn``: the main process, once per
+    job) where it differs from the launch's."""
     if env.precision is not None:
         present = step.find(WithPrecision)
         if present is None:
@@ -189,6 +247,13 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
             step = accumulate(env.accumulate)(step)
         elif window.num_micro_batches != env.accumulate and warn:
             _overridden(f"accelfn launch --accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+    if env.shard_params is not None:
+        sharded = step.find(ShardParams)
+        if sharded is None:  # data parallel by replicate(), or not at all: sharded instead
+            step = attrs.evolve(step, transforms=tuple(t for t in step.transforms if not isinstance(t, Replicate)))
+            step = env.shard_params(step)
+        elif sharded != env.shard_params and warn:
+            _overridden(f"accelfn launch --shard-params ({env.shard_params!r})", repr(sharded))
     if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
         step = compile_transform()(step)
     return step

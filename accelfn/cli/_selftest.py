@@ -102,7 +102,8 @@ def self_test(config: _config.LaunchConfig, *, fault: str | None = None, stdout:
         raise LaunchError(f"accelfn test checks this machine, so it needs --nnodes 1, not {config.nnodes}")
     # the checks set their own transforms: the defaults a config adds to scripts stay out
     config = attrs.evolve(config, master_addr=None, master_port=None, rdzv_endpoint=None, node_rank=0,
-                          max_restarts=0, precision=None, accumulate=None, compile=False)
+                          max_restarts=0, precision=None, accumulate=None, compile=False,
+                          shard_params=None)
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
 
     def line(status: str, name: str, detail: str) -> None:

@@ -24,6 +24,7 @@ from accelfn._version import __version__
 from accelfn.backends.env import (
     BACKEND_NAMES,
     PRECISION_FROM_ENV,
+    SHARD_PARAMS_DEFAULTS,
     LaunchEnv,
     launcher_environment,
 )
@@ -76,6 +77,10 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         help="precision policy for scripts that set none with af.with_precision (default: fp32)")
     add("--accumulate", type=int, metavar="N",
         help="micro-batches per optimizer update for scripts that set none with af.accumulate (default: 1)")
+    add("--shard-params", "--shard_params", action="store_const", const=SHARD_PARAMS_DEFAULTS,
+        help="add af.shard_params() to scripts that set none, replacing their af.replicate() (default: the script's)")
+    add("--shard-params-options", dest="shard_params", metavar="OPTIONS",
+        help="as --shard-params, with options: name=value pairs such as shard_size=node,reshard_after_forward=false")
     add("--compile", action=argparse.BooleanOptionalAction,
         help="add af.compile() (torch.compile) to scripts that set none (default: no)")
     add("--gpu-ids", "--gpu_ids", metavar="IDS",

@@ -21,7 +21,7 @@ import attrs
 import cattrs
 import yaml
 
-from accelfn.backends.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S
+from accelfn.backends.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S, parse_shard_params
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
 
@@ -69,6 +69,13 @@ _GPU_ID = r"(?:\d+|(?:GPU|MIG)-[A-Za-z0-9-]+)"  # an index, or a GPU-/MIG- UUID
 _GPU_IDS = re.compile(rf"all|(?:{_GPU_ID}(?:,{_GPU_ID})*)?")  # "" hides every GPU
 
 
+def _shard_spec(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        if not isinstance(value, str):
+            raise TypeError(f"shard_params must be a string such as \"defaults\" or \"shard_size=node\", got {value!r}")
+        parse_shard_params(value)  # ValueError naming the option
+
+
 def _boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{attribute.name} must be true or false, got {value!r}")
@@ -102,6 +109,9 @@ class LaunchConfig:
         gpu_ids: the GPUs the workers may use, ``"0,1"`` (set as ``CUDA_VISIBLE_DEVICES``),
             or ``"all"`` (``CUDA_VISIBLE_DEVICES`` removed); None: the environment's.
         timeout_s: seconds a collective (and process group creation) may wait for a rank.
+        shard_params: ``af.shard_params`` for scripts that set none, replacing their
+            ``replicate()``: ``"defaults"``, or options such as ``"shard_size=node,offload=false"``
+            (see ``accelfn.backends.env.parse_shard_params``); None: the script's.
     """
 
     nproc_per_node: int = attrs.field(default=1, validator=_at_least(1))
@@ -119,6 +129,7 @@ class LaunchConfig:
     compile: bool = attrs.field(default=False, validator=_boolean)
     gpu_ids: str | None = attrs.field(default=None, validator=_gpu_ids)
     timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S, validator=_positive_seconds)
+    shard_params: str | None = attrs.field(default=None, validator=_shard_spec)
 
     def check(self) -> None:
         """Checks that the fields make a launchable job together.
@@ -183,7 +194,7 @@ class LaunchConfig:
         None removes the variable (``gpu_ids="all"``); a field that is None sets nothing."""
         env: dict[str, str | None] = {WORKER_ENV["timeout_s"]: f"{self.timeout_s:g}",
                                       WORKER_ENV["compile"]: "1" if self.compile else "0"}
-        for name in ("backend", "precision", "accumulate"):
+        for name in ("backend", "precision", "accumulate", "shard_params"):
             value = getattr(self, name)
             if value is not None:
                 env[WORKER_ENV[name]] = str(value)
@@ -198,7 +209,8 @@ class LaunchConfig:
 #: the launch options passed to the workers as environment variables, by field; the same
 #: variables, set in the environment of ``accelfn launch``, override the config files
 WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION",
-              "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES"}
+              "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES",
+              "shard_params": "ACCELFN_SHARD_PARAMS"}
 #: set by ``accelfn launch`` for its workers: the ``ACCELFN_*`` variables of ``WORKER_ENV`` it
 #: set itself, as ``NAME=value`` lines. A launch started inside a worker (a sweep driver, an
 #: evaluation job) does not take a variable that still holds the value listed here as a
