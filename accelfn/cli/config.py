@@ -211,6 +211,10 @@ class LaunchConfig:
 WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION",
               "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES",
               "shard_params": "ACCELFN_SHARD_PARAMS"}
+#: Kubeflow Trainer v2's variables for torchrun (``PET_*``: torchrun's own option names),
+#: read as launch options below the variables of ``WORKER_ENV`` (not passed to workers)
+ENGINE_ENV = {"nproc_per_node": "PET_NPROC_PER_NODE", "nnodes": "PET_NNODES", "node_rank": "PET_NODE_RANK",
+              "master_addr": "PET_MASTER_ADDR", "master_port": "PET_MASTER_PORT"}
 #: set by ``accelfn launch`` for its workers: the ``ACCELFN_*`` variables of ``WORKER_ENV`` it
 #: set itself, as ``NAME=value`` lines. A launch started inside a worker (a sweep driver, an
 #: evaluation job) does not take a variable that still holds the value listed here as a

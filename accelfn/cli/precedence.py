@@ -5,7 +5,9 @@
     1  a flag on the command line                 --precision bf16
     2  the environment                            ACCELFN_PRECISION=bf16 (WORKER_ENV), but
                                                   for a value an outer launch set for its
-                                                  workers (LAUNCHER_SET_ENV): not the user's
+                                                  workers (LAUNCHER_SET_ENV): not the user's;
+                                                  below them, Kubeflow Trainer v2's PET_NNODES,
+                                                  PET_NPROC_PER_NODE, ... (ENGINE_ENV)
     3  the chosen config file: --config FILE, else $ACCELFN_CONFIG_FILE, else ./accelfn.yaml
     4  the user's config file                     $XDG_CONFIG_HOME/accelfn/config.yaml
                                                   (~/.config/accelfn/config.yaml)
@@ -28,6 +30,7 @@ import attrs
 
 from accelfn.cli.config import (
     DEFAULT_CONFIG_FILE,
+    ENGINE_ENV,
     WORKER_ENV,
     LaunchConfig,
     launcher_set,
@@ -85,9 +88,10 @@ def chosen_config_file(path: str | os.PathLike[str] | None, environ: Mapping[str
     return local if local.is_file() else None
 
 
-def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
-    """The options set by variables of ``WORKER_ENV`` in ``environ``, parsed and checked;
-    a variable an outer ``accelfn launch`` set for this process (``launcher_set``) is not one.
+def _environment(environ: Mapping[str, str], variables: Mapping[str, str] = WORKER_ENV) -> dict[str, Any]:
+    """The options set by ``variables`` (by field; ``WORKER_ENV`` or ``ENGINE_ENV``) in
+    ``environ``, parsed and checked; a variable an outer ``accelfn launch`` set for this
+    process (``launcher_set``) is not one.
 
     Raises:
         LaunchError: a value that does not parse, or that the field refuses.
@@ -95,7 +99,7 @@ def _environment(environ: Mapping[str, str]) -> dict[str, Any]:
     kinds = attrs.fields_dict(attrs.resolve_types(LaunchConfig))
     found = {}
     passed = launcher_set(environ)  # an outer launch's options for its own workers
-    for name, variable in WORKER_ENV.items():
+    for name, variable in variables.items():
         text = environ.get(variable)
         if text is None or (text == "" and name != "gpu_ids") or variable in passed:
             continue
@@ -128,7 +132,7 @@ def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.Pat
         flags: options given on the command line, by field name (None values ignored).
         config_file: the file named by ``--config``, or None.
         environ: the environment (default ``os.environ``): ``ACCELFN_CONFIG_FILE``,
-            ``XDG_CONFIG_HOME``, ``HOME`` and the variables of ``WORKER_ENV``.
+            ``XDG_CONFIG_HOME``, ``HOME`` and the variables of ``WORKER_ENV`` and ``ENGINE_ENV``.
         cwd: the working directory, where ``accelfn.yaml`` is looked for.
 
     Returns:
@@ -153,9 +157,10 @@ def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.Pat
         values.update({key: getattr(config, key) for key in keys})
         sources.update(dict.fromkeys(keys, str(path)))
         files.append(path)
-    from_env = _environment(env)
-    values.update(from_env)
-    sources.update({name: WORKER_ENV[name] for name in from_env})
+    for variables in (ENGINE_ENV, WORKER_ENV):
+        from_env = _environment(env, variables)
+        values.update(from_env)
+        sources.update({name: variables[name] for name in from_env})
     given = {name: value for name, value in (flags or {}).items() if value is not None}
     values.update(given)
     sources.update({name: "--" + name.replace("_", "-") for name in given})

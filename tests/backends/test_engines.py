@@ -6,7 +6,7 @@ import pytest
 
 from accelfn.backends import LaunchEnv
 from accelfn.backends.engines import expand_hostlist, tasks_per_node
-from accelfn.cli import main
+from accelfn.cli import main, precedence
 from accelfn.errors import LaunchError
 
 # what srun sets for task 3 of `srun --nodes=4 --ntasks=7` whose nodes run 2, 2, 2 and 1 tasks
@@ -150,3 +150,19 @@ def test_accelfn_env_names_the_engine_and_the_values_it_took(monkeypatch: pytest
     assert "launch environment: rank 3 of world size 7 (local rank 1 of 2)" in out
     assert ("launch engine: slurm (SLURM_PROCID=3, SLURM_NTASKS=7, SLURM_LOCALID=1, SLURM_STEP_TASKS_PER_NODE=2(x3),1, "
             "SLURM_NODEID=1, SLURM_STEP_NODELIST=node[01-03,07], SLURM_JOB_ID=123456); rendezvous node01:13456") in out
+
+
+def test_kubeflow_trainer_v2_s_pet_variables_configure_accelfn_launch(tmp_path) -> None:
+    """A TrainJob node's PET_* variables become accelfn launch's nodes, processes per node,
+    node rank and static rendezvous; a flag still wins over them, and a bad one names it."""
+    pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "trainjob-node-0-0",
+           "PET_MASTER_PORT": "29400", "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+    resolved = precedence.resolve(None, environ=pet, cwd=tmp_path)
+    assert resolved.config.torchrun_args()[:4] == ["--nnodes", "2", "--nproc-per-node", "4"]
+    assert resolved.config.torchrun_args()[6:12] == ["--master-addr", "trainjob-node-0-0", "--master-port", "29400",
+                                                     "--node-rank", "1"]
+    assert resolved.sources["nproc_per_node"] == "PET_NPROC_PER_NODE"
+    flagged = precedence.resolve({"nproc_per_node": 2}, environ=dict(pet, ACCELFN_TIMEOUT_S="9"), cwd=tmp_path)
+    assert (flagged.config.nproc_per_node, flagged.config.timeout_s) == (2, 9.0)
+    with pytest.raises(LaunchError, match="PET_NPROC_PER_NODE='auto': must be an int"):
+        precedence.resolve(None, environ=dict(pet, PET_NPROC_PER_NODE="auto"), cwd=tmp_path)
