@@ -243,7 +243,7 @@ def _report(args: argparse.Namespace) -> int:
         out.write(f"launch environment: rank {env.rank} of world size {env.world_size} "
                   f"(local rank {env.local_rank} of {env.local_world_size}), backend {env.backend}, "
                   f"precision {env.precision}, accumulate {env.accumulate}, compile {'yes' if env.compile else 'no'}, "
-                  f"timeout {env.timeout_s:g} s\n")
+                  f"timeout {env.timeout_s:g} s, shard_params {env.shard_params!r}\n")
         taken = ", ".join(f"{name}={value}" for name, value in env.engine_vars)
         out.write(f"launch engine: {env.engine}{f' ({taken})' if taken else ''}; rendezvous "
                   f"{f'{env.master_addr}:{env.master_port}' if env.master_addr else 'none'}\n")
