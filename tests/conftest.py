@@ -4,8 +4,11 @@ the background as soon as its test is selected (``tests/helpers/background.py``)
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,11 +52,51 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pools]:
 
 
 _MYPY = pytest.StashKey[background.Mypy]()
+_MYPY_OUTPUT = "accelfn_mypy_output"  # the controller's mypy output file, in each xdist worker's workerinput
+
+
+def _distributing(config: pytest.Config) -> bool:
+    """This process is pytest-xdist's controller of worker processes."""
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controller starts mypy before its workers (when the run's
+    paths include the mypy test's), so that it runs once, whichever worker gets the test."""
+    if _distributing(config):
+        test = Path(str(config.rootpath / background.MYPY_TEST.partition("::")[0]))
+        for arg in config.args:
+            path, _, name = arg.partition("::")
+            if (test == Path(path).resolve() or Path(path).resolve() in test.parents) and \
+                    name in ("", background.MYPY_TEST.partition("::")[2]):
+                config.stash[_MYPY] = background.Mypy()
+                break
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """Each pytest-xdist worker gets the path of the controller's mypy output."""
+    if _MYPY in node.config.stash:
+        node.workerinput[_MYPY_OUTPUT] = str(node.config.stash[_MYPY].output)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker per CPU this process may use, at most 4,
+    when the run names a directory (the whole suite); none, so that tests run in this
+    process, when it names only test files or tests (a developer's run of a few tests)."""
+    if all(Path(arg.partition("::")[0]).is_file() for arg in config.args):
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Starts mypy at once when its test will run, so that it runs beside the other tests."""
-    if any(item.nodeid == background.MYPY_TEST for item in session.items):
+    """Starts mypy at once when its test will run, so that it runs beside the other tests
+    (in the controller instead under pytest-xdist)."""
+    workerinput = getattr(session.config, "workerinput", {})
+    if _MYPY_OUTPUT in workerinput:
+        session.config.stash[_MYPY] = background.Mypy.attach(workerinput[_MYPY_OUTPUT])
+    elif not workerinput and any(item.nodeid == background.MYPY_TEST for item in session.items):
         session.config.stash[_MYPY] = background.Mypy()
 
 
@@ -63,6 +106,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture
-def mypy(request: pytest.FixtureRequest) -> background.Mypy:
+def mypy(request: pytest.FixtureRequest) -> Iterator[background.Mypy]:
     """The session's background mypy run (one started now if there is none)."""
-    return request.config.stash.get(_MYPY, None) or background.Mypy()
+    started = request.config.stash.get(_MYPY, None)
+    run = started or background.Mypy()
+    yield run
+    if started is None:
+        run.stop()

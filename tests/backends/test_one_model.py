@@ -1,5 +1,6 @@
-"""What "the model" is across ranks: one launch of tests/workers/one_model.py (2 processes),
-each claim compared with a reference written by hand in PyTorch here."""
+"""What "the model" is across ranks: one run of tests/workers/one_model.py on 2 processes (in
+the worker pool: its subject is the model, not the launch), each claim compared with a
+reference written by hand in PyTorch here."""
 
 from __future__ import annotations
 
@@ -14,16 +15,17 @@ import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers import sharded as S
+from tests.helpers.pool import Pools
 from tests.workers.one_model import EVAL_X, Normed
 
 pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("one_model")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="one_model.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="one_model.py",
+                script_args=("--out", out), cwd=out)
     return {"json": _launch.read_ranks(out, 2), "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)],
             "out": out}
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from accelfn.cli import commands as cli
 from tests.helpers import launch as _launch
 
 pytestmark = pytest.mark.multiprocess
@@ -16,18 +17,30 @@ pytestmark = pytest.mark.multiprocess
 EXAMPLE = _launch.ROOT / "examples" / "digits.py"
 
 
-def test_two_jobs_started_at_once_both_succeed(tmp_path: Path) -> None:
-    """Two `accelfn launch --nproc-per-node 2` jobs started together on one machine both form a world of 2."""
-    outs = [tmp_path / "a", tmp_path / "b"]
+def write_config(*flags: str | Path) -> None:
+    """`accelfn config FLAGS...`, run in this process (the command is the same; only the
+    launches below need processes of their own)."""
+    assert cli.main(["config", *map(str, flags)]) == 0
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two `accelfn launch --nproc-per-node 2 hello.py` jobs started together; the first one's
+    script also gets a stray `--tag=--nproc-per-node=7` (one launch, two tests' claims)."""
+    outs = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
     procs = []
-    for out in outs:
-        out.mkdir()
+    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], [])):
         procs.append(_launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
-                                   _launch.WORKERS / "hello.py", "--out", out, cwd=out))
+                                   _launch.WORKERS / "hello.py", "--out", out, *extra, cwd=out))
     for proc in procs:
         _launch.assert_ok(_launch.finish(proc))
+    return outs
+
+
+def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Path]) -> None:
+    """Two `accelfn launch --nproc-per-node 2` jobs started together on one machine both form a world of 2."""
     ports = []
-    for out in outs:
+    for out in two_jobs:
         ranks = _launch.read_ranks(out, 2)
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["world_size"] == 2 and r["sum_of_ranks_plus_one"] == 3.0 for r in ranks)
@@ -55,11 +68,9 @@ def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:
         assert r["sum_of_ranks_plus_one"] == 3.0
 
 
-def test_script_with_a_stray_local_rank_option_runs(tmp_path: Path) -> None:
+def test_script_with_a_stray_local_rank_option_runs(two_jobs: list[Path]) -> None:
     """A script that declares --local_rank and parses strictly gets only its own arguments, unchanged."""
-    _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="hello.py",
-                   script_args=("--out", tmp_path, "--tag=--nproc-per-node=7"), cwd=tmp_path)
-    for rank, r in enumerate(_launch.read_ranks(tmp_path, 2)):
+    for rank, r in enumerate(_launch.read_ranks(two_jobs[0], 2)):
         assert r["rank"] == r["local_rank"] == rank
         assert r["stray_local_rank"] == -1  # nothing was passed to it: ranks come from the environment
         assert r["tag"] == "--nproc-per-node=7"  # an option of the launcher's, after the script, is the script's
@@ -68,8 +79,7 @@ def test_script_with_a_stray_local_rank_option_runs(tmp_path: Path) -> None:
 def test_config_file_round_trip_with_a_flag_override(tmp_path: Path) -> None:
     """`accelfn config` writes a file that `accelfn launch --config` applies, a flag overriding one field."""
     config = tmp_path / "launch.yaml"
-    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16",
-                "--timeout-s", "45", "-o", config, cwd=tmp_path)
+    write_config("--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "45", "-o", config)
     _launch.launch("--config", config, "--precision", "fp16", script="hello.py", script_args=("--out", tmp_path),
                    cwd=tmp_path)
     for r in _launch.read_ranks(tmp_path, 2):
@@ -81,17 +91,17 @@ def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path
     """ACCELFN_* variables already set reach the workers over the config file's values and
     the defaults; a flag overrides them."""
     config = tmp_path / "launch.yaml"
-    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16",
-                "--timeout-s", "45", "-o", config, cwd=tmp_path)
+    write_config("--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "45", "-o", config)
     env = _launch.environment(ACCELFN_TIMEOUT_S="33", ACCELFN_PRECISION="fp16")
     _launch.launch("--config", config, "--precision", "fp32", script="hello.py", script_args=("--out", tmp_path),
                    cwd=tmp_path, env=env)
     assert [(r["precision"], r["timeout_s"]) for r in _launch.read_ranks(tmp_path, 2)] == [("fp32", 33.0)] * 2
 
 
-def test_default_config_file_in_the_working_directory_is_used(tmp_path: Path) -> None:
+def test_default_config_file_in_the_working_directory_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --config, launch reads ./accelfn.yaml and says so."""
-    _launch.run("config", "--nproc-per-node", "2", "--precision", "bf16", "--backend", "cpu", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    write_config("--nproc-per-node", "2", "--precision", "bf16", "--backend", "cpu")
     assert (tmp_path / "accelfn.yaml").is_file()
     result = _launch.launch(script="hello.py", script_args=("--out", tmp_path), cwd=tmp_path)
     assert "using the launch config accelfn.yaml" in result.stderr

@@ -80,8 +80,9 @@ def test_the_precision_override_warning_is_printed_once_naming_the_config_file(t
     """A 2-process launch whose config file asks for bf16, of a script with
     with_precision('fp16'), warns once (the main process), naming the file, not --precision."""
     (tmp_path / "train.py").write_text(_FP16_SCRIPT)
-    _launch.run("config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "60",
-                "-o", tmp_path / "launch.yaml", cwd=tmp_path)
+    # `accelfn config`, in this process: only the launch needs processes of its own
+    assert cli.main(["config", "--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s",
+                     "60", "-o", str(tmp_path / "launch.yaml")]) == 0
     result = _launch.launch("--config", "launch.yaml", script=tmp_path / "train.py", cwd=tmp_path)
     assert "prepared on 2 processes" in result.stdout
     assert result.stderr.count("is overridden by the script's") == 1, result.stderr

@@ -65,13 +65,14 @@ def _assert_learned_and_reported_once(stdout: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path):
+def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path, pool: Pools):
     """``accelfn launch --nproc-per-node 2 examples/byte_lm.py`` trains, lowers the held-out
-    loss, and prints its report and a text sample once (from the main process)."""
+    loss, and prints its report and a text sample once (from the main process). In the worker
+    pool: the real launch of an example is tests/cli/test_launch.py's digits test."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    result = _launch.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120", script=EXAMPLE,
-                            script_args=(*flags, "--run-dir", tmp_path / "run", "--every-steps", "10",
-                                         "--sample-bytes", "20"), cwd=tmp_path)
+    result = pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script=EXAMPLE,
+                         script_args=(*flags, "--run-dir", tmp_path / "run", "--every-steps", "10",
+                                      "--sample-bytes", "20"), cwd=tmp_path)
     _assert_learned_and_reported_once(result.stdout)
     assert af.Checkpoints(tmp_path / "run" / "ckpt").steps() == [20, 30]
 
@@ -79,7 +80,7 @@ def test_byte_lm_runs_under_accelfn_launch_with_two_processes(tmp_path):
 @pytest.mark.multiprocess
 def test_byte_lm_trains_sharded_on_two_processes(tmp_path, pool: Pools):
     """``examples/byte_lm.py --shard`` on 2 processes (shard_params, each of 2 transformer
-    blocks one FSDP unit; in the worker pool, the launch itself is the test above's) lowers
+    blocks one FSDP unit; in the worker pool) lowers
     the held-out loss by over 1 nat per byte and prints its report and a sample once, sampled
     by both ranks (a sharded forward is collective)."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**TINY, "depth": 2}.items()]
