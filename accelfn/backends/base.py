@@ -32,7 +32,7 @@ from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.collectives import ProcessContext
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms import (
     Compile,
@@ -212,8 +212,7 @@ class Backend(ProcessContext, abc.ABC):
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
-        if not isinstance(state, TrainState):
-            raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
+        require_state("backend.prepare(step, state)", state)
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)
