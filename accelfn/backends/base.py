@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _distributed, _fsdp
+from accelfn.backends import _comm_hooks, _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -243,6 +243,7 @@ class Backend(ProcessContext, abc.ABC):
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        state = _comm_hooks.attach(state, model, self.device)  # a PowerSGD hook's state: in the TrainState
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
         return state, step_function(self, step, state, model)
