@@ -50,7 +50,7 @@ class PowerSGDHook:
         self.layouts: dict[int, tuple[int, ...]] = {}
 
     # unannotated: DDP checks a hook's annotations, and this module's are strings (__future__)
-    def __call__(self, state, bucket):  # type: ignore[no-untyped-def]
+    def __call__(self, state, bucket):
         index, order = bucket.index(), tuple(self._index[id(p)] for p in bucket.parameters())
         before = self.layouts.get(index)
         if before is not None and before != order and self.hook is powersgd.powerSGD_hook:
@@ -124,7 +124,7 @@ def register(ddp: DistributedDataParallel, replicate: Replicate) -> None:
     hook = replicate.comm_hook
     if hook is None:
         return
-    options = dict(replicate.comm_state)
+    options: dict[str, Any] = dict(replicate.comm_state)
     state: Any = None
     if hook in _POWERSGD:
         try:
@@ -153,7 +153,8 @@ def live_state(model: torch.nn.Module) -> PowerSGDHook | None:
 def record(hook: PowerSGDHook) -> PowerSGDMemory:
     """The live state as a record (its tensors referenced, not copied: a snapshot copies them)."""
     live = hook.state
-    _, keys, pos, has_gauss, gauss = live.rng.get_state()
+    rng: Any = live.rng.get_state()  # ('MT19937', keys, pos, has_gauss, cached_gaussian)
+    _, keys, pos, has_gauss, gauss = rng
     return PowerSGDMemory(
         iter=live.iter, error=dict(live.error_dict), p=dict(live.p_memory_dict), q=dict(live.q_memory_dict),
         rng_keys=torch.from_numpy(keys.astype(np.int64)), rng_pos=int(pos), rng_has_gauss=int(has_gauss),
