@@ -120,6 +120,8 @@ def register(ddp: DistributedDataParallel, replicate: Replicate) -> None:
     Raises:
         ValueError: options PowerSGDState does not take, or refuses; options for a hook that
             is not PowerSGD's.
+        NotImplementedError: DDP refuses the hook on this process group (torch's
+            ``bf16_compress_hook`` over gloo).
     """
     hook = replicate.comm_hook
     if hook is None:
@@ -142,7 +144,17 @@ def register(ddp: DistributedDataParallel, replicate: Replicate) -> None:
     if options:
         raise ValueError(f"replicate(comm_state={options!r}) holds PowerSGD's options, but comm_hook is "
                          f"{hook_name(hook)}, which takes none; leave comm_state out")
-    ddp.register_comm_hook(state, hook)
+    try:
+        ddp.register_comm_hook(state, hook)
+    except TypeError as e:  # torch's bf16 hook over gloo: it needs NCCL
+        raise NotImplementedError(f"replicate(comm_hook={hook_name(hook)}) on a {dist_backend(ddp)} process group: "
+                                  f"DDP refused it ({e}); use fp16_compress_hook or PowerSGD there, or run on "
+                                  "CUDA (NCCL)") from None
+
+
+def dist_backend(ddp: DistributedDataParallel) -> str:
+    """The name of the process group's backend DDP reduces over (``gloo``, ``nccl``)."""
+    return str(ddp.process_group.name()) if hasattr(ddp.process_group, "name") else "torch.distributed"
 
 
 def live_state(model: torch.nn.Module) -> PowerSGDHook | None:

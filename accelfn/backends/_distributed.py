@@ -186,6 +186,7 @@ def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
 
     Raises:
         ValueError: ``replicate.comm_state`` that its hook does not take.
+        NotImplementedError: a hook DDP refuses on this process group (bf16 over gloo).
     """
     if world_size == 1:
         return model
