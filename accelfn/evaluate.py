@@ -12,7 +12,7 @@ from accelfn import collectives
 from accelfn.backends.base import Backend
 from accelfn.data.batches import keyed_batches
 from accelfn.data.tree import map_tensors
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 
 Outputs = Any  # a tensor, or a tuple/list/dict of tensors, each of shape (batch, ...)
@@ -91,8 +91,7 @@ def evaluate(
     """
     if not callable(fn):
         raise TypeError(f"evaluate(fn, ...) needs a callable fn(model, batch), got {type(fn).__name__}")
-    if not isinstance(state, TrainState):
-        raise TypeError(f"evaluate() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    require_state("af.evaluate(fn, state, ...)", state)
     if not isinstance(backend, Backend):
         raise TypeError(f"evaluate(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
     if precision is not None and not isinstance(precision, Step):

@@ -8,6 +8,7 @@ The immutable *value* of a state is its :class:`~accelfn.Snapshot` (``af.snapsho
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -228,3 +229,36 @@ _new = object.__new__
 # each slot's descriptor setter, which the frozen record's __setattr__ does not go through
 (_set_model, _set_optimizer, _set_scheduler, _set_step, _set_micro_step, _set_epoch, _set_epoch_micro_step,
  _set_transforms_state, _set_extra, _set_stopped) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))
+
+
+def require_state(call: str, value: object) -> None:
+    """Raises unless ``value`` is a TrainState; the message names the call, what was passed
+    and what to use instead (a model or optimizer is wrapped by ``TrainState.create``; a dict
+    of tensors is not a state; a path where the state was due means swapped arguments).
+
+    Args:
+        call: the argument as the user wrote it, e.g. ``"af.save(state, ...)"`` or
+            ``"af.load(path, into=...)"``.
+        value: what was passed.
+
+    Raises:
+        TypeError: ``value`` is not a TrainState.
+    """
+    if isinstance(value, TrainState):
+        return
+    kind = type(value).__name__
+    if isinstance(value, torch.nn.Module):
+        hint = (f"got the model ({kind}) itself; wrap it with its optimizer first: "
+                "state = af.TrainState.create(model, optimizer)")
+    elif isinstance(value, torch.optim.Optimizer):
+        hint = (f"got the optimizer ({kind}) itself; wrap the model and it first: "
+                "state = af.TrainState.create(model, optimizer)")
+    elif isinstance(value, Mapping):
+        hint = (f"got a {kind}; a dict is not a state: build one with af.TrainState.create(model, optimizer) "
+                "and put objects with state_dict()/load_state_dict() in its extra={...} (to save a plain dict "
+                "of tensors use safetensors.torch.save_file)")
+    elif isinstance(value, (str, bytes, os.PathLike)):
+        hint = f"got a path ({value!r}); are the arguments swapped? The state is built by af.TrainState.create(model, optimizer)"
+    else:
+        hint = f"got a {kind}; build one with af.TrainState.create(model, optimizer)"
+    raise TypeError(f"{call} takes a TrainState, {hint}")

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from accelfn.backends import _comm_hooks
 from accelfn.backends.env import LaunchEnv
 from accelfn.errors import LaunchError
 from accelfn.transforms import Replicate
@@ -191,10 +192,15 @@ def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
     """``model`` in ``DistributedDataParallel`` with ``replicate``'s options (one process: as is).
 
     DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
+    ``replicate.comm_hook`` is registered on it (``_comm_hooks.register``).
+
+    Raises:
+        ValueError: ``replicate.comm_state`` that its hook does not take.
+        NotImplementedError: a hook DDP refuses on this process group (bf16 over gloo).
     """
     if world_size == 1:
         return model
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
         bucket_cap_mb=replicate.bucket_cap_mb,
@@ -202,3 +208,5 @@ def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
         static_graph=replicate.static_graph,
         gradient_as_bucket_view=replicate.gradient_as_bucket_view,
     )
+    _comm_hooks.register(ddp, replicate)
+    return ddp

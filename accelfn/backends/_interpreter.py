@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accelfn import collectives
-from accelfn.backends import _fsdp
+from accelfn.backends import _comm_hooks, _fsdp
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
@@ -38,6 +38,7 @@ from accelfn.transforms import (
     Accumulate,
     Clip,
     ClipValue,
+    PowerSGDMemory,
     Replicate,
     ShardParams,
     SkipNonfinite,
@@ -132,6 +133,9 @@ class StepFn:
         self._cast_inputs = self._policy.casts_inputs
         self._reduce_gradients = backend.reduce_gradients if replicated else None
         self._graph_cut = backend.graph_cut
+        # a PowerSGD hook's live state, and the record of it the state carries (_comm_hooks)
+        self._comm = _comm_hooks.live_state(model) if replicated else None
+        self._comm_record = state.transforms_state.get("comm_hook")
 
     # -- one micro-batch ---------------------------------------------------------------
 
@@ -140,6 +144,8 @@ class StepFn:
             raise foreign_state()
         position = state.epoch_micro_step % self._n
         last = flush or position == self._n - 1
+        if last and self._comm is not None and state.transforms_state.get("comm_hook") is not self._comm_record:
+            self._load_comm_state(state)  # a state loaded or restored since: its hook state, before the hook runs
         if self._cast_inputs:
             dtype = self._policy.param_dtype
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
@@ -336,6 +342,9 @@ class StepFn:
 
         if "window" in transforms_state:
             transforms_state = {k: v for k, v in transforms_state.items() if k != "window"}
+        if self._comm is not None:  # the hook's state after this update's synchronizing backward
+            self._comm_record = _comm_hooks.record(self._comm)
+            transforms_state = {**transforms_state, "comm_hook": self._comm_record}
         new_state = state._advance(
             step=state.step + 1 if finite else state.step,
             micro_step=state.micro_step + 1,
@@ -347,6 +356,12 @@ class StepFn:
         if found_inf is not None:
             self._check_skips(new_state)
         return new_state, metrics
+
+    def _load_comm_state(self, state: TrainState) -> None:
+        memory = state.transforms_state.get("comm_hook")
+        if isinstance(memory, PowerSGDMemory):
+            _comm_hooks.load(self._comm, memory, self._backend.device)  # type: ignore[arg-type]  # set with _comm
+        self._comm_record = memory
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients to scale in place: under sharding, each DTensor's local shard."""

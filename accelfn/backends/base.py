@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _distributed, _fsdp
+from accelfn.backends import _comm_hooks, _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -32,7 +32,7 @@ from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.collectives import ProcessContext
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms import (
     Compile,
@@ -212,8 +212,7 @@ class Backend(ProcessContext, abc.ABC):
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
-        if not isinstance(state, TrainState):
-            raise TypeError(f"prepare() takes a TrainState (af.TrainState.create), got {type(state).__name__}")
+        require_state("backend.prepare(step, state)", state)
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)
@@ -244,6 +243,7 @@ class Backend(ProcessContext, abc.ABC):
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        state = _comm_hooks.attach(state, model, self.device)  # a PowerSGD hook's state: in the TrainState
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
         return state, step_function(self, step, state, model)

@@ -127,7 +127,14 @@ class XLA(Backend):
 
         With more than one rank, rank 0's parameters and buffers are broadcast first
         (``xm.broadcast_master_param``) so that replicas start equal, as under DDP.
+
+        Raises:
+            NotImplementedError: ``replicate(comm_hook=...)``: DDP's hooks need DDP (CPU, CUDA).
         """
+        if replicate.comm_hook is not None:
+            raise NotImplementedError(
+                "replicate(comm_hook=...) registers a DDP communication hook, and the XLA backend reduces "
+                "gradients with torch_xla's all-reduce, not DDP; leave comm_hook out on XLA (CPU and CUDA take it)")
         if self.world_size > 1:
             self._xm.broadcast_master_param(model)
         return model

@@ -37,7 +37,7 @@ import torch
 
 from accelfn.checkpoint._rng import RngState
 from accelfn.errors import CheckpointError
-from accelfn.transforms import LossScale, SkipCount, Window
+from accelfn.transforms import LossScale, PowerSGDMemory, SkipCount, Window
 
 #: tag -> record class; the only records a checkpoint can hold
 RECORDS: Mapping[str, type] = MappingProxyType({
@@ -45,6 +45,7 @@ RECORDS: Mapping[str, type] = MappingProxyType({
     "skip_count": SkipCount,
     "accumulation_window": Window,
     "rng_state": RngState,
+    "powersgd_state": PowerSGDMemory,
 })
 TAGS: Mapping[type, str] = MappingProxyType({cls: tag for tag, cls in RECORDS.items()})
 #: the module paths format 2 wrote -> tag

@@ -17,6 +17,7 @@ import hashlib
 import os
 import re
 import struct
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -125,6 +126,8 @@ class Manifest:
 
 _converter = make_converter()
 _converter.register_unstructure_hook(torch.dtype, str)
+# a transform's function option (replicate's comm_hook) as its module.qualname
+_converter.register_unstructure_hook(types.FunctionType, lambda f: f"{f.__module__}.{f.__qualname__}")
 # a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
 # ``sharded`` key (it reads as None)
 _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))

@@ -54,7 +54,7 @@ from accelfn.checkpoint import _atomic
 from accelfn.checkpoint.save_load import collect, is_sharded, write
 from accelfn.collectives import Agreement, ProcessContext
 from accelfn.errors import CheckpointError, boolean, check_directory, count_at_least_one, finite_positive, to_path
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 
 if TYPE_CHECKING:
     from accelfn.step import Step
@@ -170,8 +170,10 @@ class Checkpoints:
                 with other transforms warns (``run`` passes its own).
 
         Raises:
+            TypeError: ``state`` is not a TrainState (before anything is written).
             CheckpointError, OSError: as ``af.save``.
         """
+        require_state("Checkpoints.save(state)", state)
         path = self.path_for(state.step)
         main = backend.is_main_process if backend is not None else collectives.rank() == 0
         with _atomic.writing(self.directory) if main else contextlib.nullcontext():

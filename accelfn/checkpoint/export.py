@@ -44,7 +44,7 @@ from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint.snapshot import clean_name, unwrap
 from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, to_path
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 
 __all__ = ["INDEX", "MARK", "WEIGHTS", "parse_size", "save_model"]
 
@@ -190,8 +190,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         >>> sorted(safetensors.torch.load_file(path / "model.safetensors"))
         ['bias', 'weight']
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"save_model() takes a TrainState first, got {type(state).__name__}")
+    require_state("af.save_model(state, directory)", state)
     directory = to_path("save_model", "directory", directory)
     limit = parse_size(max_shard_size)
     backend = backend if backend is not None else ProcessContext.default()

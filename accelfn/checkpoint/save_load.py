@@ -25,7 +25,7 @@ from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwrap, verify
 from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, check_directory, to_path
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 
 if TYPE_CHECKING:
     from accelfn.step import Step
@@ -82,6 +82,7 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
         >>> af.load(path, into=state).step
         0
     """
+    _check_state(state, "af.save")
     checked = to_path("save", "path", path)
     check_directory(checked, f"save(path={str(path)!r})")
     return write(state, checked, backend, what="af.save")
@@ -91,12 +92,8 @@ def _context(backend: ProcessContext | None) -> ProcessContext:
     return backend if backend is not None else ProcessContext.default()
 
 
-def _check_state(state: Any) -> None:
-    if not isinstance(state, TrainState):
-        kind = type(state).__name__
-        raise TypeError(f"save() takes a TrainState first (af.TrainState.create(model, optimizer)), got a {kind}"
-                        + ("; to save a plain dict of tensors use safetensors.torch.save_file, or put objects with "
-                           "state_dict()/load_state_dict() in TrainState.extra" if isinstance(state, Mapping) else ""))
+def _check_state(state: Any, what: str) -> None:
+    require_state(f"{what}(state, ...)", state)
 
 
 def _sharded_in_extra(tree: Any, path: str) -> str | None:
@@ -190,7 +187,7 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
         ValueError: the optimizer updates a tensor that is not a parameter of the model.
         CheckpointError: some rank did not call the save (it is a collective).
     """
-    _check_state(state)
+    _check_state(state, what)
     assert not is_sharded(state), "a sharded state is saved by every rank (write)"
     _check_extra(state)
     _arrived(backend, what, path)
@@ -208,7 +205,7 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
     Raises:
         As ``save``.
     """
-    _check_state(state)
+    _check_state(state, what)
     backend = _context(backend)
     if not is_sharded(state):
         collected = collect(state, backend, program, what=what, path=path)
@@ -355,8 +352,7 @@ def open_checkpoint(path: Path, *, into: TrainState, backend: ProcessContext | N
         TypeError: ``into`` is not a TrainState.
         CheckpointError: as ``load``.
     """
-    if not isinstance(into, TrainState):
-        raise TypeError(f"load(into=...) takes a TrainState, got {type(into).__name__}")
+    require_state("af.load(path, into=...)", into)
     backend = _context(backend)
     directory, manifest = _agreed(backend, lambda: _manifest(path, backend))
     files = manifest.files

@@ -32,7 +32,7 @@ from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
 from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
-from accelfn.state import Stopped, TrainState
+from accelfn.state import Stopped, TrainState, require_state
 
 #: TrainState fields a snapshot holds in parts of their own; every other field is a counter
 _PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
@@ -163,8 +163,7 @@ def capture(state: TrainState, *, copy: bool,
         ValueError: the optimizer updates a tensor that is not a parameter of the model.
         TypeError: ``state`` is not a TrainState.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"snapshot() takes a TrainState, got {type(state).__name__}")
+    require_state("af.snapshot(state)", state)
     to_cpu = _Copier(copy, to_host)
     model = unwrap(state.model)
     return Snapshot(
@@ -380,8 +379,7 @@ def verify(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
         TypeError: arguments of the wrong types.
         CheckpointError: a value no state could take, or the snapshot does not fit the state.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"restore() takes a TrainState first, got {type(state).__name__}")
+    require_state("af.restore(state, snapshot)", state)
     if not isinstance(snap, Snapshot):
         raise TypeError(f"restore() takes a Snapshot second (af.snapshot(state)), got {type(snap).__name__}")
     invalid = invalid_values(snap, names=names)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import IO, Any
@@ -242,6 +243,8 @@ def _options(record: Any) -> Any:
         return {f.name: _options(getattr(record, f.name)) for f in attrs.fields(type(record))}
     if record is None or isinstance(record, (bool, int, float, str)):
         return record
+    if isinstance(record, types.FunctionType):  # replicate's comm_hook
+        return f"{record.__module__}.{record.__qualname__}"
     return str(record)
 
 

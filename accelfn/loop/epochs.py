@@ -19,7 +19,7 @@ from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
 from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
-from accelfn.state import Stopped, TrainState
+from accelfn.state import Stopped, TrainState, require_state
 from accelfn.step import Step
 from accelfn.tracking import Tracker
 
@@ -37,8 +37,7 @@ def _validate(step: Any, state: Any, data: Any, backend: Any, epochs: Any, max_s
               trackers: Any, log_every: Any) -> None:
     if not isinstance(step, Step):
         raise TypeError(f"run() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
-    if not isinstance(state, TrainState):
-        raise TypeError(f"run() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    require_state("af.run(step, state, ...)", state)
     if not isinstance(backend, Backend):
         raise TypeError(f"run(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
     if not isinstance(data, Iterable):

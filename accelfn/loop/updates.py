@@ -10,7 +10,7 @@ import attrs
 
 from accelfn.backends.base import Backend
 from accelfn.data import num_batches
-from accelfn.state import TrainState
+from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, ShardData
 
@@ -78,8 +78,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         raise TypeError(f"count_updates() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
     if not isinstance(backend, Backend):
         raise TypeError(f"count_updates(backend=...) must be a backend such as af.backends.auto(), got {backend!r}")
-    if state is not None and not isinstance(state, TrainState):
-        raise TypeError(f"count_updates(state=...) takes a TrainState or None, got {type(state).__name__}")
+    if state is not None:
+        require_state("af.count_updates(..., state=...)", state)
     for name, value in (("epochs", epochs), ("max_steps", max_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")

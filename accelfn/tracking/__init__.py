@@ -8,6 +8,11 @@ and ``close()`` (:class:`Tracker`); one that also has ``log_config(config)`` (:c
 receives ``run(config=...)`` once per run. Each tracker's library object is public
 (``TensorBoard.writer``, ``WandB.run``, ``MLflow.client`` with ``MLflow.run_id``,
 ``Comet.experiment``), for what ``run`` does not log.
+
+A second ``run`` through the same tracker object continues its run when it starts at or
+after the last step logged (phases, a ``run`` per epoch) and restarts when it starts before
+(``find_batch_size``'s retry): a new MLflow/W&B/Comet run, TensorBoard's restart marker,
+JSONL's own later lines removed (``accelfn.tracking._runs``; docs/05).
 """
 
 from accelfn.tracking._comet import Comet

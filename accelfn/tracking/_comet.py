@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from accelfn.errors import check_directory, to_path
 from accelfn.tracking._config import flatten, require
+from accelfn.tracking._runs import Runs
 
 Mode = Literal["online", "offline"]
 _MODES = ("online", "offline")
@@ -29,6 +30,12 @@ class Comet:
     process that logs (the main process), and ``close`` ends it; a ``log`` after ``close``
     continues the same experiment (same ``experiment_key``; offline, in a second archive
     that ``comet upload`` adds to it). Installed by ``pip install "accelfn[comet]"``.
+
+    A later ``run`` through the same tracker that continues (it starts at or after the last
+    step logged: phases, a ``run`` per epoch) continues the same experiment; a changed
+    parameter takes its new value. A ``run`` that restarts from an earlier step
+    (``find_batch_size``'s retry after an out-of-memory error, a rerun from an earlier
+    snapshot) starts a new experiment (a new ``experiment_key``) with its own parameters.
 
     Args:
         project: the Comet project.
@@ -62,6 +69,7 @@ class Comet:
         #: the experiment's key once it started (``experiment.get_key()``), else None
         self.experiment_key: str | None = None
         self._experiment: Any = None
+        self._runs = Runs()
 
     def __repr__(self) -> str:
         return f"Comet({self.project!r}, dir={None if self.dir is None else str(self.dir)!r}, mode={self.mode!r})"
@@ -92,9 +100,17 @@ class Comet:
             self.experiment_key = self._experiment.get_key()
         return self._experiment
 
+    def start(self, step: int) -> None:
+        """Called by ``run`` before it logs: a restart from ``step`` ends the experiment, and
+        the next call starts a new one (class docstring)."""
+        if self._runs.start(step) and self.experiment_key is not None:
+            self.close()
+            self.experiment_key = None
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Logs the metrics at Comet step ``step``."""
         self.experiment.log_metrics(dict(metrics), step=step)
+        self._runs.logged(step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Logs the configuration as parameters, nested keys joined by dots (``"accelfn.world_size"``)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -16,6 +17,7 @@ import orjson
 
 from accelfn.errors import check_directory, check_file, to_path
 from accelfn.tracking._config import flatten
+from accelfn.tracking._runs import Runs
 
 
 @runtime_checkable
@@ -24,8 +26,10 @@ class Tracker(Protocol):
 
     A tracker may also have ``start(step)``: ``run`` calls it once before its first point
     with the step it starts from (``state.step``, after a resume the checkpoint's), so a
-    tracker can hide what an interrupted run logged after that step (``TensorBoard`` does);
-    and ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
+    tracker can hide what an interrupted run logged after that step (``TensorBoard`` does),
+    and tell a second ``run`` through it that continues the same run from one that restarts
+    from an earlier step (accelfn's trackers do, see ``accelfn.tracking._runs``); and
+    ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
     checkpoint are on disk when the process is killed after it.
     """
 
@@ -54,7 +58,10 @@ class TensorBoard:
     truncate the first's file. ``run`` calls ``start(state.step)`` before it trains: the
     next file then begins with TensorBoard's restart marker (``purge_step``), which hides
     the points an earlier, interrupted run logged after that step, so a resumed run shows
-    each step once. Nothing is deleted from the files.
+    each step once. Nothing is deleted from the files. So is a second ``run`` through the
+    same tracker: one that continues (phases, a ``run`` per epoch) adds its points after the
+    earlier ones; one that restarts from an earlier step (``find_batch_size``'s retry)
+    hides the abandoned attempt's points after that step.
 
     Args:
         logdir: the directory of the event file (created if missing).
@@ -134,6 +141,14 @@ class TensorBoard:
 class JSONL:
     """Appends one JSON object per log call to a file: ``{"step": ..., "loss": ..., ...}``.
 
+    A second ``run`` through the same tracker that continues (it starts at or after the
+    last step logged: phases, a ``run`` per epoch) appends after the earlier lines. One that
+    restarts from an earlier step (``find_batch_size``'s retry after an out-of-memory error,
+    a rerun from an earlier snapshot) first removes the lines this tracker object wrote for
+    steps after the one it starts from, so each step is in the file once, the new run's;
+    lines it did not write (an earlier process's, another writer's) are never touched (the
+    file is then only appended to).
+
     Args:
         path: the file (its directory is created if missing); lines are appended.
 
@@ -146,6 +161,28 @@ class JSONL:
         self.path = to_path("JSONL", "path", path)
         check_file(self.path, f"JSONL(path={str(path)!r})")
         self._file: IO[bytes] | None = None
+        self._runs = Runs()
+        # the step and the offset of each line this object wrote (8 bytes each: long runs log millions)
+        self._steps, self._offsets = array("q"), array("q")
+        self._end: int | None = None  # the file's size after this object's last line
+
+    def start(self, step: int) -> None:
+        """Called by ``run`` before its first point: a restart from ``step`` removes the lines
+        this object wrote for later steps (class docstring)."""
+        if self._runs.start(step):
+            self._cut(step)
+
+    def _cut(self, step: int) -> None:
+        index = next((i for i, logged in enumerate(self._steps) if logged > step), None)
+        if index is None:
+            return
+        first = self._offsets[index]
+        self.close()
+        if not self.path.exists() or self.path.stat().st_size != self._end:
+            return  # another writer appended since: its lines stay, and so do ours
+        os.truncate(self.path, first)
+        del self._steps[index:], self._offsets[index:]
+        self._end = first
 
     def __repr__(self) -> str:
         return f"JSONL({str(self.path)!r})"
@@ -157,7 +194,12 @@ class JSONL:
             self._file = open(self.path, "ab")  # noqa: SIM115 - closed in close()
             if _ends_mid_line(self.path):  # a run killed while writing: its partial line stays on its own
                 self._file.write(b"\n")
+        offset = self._file.tell()
         self._file.write(orjson.dumps({"step": step, **metrics}) + b"\n")
+        self._steps.append(step)
+        self._offsets.append(offset)
+        self._end = self._file.tell()
+        self._runs.logged(step)
 
     def flush(self) -> None:
         """Hands the lines appended so far to the operating system."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from accelfn.errors import check_directory, to_path
 from accelfn.tracking._config import flatten, require
+from accelfn.tracking._runs import Runs
 
 # MLflow's own limits on one log_batch call (mlflow.utils.validation)
 _MAX_PARAMS_PER_BATCH = 100
@@ -24,8 +25,16 @@ class MLflow:
     sqlite:///<dir>/mlflow.db``) and artifacts go to ``dir/artifacts``. With
     ``tracking_uri`` (``"http://host:5000"``, ``"sqlite:///..."``, ``"databricks"``) the
     store is that one. The MLflow run is created at the first call, on the process that
-    logs (the main process), and reused by later ``run`` calls with the same tracker; its
-    id is ``run_id``. Installed by ``pip install "accelfn[mlflow]"``.
+    logs (the main process); its id is ``run_id``. Installed by ``pip install "accelfn[mlflow]"``.
+
+    A later ``run`` through the same tracker that continues (it starts at or after the last
+    step logged: phases, a ``run`` per epoch) logs to the same MLflow run. MLflow's params
+    cannot change, so a value of its configuration that differs from the one logged (a
+    phase with another batch size) is logged as ``<key>/from_step_<N>``, N the step that
+    ``run`` started from; the others are not sent again. A ``run`` that restarts from an
+    earlier step (``find_batch_size``'s retry after an out-of-memory error, a rerun from an
+    earlier snapshot) gets a new MLflow run (a new ``run_id``), with its own params; the
+    earlier one stays as it was, finished.
 
     Args:
         dir: the directory of the local store (created when first used), or None with
@@ -63,6 +72,8 @@ class MLflow:
         self.tags = dict(tags or {})
         self.run_id: str | None = None
         self._client: Any = None
+        self._runs = Runs()
+        self._params: dict[str, str] = {}  # the params of run_id's run logged through this tracker
 
     def __repr__(self) -> str:
         where = f"tracking_uri={self.tracking_uri!r}" if self.dir is None else repr(str(self.dir))
@@ -99,6 +110,13 @@ class MLflow:
             self.run_id = self._client.create_run(experiment_id, run_name=self.run_name, tags=self.tags).info.run_id
         return self.run_id
 
+    def start(self, step: int) -> None:
+        """Called by ``run`` before it logs: a restart from ``step`` makes the next call
+        create a new MLflow run (class docstring)."""
+        if self._runs.start(step) and self.run_id is not None:
+            self.run_id = None
+            self._params = {}
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Logs every metric at ``step`` in one ``log_batch`` call (more if over 1000)."""
         from mlflow.entities import Metric
@@ -108,13 +126,24 @@ class MLflow:
         batch = [Metric(name, float(value), timestamp, step) for name, value in metrics.items()]
         for i in range(0, len(batch), _MAX_METRICS_PER_BATCH):
             self._client.log_batch(run_id, metrics=batch[i:i + _MAX_METRICS_PER_BATCH])
+        self._runs.logged(step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
-        """Logs the configuration as params, nested keys joined by dots (``"accelfn.world_size"``)."""
+        """Logs the configuration as params, nested keys joined by dots (``"accelfn.world_size"``);
+        in a continued run, only what is new, a changed value as ``<key>/from_step_<N>``."""
         from mlflow.entities import Param
 
         run_id = self._run()
-        params = [Param(key, str(value)) for key, value in flatten(config).items()]
+        new: dict[str, str] = {}
+        for key, value in flatten(config).items():
+            logged = self._params.get(key)
+            if logged is not None and logged != str(value):  # MLflow's params are immutable
+                key = f"{key}/from_step_{self._runs.started or 0}"
+                logged = self._params.get(key)
+            if logged is None:
+                new[key] = str(value)
+        self._params.update(new)
+        params = [Param(key, value) for key, value in new.items()]
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             self._client.log_batch(run_id, params=params[i:i + _MAX_PARAMS_PER_BATCH])
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from accelfn.errors import check_directory, to_path
 from accelfn.tracking._config import plain, require
+from accelfn.tracking._runs import Runs
 
 Mode = Literal["online", "offline", "disabled"]
 _MODES = ("online", "offline", "disabled")
@@ -23,6 +24,14 @@ class WandB:
     ``wandb offline``/``wandb login``. The W&B run starts at the first call, on the process
     that logs (the main process), and ``close`` finishes it; a ``log`` after ``close``
     resumes the same run (same ``run_id``). Installed by ``pip install "accelfn[wandb]"``.
+
+    A later ``run`` through the same tracker that continues (it starts at or after the last
+    step logged: phases, a ``run`` per epoch) resumes the same W&B run, its rows after the
+    earlier ones, its configuration merged into the run's (a changed value replaces the
+    earlier). A ``run`` that restarts from an earlier step (``find_batch_size``'s retry
+    after an out-of-memory error, a rerun from an earlier snapshot) starts a new W&B run (a
+    new ``run_id``) with its own configuration: W&B drops rows of a step below one it
+    already holds, so the same run could not take them.
 
     Args:
         project: the W&B project.
@@ -53,6 +62,7 @@ class WandB:
         self.run_id: str | None = None
         self._run: Any = None
         self._config: dict[str, Any] = {}
+        self._runs = Runs()
 
     def __repr__(self) -> str:
         return f"WandB({self.project!r}, dir={str(self.dir)!r}, mode={self.mode!r})"
@@ -75,9 +85,18 @@ class WandB:
             self.run_id = self._run.id
         return self._run
 
+    def start(self, step: int) -> None:
+        """Called by ``run`` before it logs: a restart from ``step`` finishes the W&B run, and
+        the next call starts a new one (class docstring)."""
+        if self._runs.start(step) and self.run_id is not None:
+            self.close()
+            self.run_id = None
+            self._config = {}
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Logs the metrics as one row at W&B step ``step`` (rows of the same step merge)."""
         self.run.log(dict(metrics), step=step)
+        self._runs.logged(step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Adds the configuration to ``run.config`` (nested keys stay nested)."""

@@ -32,7 +32,7 @@ from accelfn.transforms.precision import (
     parse_policy,
     with_precision,
 )
-from accelfn.transforms.replicate import Replicate, replicate
+from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 
@@ -46,6 +46,7 @@ __all__ = [
     "DynamicScaling",
     "LossScale",
     "Policy",
+    "PowerSGDMemory",
     "Replicate",
     "ShardData",
     "ShardParams",

@@ -90,8 +90,8 @@ def test_opening_checks_everything_and_changes_nothing_until_put(tmp_path: Path)
 def test_save_of_something_other_than_a_train_state_says_what_it_takes(tmp_path: Path) -> None:
     """``af.save`` of a dict fails with a TypeError naming TrainState and what to use for a
     dict of tensors, before anything is written."""
-    with pytest.raises(TypeError, match=r"save\(\) takes a TrainState first .*got a dict; to save a plain dict of "
-                                        r"tensors use safetensors\.torch\.save_file"):
+    with pytest.raises(TypeError, match=r"af\.save\(state, \.\.\.\) takes a TrainState, got a dict; .*to save a "
+                                        r"plain dict of tensors use safetensors\.torch\.save_file"):
         af.save({"w": torch.zeros(2)}, tmp_path / "ckpt")  # type: ignore[arg-type]
     assert not (tmp_path / "ckpt").exists()
 

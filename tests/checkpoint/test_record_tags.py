@@ -28,6 +28,7 @@ def test_the_tag_table_is_pinned() -> None:
         "skip_count": "accelfn.transforms.precision.SkipCount",
         "accumulation_window": "accelfn.transforms.accumulate.Window",
         "rng_state": "accelfn.checkpoint._rng.RngState",
+        "powersgd_state": "accelfn.transforms.replicate.PowerSGDMemory",
     }
     assert dict(_tags.LEGACY_NAMES) == {
         "accelfn._precision.LossScale": "loss_scale",
