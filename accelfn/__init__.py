@@ -49,6 +49,8 @@ from accelfn.transforms import (
     skip_nonfinite,
     with_precision,
 )
+from accelfn.transforms import TensorParallel, tensor_parallel
+
 
 __all__ = [
     "JSONL",
@@ -106,4 +108,6 @@ __all__ = [
     "snapshot",
     "train_step",
     "with_precision",
+    "TensorParallel",
+    "tensor_parallel",
 ]

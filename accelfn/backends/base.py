@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _distributed, _fsdp
+from accelfn.backends import _distributed, _fsdp, _tensor_parallel
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -39,6 +39,7 @@ from accelfn.transforms import (
     Replicate,
     ShardData,
     ShardParams,
+    TensorParallel,
     WithPrecision,
 )
 from accelfn.transforms.precision import Policy, parse_policy
@@ -163,6 +164,42 @@ class Backend(ProcessContext, abc.ABC):
         shards (FSDP2 on CPU and CUDA); called after ``check_sharding``."""
         raise NotImplementedError(f"the {self.name} backend does not support shard_params()")
 
+    def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None) -> None:
+        """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``).
+
+        Raises:
+            NotImplementedError: this backend has no tensor parallelism (XLA), or not with
+                ``shard``'s options.
+            ValueError: the world size is not a multiple of ``tp.size``.
+        """
+        if self.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"the {self.name} backend does not support tensor_parallel(); use the cpu "
+                                      "or cuda backend")
+        _fsdp.check_available()
+        _tensor_parallel.check(tp, shard, self.world_size)
+
+    def split_model(self, state: TrainState, tp: TensorParallel, shard: ShardParams | None, policy: Policy) -> None:
+        """Splits ``state.model`` in place over the ``"tensor"`` dimension of the world's mesh as
+        ``tp`` asks (``parallelize_module``), then, with ``shard``, shards it over the ``"data"``
+        dimension (FSDP2; nothing to shard when that dimension has one rank); the optimizer is
+        pointed at the new parameters. Called after ``check_tensor_parallel``."""
+        mesh = _tensor_parallel.world_mesh(self.device, self.world_size, tp)
+        _tensor_parallel.split_model(state.model, state.optimizer, tp, mesh)
+        if shard is not None and mesh["data"].size() > 1:
+            _fsdp.shard_model(state.model, state.optimizer, shard, policy, mesh["data"], broadcast=False)
+
+    def data_coordinates(self, step: Step) -> tuple[int, int]:
+        """``(data rank, data world size)`` of this process under ``step``: its rank and the world
+        size, or, under ``tensor_parallel(size=t)``, its place on the mesh's data dimension
+        (``rank // t``) and that dimension's size (``world_size // t``): the ranks of one
+        tensor-parallel group read the same data.
+
+        Raises:
+            ValueError: the world size is not a multiple of the tensor-parallel size.
+        """
+        tp = step.find(TensorParallel)
+        return (self.rank, self.world_size) if tp is None else tp.data_coordinates(self.rank, self.world_size)
+
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
         (FSDP2) of non-final micro-batches."""
@@ -230,14 +267,24 @@ class Backend(ProcessContext, abc.ABC):
         if already_sharded and shard is not None:
             _fsdp.check_same_layout(state.model, shard)
             _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
+        tp = step.find(TensorParallel)
+        already_split = _tensor_parallel.split_with(state.model) is not None
+        _tensor_parallel.check_same_split(state.model, tp)
+        if tp is not None and not already_split:
+            self.check_tensor_parallel(tp, shard)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
-            _fsdp.check_group_size(self, shard)
-        if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
+            if tp is None:
+                _fsdp.check_group_size(self, shard)
+        if not already_sharded and not already_split:  # placed when it was sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
-        if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
+        if tp is not None and not already_split:
+            self.split_model(state, tp, shard, policy)
+            if shard is not None:
+                _fsdp.remember_layout(state.model, shard)
+        elif shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
             _fsdp.remember_layout(state.model, shard)
         replicate = step.find(Replicate)
@@ -288,10 +335,12 @@ class Backend(ProcessContext, abc.ABC):
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
-        parallel = (step.find(Replicate) or step.find(ShardParams)) if self.world_size > 1 else None
+        parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel))
+                    if self.world_size > 1 else None)
         replicated = parallel is not None
+        data_rank, data_world = self.data_coordinates(step)
         self._active = epoch_batches(
-            data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
+            data, shard, rank=data_rank, world_size=data_world, epoch=epoch, start=start,
             place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
         )
         if shard is None and parallel is not None:

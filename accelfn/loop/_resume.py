@@ -117,7 +117,8 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
     world_size = opened.world_size
     if not position:
         return 0  # an epoch boundary: the same in any world size
-    total = num_batches(data, program.find(ShardData), rank=backend.rank, world_size=backend.world_size)
+    data_rank, data_world = backend.data_coordinates(program)
+    total = num_batches(data, program.find(ShardData), rank=data_rank, world_size=data_world)
     if world_size != backend.world_size:
         start = position * world_size // backend.world_size
         start = start if total is None else min(start, total)

@@ -1,0 +1,94 @@
+"""tensor_parallel over gloo: 2 pooled processes (one tensor-parallel group) vs one process.
+
+One pooled scenario (tests/workers/tp_checks.py ``train``) trains the MLP and the byte LM of
+``tests.helpers.tensor_parallel``; each test compares a part of it with a hand-written
+single-process loop computed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelfn as af
+from tests.helpers import programs as P
+from tests.helpers import tensor_parallel as T
+from tests.helpers.pool import Pools
+
+pytestmark = pytest.mark.multiprocess
+
+LAUNCH = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
+
+
+@pytest.fixture(scope="module")
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tp_checks")
+    results = pool.call(*LAUNCH, function="tp_checks:train", out=str(out), timeout_s=300)
+    return {"json": results, "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)]}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_tp2_equals_a_hand_written_one_process_loop(run: dict[str, Any], kind: str) -> None:
+    """TP=2 on 2 processes with clip(1.0) ends, after 20 AdamW updates, with the parameters of
+    a hand-written 1-process loop (1e-5) on both ranks, and logs its unsharded grad norms."""
+    model, norms = T.hand_written(kind)
+    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    for rank in range(2):
+        got = {k[len(kind) + 1:]: v for k, v in run["tensors"][rank].items() if k.startswith(f"{kind}.")}
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{kind} rank {rank} {name}")
+    record = run["json"][0][kind]
+    assert record["step"] == T.UPDATES == len(norms)
+    torch.testing.assert_close(torch.tensor(record["grad_norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert max(norms) > T.CLIP  # some updates were clipped: the clip is part of what matched
+    initial = T.make_model(kind).state_dict()
+    assert all(not torch.allclose(initial[k], reference[k]) for k in reference)
+
+
+def test_each_rank_holds_half_of_every_split_layer_and_reads_the_whole_batch(run: dict[str, Any]) -> None:
+    """The plan's column-wise layers keep half of the rows, row-wise ones half of the columns
+    (DTensors), the rest stays whole; the optimizer holds the model's parameters, and each
+    update counts its 4 samples once (the 2 ranks of the group read the same batch)."""
+    for rank in range(2):
+        mlp = run["json"][rank]["mlp"]
+        assert mlp["local_shapes"] == {"0.weight": [16, 4], "0.bias": [16], "2.weight": [1, 16], "2.bias": [1]}
+        assert set(mlp["types"].values()) == {"DTensor"}
+        lm = run["json"][rank]["lm"]
+        assert lm["local_shapes"]["blocks.0.mlp.0.weight"] == [32, 16]
+        assert lm["local_shapes"]["blocks.1.mlp.2.weight"] == [16, 32]
+        assert lm["types"]["blocks.0.qkv.weight"] == "Tensor" and lm["types"]["blocks.0.mlp.0.weight"] == "DTensor"
+        for kind in ("mlp", "lm"):
+            assert run["json"][rank][kind]["optimizer_params_are_model_params"] is True
+            assert all(abs(n - T.BATCH) < 1e-9 for n in run["json"][rank][kind]["samples_per_update"])
+
+
+def test_clip_over_plain_tensors_and_dtensors_on_two_meshes_is_the_global_norm(pool: Pools) -> None:
+    """Gradients that are plain, sharded, replicated, sharded on another (2-D) mesh and Partial
+    clip to the exact global 2-norm and inf-norm of the whole gradients, each counted once."""
+    for result in pool.call(*LAUNCH, function="tp_checks:clip_mixed"):
+        assert result["types"] == ["Tensor", "DTensor", "DTensor", "DTensor", "DTensor"]
+        assert result["norm"] == pytest.approx(result["expected_norm"], rel=1e-6)
+        assert result["inf_norm"] == pytest.approx(result["expected_inf_norm"], rel=1e-6)
+        assert result["expected_norm"] > 1.0 and result["clipped_error"] < 1e-6
+
+
+def test_tensor_parallel_validates_its_arguments() -> None:
+    """tensor_parallel refuses an unknown style, a non-'auto' string, an empty plan, size 0 and
+    replicate(), naming the argument."""
+    with pytest.raises(ValueError, match="style of 'a' is 'diagonal'"):
+        af.tensor_parallel({"a": "diagonal"}, size=2)
+    with pytest.raises(ValueError, match="must be 'auto'"):
+        af.tensor_parallel("mine", size=2)
+    with pytest.raises(ValueError, match="names no module"):
+        af.tensor_parallel({}, size=2)
+    with pytest.raises(ValueError, match="size"):
+        af.tensor_parallel({"a": "colwise"}, size=0)
+    with pytest.raises(af.TransformError, match="shard_params"):
+        af.compose(af.replicate(), af.tensor_parallel({"a": "colwise"}, size=2))(af.train_step(P.mse))
+    assert af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(3, 4) == (1, 2)
+    with pytest.raises(ValueError, match="cannot be split into tensor-parallel groups of 2"):
+        af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(0, 3)
