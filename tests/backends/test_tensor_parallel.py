@@ -92,3 +92,54 @@ def test_tensor_parallel_validates_its_arguments() -> None:
     assert af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(3, 4) == (1, 2)
     with pytest.raises(ValueError, match="cannot be split into tensor-parallel groups of 2"):
         af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(0, 3)
+
+
+@pytest.fixture(scope="module")
+def saved(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tp_ckpt")
+    results = pool.call(*LAUNCH, function="tp_checks:checkpoints", out=str(out), timeout_s=300)
+    return {"out": out, "json": results,
+            "tensors": [load_file(out / f"ckpt_rank{r}.safetensors") for r in range(2)]}
+
+
+def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_a_tp_run_resumed_mid_epoch_from_its_checkpoint_is_bitwise_the_whole_run(saved: dict[str, Any]) -> None:
+    """TP=2 with accumulate(2): stopped after 3 updates (mid-epoch), checkpointed, and resumed by
+    a fresh state, it ends with bitwise the parameters and AdamW moments of the uninterrupted run."""
+    assert saved["json"][0]["steps"] == [10, 3, 10] and saved["json"][0]["stopped_epoch_micro_step"] == 6
+    for rank in range(2):
+        tensors = saved["tensors"][rank]
+        for what in ("", "_optimizer"):
+            whole, resumed = _part(tensors, f"whole{what}."), _part(tensors, f"resumed{what}.")
+            assert whole.keys() == resumed.keys() and whole
+            assert all(torch.equal(whole[k], resumed[k]) for k in whole), what
+
+
+def test_a_tp_checkpoint_loads_into_one_unsharded_process(saved: dict[str, Any]) -> None:
+    """The DCP checkpoint of the TP=2 run loads into a plain 1-process state (this one) with the
+    stopped run's gathered parameters and AdamW moments, bitwise, at step 3."""
+    path = saved["out"] / "ckpt" / "step_00000003"
+    state = af.load(path, into=T.make_state("lm"))
+    assert state.step == 3
+    stopped = _part(saved["tensors"][0], "stopped.")
+    got = state.model.state_dict()
+    assert got.keys() == stopped.keys()
+    assert all(torch.equal(got[k], stopped[k]) for k in stopped)
+    moments = _part(saved["tensors"][0], "stopped_optimizer.")
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    loaded = {f"{names[id(p)]}/{k}": v for p, e in state.optimizer.state.items() for k, v in e.items() if k != "step"}
+    assert loaded.keys() == moments.keys() and moments
+    assert all(torch.equal(loaded[k], moments[k]) for k in moments)
+
+
+def test_save_model_from_a_tp_state_loads_strictly_into_a_fresh_model(saved: dict[str, Any]) -> None:
+    """af.save_model of the TP=2 state writes full weights that a fresh unsharded byte LM loads
+    with load_state_dict(strict=True), equal to the run's gathered parameters."""
+    weights = load_file(saved["out"] / "export" / "model.safetensors")
+    model = T.make_model("lm")
+    model.load_state_dict(weights, strict=True)
+    whole = _part(saved["tensors"][0], "whole.")
+    assert all(torch.equal(model.state_dict()[k], whole[k]) for k in whole)

@@ -89,3 +89,34 @@ def clip_mixed() -> dict[str, Any]:
         "clipped_error": max(float((c - v * coefficient).abs().max()) for c, v in zip(clipped, full)),
         "types": [type(p.grad).__name__ for p in params],
     }
+
+
+def _optimizer_full(state: af.TrainState, prefix: str) -> dict[str, torch.Tensor]:
+    """AdamW's moments of every parameter, gathered whole, by ``prefix + name/key``."""
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    return {f"{prefix}{names[id(p)]}/{key}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for p, entries in state.optimizer.state.items() for key, v in entries.items() if key != "step"}
+
+
+def checkpoints(out: str) -> dict[str, Any]:
+    """The byte LM under TP=2 with accumulate(2) + clip: a whole run of 2 epochs (10 updates);
+    a run stopped after 3 updates (mid-epoch) with a DCP checkpoint; a fresh state resumed from
+    it; and af.save_model of the whole run. Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
+    backend = af.backends.auto()
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.LM_PLAN, size=2), af.accumulate(2),
+                      af.clip(T.CLIP))(af.train_step(T.loss("lm")))
+    whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False)
+    keep = af.Checkpoints(Path(out) / "ckpt", every_steps=3)
+    stopped = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, max_steps=3,
+                     checkpoints=keep, progress=False)
+    tensors = ({f"whole.{k}": v for k, v in T.full_state_dict(whole.model).items()}
+               | {f"stopped.{k}": v for k, v in T.full_state_dict(stopped.model).items()}
+               | _optimizer_full(stopped, "stopped_optimizer.") | _optimizer_full(whole, "whole_optimizer."))
+    torch.manual_seed(123)  # another start: rank 0's broadcast and the checkpoint decide
+    resumed = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS,
+                     checkpoints=keep, resume="auto", progress=False)
+    tensors |= {f"resumed.{k}": v for k, v in T.full_state_dict(resumed.model).items()}
+    tensors |= _optimizer_full(resumed, "resumed_optimizer.")
+    af.save_model(whole, Path(out) / "export", backend=backend)
+    save_file(tensors, Path(out) / f"ckpt_rank{backend.rank}.safetensors")
+    return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step}
