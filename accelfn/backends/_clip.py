@@ -9,9 +9,10 @@ meshes cannot be stacked), so the norm is taken here from the local shards, and 
 gradient's ``|g|^p`` is summed only over the mesh dimensions along which its pieces differ:
 
     total^p = sum_plain |g|^p  +  sum_{layout} all_reduce_sum(sum_{g of layout} |local(g)|^p,
-                                                              over each Shard dimension of layout)
+                                                              over each split dimension of layout)
 
-A *layout* is a mesh together with the dimensions a gradient is ``Shard``-ed along. A
+A *layout* is a mesh together with the dimensions a gradient is split along (``Shard``, or the
+``_StridedShard`` FSDP2 uses over a tensor-parallel split, which is no ``Shard`` to torch). A
 ``Replicate`` dimension holds the same values on each of its ranks, so summing along it would
 count them several times: it is not reduced. A ``Partial`` gradient (a sum still to be taken)
 is first turned into ``Replicate`` (``DTensor.redistribute``). For the inf-norm, every sum is
@@ -78,7 +79,9 @@ def _unpartial(param: torch.Tensor) -> None:
 
 def _layouts(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], dict[Any, list[torch.Tensor]]]:
     """This rank's gradients split into plain ones and, per layout (the process groups of the
-    ``Shard`` dimensions of a DTensor's mesh, in mesh order), the local shards of DTensor ones.
+    dimensions of a DTensor's mesh that are not ``Replicate``, in mesh order: ``Shard``, and FSDP2's
+    ``_StridedShard`` of a 2-D layout, which torch does not count as ``Shard``), the local shards of
+    DTensor ones.
     Every rank holds the same parameters, so every rank finds the same layouts in the same order."""
     plain: list[torch.Tensor] = []
     layouts: dict[Any, list[torch.Tensor]] = {}
@@ -91,7 +94,7 @@ def _layouts(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], dict[A
             plain.append(grad)
             continue
         mesh = grad.device_mesh
-        groups = tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard())
+        groups = tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if not p.is_replicate())
         with torch.no_grad():
             layouts.setdefault(groups, []).append(grad.to_local())
     return plain, layouts

@@ -98,16 +98,21 @@ def _optimizer_full(state: af.TrainState, prefix: str) -> dict[str, torch.Tensor
             for p, entries in state.optimizer.state.items() for key, v in entries.items() if key != "step"}
 
 
-def checkpoints(out: str) -> dict[str, Any]:
-    """The byte LM under TP=2 with accumulate(2) + clip: a whole run of 2 epochs (10 updates);
-    a run stopped after 3 updates (mid-epoch) with a DCP checkpoint; a fresh state resumed from
-    it; and af.save_model of the whole run. Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
+def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: int = 3) -> dict[str, Any]:
+    """The byte LM under TP=2 (with ``shard``: and shard_params(), 2-D FSDP x TP) with
+    accumulate(2) + clip(max_norm): a whole run of 2 epochs; a run stopped after ``stop`` updates (mid-epoch)
+    with a DCP checkpoint; a fresh state resumed from it; and af.save_model of the whole run.
+    Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
     backend = af.backends.auto()
+    extra = (af.shard_params(),) if shard else ()
     step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.LM_PLAN, size=2), af.accumulate(2),
-                      af.clip(T.CLIP))(af.train_step(T.loss("lm")))
-    whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False)
-    keep = af.Checkpoints(Path(out) / "ckpt", every_steps=3)
-    stopped = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, max_steps=3,
+                      af.clip(max_norm), *extra)(af.train_step(T.loss("lm")))
+    recorder = Recorder()
+    whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False,
+                   trackers=[recorder])
+    params = dict(whole.model.named_parameters())
+    keep = af.Checkpoints(Path(out) / "ckpt", every_steps=stop)
+    stopped = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, max_steps=stop,
                      checkpoints=keep, progress=False)
     tensors = ({f"whole.{k}": v for k, v in T.full_state_dict(whole.model).items()}
                | {f"stopped.{k}": v for k, v in T.full_state_dict(stopped.model).items()}
@@ -119,4 +124,10 @@ def checkpoints(out: str) -> dict[str, Any]:
     tensors |= _optimizer_full(resumed, "resumed_optimizer.")
     af.save_model(whole, Path(out) / "export", backend=backend)
     save_file(tensors, Path(out) / f"ckpt_rank{backend.rank}.safetensors")
-    return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step}
+    return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
+            "grad_norms": [point["grad_norm"] for _, point in recorder.points],
+            "local_numel": {name: p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                            for name, p in params.items()},
+            "full_numel": {name: p.numel() for name, p in params.items()},
+            "meshes": sorted({str(getattr(p, "device_mesh", None)) for p in params.values()}),
+            "model_type": type(whole.model).__name__}
