@@ -267,7 +267,8 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     ``tensor_parallel`` first is equal on every rank already (``broadcast=False``).
     """
     names = {id(p): name for name, p in model.named_parameters()}
-    if broadcast and device_mesh.size() > 1:
+    on_meta = any(t.is_meta for t in model.parameters())  # materialized after sharding (_materialize)
+    if broadcast and device_mesh.size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
     fsdp = fsdp2()

@@ -125,13 +125,14 @@ def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: Te
 
     plan = resolve(tp, model)  # before anything changes
     names = {id(p): name for name, p in model.named_parameters()}
-    if broadcast and mesh.size() > 1:
+    on_meta = any(t.is_meta for t in model.parameters())  # materialized after splitting (_materialize)
+    if broadcast and mesh.size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
     if plan is None:
         tp.plan(model, mesh["tensor"])  # type: ignore[operator]  # a plan function
-    else:
-        parallelize_module(model, mesh["tensor"], plan)
+    else:  # equal on every rank already: each cuts its own part (no scatter, which meta tensors cannot do)
+        parallelize_module(model, mesh["tensor"], plan, src_data_rank=None)
     split = dict(model.named_parameters())
     _fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)

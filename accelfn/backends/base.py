@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _distributed, _fsdp, _tensor_parallel
+from accelfn.backends import _distributed, _fsdp, _materialize, _tensor_parallel
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -164,6 +164,24 @@ class Backend(ProcessContext, abc.ABC):
         shards (FSDP2 on CPU and CUDA); called after ``check_sharding``."""
         raise NotImplementedError(f"the {self.name} backend does not support shard_params()")
 
+    def _check_meta(self, state: TrainState, shard: ShardParams | None, tp: TensorParallel | None) -> None:
+        """Raises unless a model built on the meta device can be materialized by ``prepare``.
+
+        Raises:
+            ValueError: the step neither shards nor splits the model, its optimizer holds
+                state already, or a module has tensors of its own and no ``reset_parameters``.
+        """
+        if shard is None and tp is None:
+            raise ValueError(
+                "this state's model is on the meta device (built under `with torch.device('meta')`); prepare "
+                "materializes such a model shard by shard for shard_params() or tensor_parallel(), and this step "
+                "has neither: add one, or build the model on a real device"
+            )
+        if state.optimizer.state:
+            raise ValueError("a model on the meta device has no values yet, so its optimizer cannot hold state; "
+                             "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
+        _materialize.check(state.model)
+
     def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None) -> None:
         """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``).
 
@@ -268,6 +286,9 @@ class Backend(ProcessContext, abc.ABC):
             _fsdp.check_same_layout(state.model, shard)
             _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
         tp = step.find(TensorParallel)
+        on_meta = _materialize.is_meta(state.model)
+        if on_meta:
+            self._check_meta(state, shard, tp)
         already_split = _tensor_parallel.split_with(state.model) is not None
         _tensor_parallel.check_same_split(state.model, tp)
         if tp is not None and not already_split:
@@ -276,7 +297,7 @@ class Backend(ProcessContext, abc.ABC):
             self.check_sharding(shard, state)
             if tp is None:
                 _fsdp.check_group_size(self, shard)
-        if not already_sharded and not already_split:  # placed when it was sharded (offloaded shards stay)
+        if not already_sharded and not already_split and not on_meta:  # placed when sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
@@ -287,6 +308,8 @@ class Backend(ProcessContext, abc.ABC):
         elif shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
             _fsdp.remember_layout(state.model, shard)
+        if on_meta:  # each rank fills its own shards, module by module
+            _materialize.materialize(state.model, self.device)
         replicate = step.find(Replicate)
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
