@@ -50,6 +50,7 @@ from accelfn.transforms import (
     with_precision,
 )
 from accelfn.transforms import TensorParallel, tensor_parallel
+from accelfn.checkpoint import load_model
 
 
 __all__ = [
@@ -110,4 +111,5 @@ __all__ = [
     "with_precision",
     "TensorParallel",
     "tensor_parallel",
+    "load_model",
 ]

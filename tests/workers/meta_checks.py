@@ -37,10 +37,11 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             model.state_dict().items()}
 
 
-def initial(out: str) -> dict[str, Any]:
+def initial(out: str, weights: str) -> dict[str, Any]:
     """Net built on meta after manual_seed(0), prepared under shard_params() and under
     tensor_parallel(PLAN, size=2): the gathered parameters of each, saved to
-    ``OUT/meta_rank{r}.safetensors`` (``fsdp.*``, ``tp.*``), and what each rank holds."""
+    ``OUT/meta_rank{r}.safetensors`` (``fsdp.*``, ``tp.*``), then the same after
+    ``af.load_model`` of ``weights`` (``fsdp_loaded.*``, ``tp_loaded.*``), and what each rank holds."""
     from safetensors.torch import save_file
 
     backend = af.backends.auto()
@@ -53,6 +54,8 @@ def initial(out: str) -> dict[str, Any]:
         state = af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         state, _ = backend.prepare(transform(af.train_step(lambda m, b: m(b).square().mean())), state)
         tensors |= {f"{name}.{k}": v for k, v in _full(state.model).items()}
+        af.load_model(state, weights)
+        tensors |= {f"{name}_loaded.{k}": v for k, v in _full(state.model).items()}
         result[name] = {"local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                            for p in state.model.parameters()),
                         "on_meta": any(t.is_meta for t in state.model.parameters())}
