@@ -182,19 +182,21 @@ class Backend(ProcessContext, abc.ABC):
                              "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
         _materialize.check(state.model)
 
-    def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None) -> None:
-        """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``).
+    def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None, model: torch.nn.Module) -> None:
+        """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``) on ``model``.
 
         Raises:
             NotImplementedError: this backend has no tensor parallelism (XLA), or not with
-                ``shard``'s options.
-            ValueError: the world size is not a multiple of ``tp.size``.
+                ``shard``'s options, or ``"auto"`` finds a style it does not map.
+            ValueError: the world size is not a multiple of ``tp.size``; ``"auto"`` for a model
+                without a plan of its own; a plan pattern that matches no module.
         """
         if self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"the {self.name} backend does not support tensor_parallel(); use the cpu "
                                       "or cuda backend")
         _fsdp.check_available()
         _tensor_parallel.check(tp, shard, self.world_size)
+        _tensor_parallel.resolve(tp, model)
 
     def split_model(self, state: TrainState, tp: TensorParallel, shard: ShardParams | None, policy: Policy) -> None:
         """Splits ``state.model`` in place over the ``"tensor"`` dimension of the world's mesh as
@@ -292,7 +294,7 @@ class Backend(ProcessContext, abc.ABC):
         already_split = _tensor_parallel.split_with(state.model) is not None
         _tensor_parallel.check_same_split(state.model, tp)
         if tp is not None and not already_split:
-            self.check_tensor_parallel(tp, shard)
+            self.check_tensor_parallel(tp, shard, state.model)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
             if tp is None:

@@ -143,3 +143,23 @@ def test_save_model_from_a_tp_state_loads_strictly_into_a_fresh_model(saved: dic
     model.load_state_dict(weights, strict=True)
     whole = _part(saved["tensors"][0], "whole.")
     assert all(torch.equal(model.state_dict()[k], whole[k]) for k in whole)
+
+
+def test_auto_takes_a_transformers_models_own_plan(pool: Pools) -> None:
+    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan: each rank
+    keeps half of q_proj's rows and the logits equal the unsplit model's (1e-5)."""
+    for result in pool.call(*LAUNCH, function="tp_checks:auto", timeout_s=300):
+        assert result["q_local"] == [16, 32] and result["q_full"] == [32, 32]
+        assert result["max_diff"] < 1e-5
+
+
+def test_auto_without_a_plan_and_a_pattern_matching_nothing_are_refused_before_any_change() -> None:
+    """prepare() refuses "auto" for a model without _tp_plan, and a pattern that matches no
+    module, naming them, and leaves the model's parameters as they were."""
+    state = T.make_state("mlp")
+    before = [p for p in state.model.parameters()]
+    with pytest.raises(ValueError, match="Sequential has none"):
+        af.backends.CPU().prepare(af.tensor_parallel("auto", size=1)(af.train_step(P.mse)), state)
+    with pytest.raises(ValueError, match="'blocks.0' matches no module"):
+        af.backends.CPU().prepare(af.tensor_parallel({"blocks.0": "colwise"}, size=1)(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == before

@@ -131,3 +131,26 @@ def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: i
             "full_numel": {name: p.numel() for name, p in params.items()},
             "meshes": sorted({str(getattr(p, "device_mesh", None)) for p in params.values()}),
             "model_type": type(whole.model).__name__}
+
+
+def auto() -> dict[str, Any]:
+    """A tiny transformers Llama split by its own plan (tensor_parallel("auto", size=2)): the
+    largest difference of its logits from the unsplit model's, and what rank 0 holds of q_proj."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = reference(tokens).logits
+    backend = af.backends.auto()
+    step = af.tensor_parallel("auto", size=2)(af.train_step(lambda m, b: m(b).logits.float().mean()))
+    state, _ = backend.prepare(step, af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    with torch.no_grad():
+        logits = state.model(tokens).logits
+    q = state.model.model.layers[0].self_attn.q_proj.weight
+    return {"max_diff": float((logits - expected).abs().max()), "q_local": list(q.to_local().shape),
+            "q_full": list(q.shape)}
