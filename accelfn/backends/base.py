@@ -431,8 +431,19 @@ class Backend(ProcessContext, abc.ABC):
 
     def forward_is_collective(self, model: torch.nn.Module) -> bool:
         """True when every rank must run each forward of ``model`` together (a model sharded
-        over several ranks all-gathers its parameters in the forward)."""
-        return self.world_size > 1 and _fsdp.is_sharded(model)
+        over several ranks all-gathers its parameters in the forward; a tensor-parallel one
+        all-reduces its row-wise layers' outputs)."""
+        return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None)
+
+    def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
+        """``(data rank, data world size, leads)`` for running ``model`` outside a Step (``af.evaluate``):
+        under a ``tensor_parallel`` split, the ranks of one group read the same data and only
+        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``."""
+        tp = _tensor_parallel.split_with(model)
+        if tp is None:
+            return self.rank, self.world_size, True
+        data_rank, data_world = tp.data_coordinates(self.rank, self.world_size)
+        return data_rank, data_world, self.rank % tp.size == 0
 
     def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
         """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,
