@@ -94,19 +94,19 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
                 else:
                     module._buffers[name] = full
             try:
-                module.reset_parameters()  # type: ignore[operator]  # checked by check()
+                module.reset_parameters()  # checked by check()
                 values = [(module._parameters[n] if p else module._buffers[n]) for n, _, p in own]
             finally:
                 for name, t, is_param in own:
                     if is_param:
-                        module._parameters[name] = t  # type: ignore[assignment]  # the model's own Parameter
+                        module._parameters[name] = t  # the model's own Parameter
                     else:
                         module._buffers[name] = t
             for (_, t, _), value in zip(own, values):
                 if id(t) in done:  # a tied tensor keeps its first owner's values
                     continue
                 done.add(id(t))
-                _copy_shard(t, value)  # type: ignore[arg-type]  # a tensor
+                _copy_shard(t, value)
 
 
 def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ tensor-parallel group are consecutive. ``tensor_parallel`` splits the plan's lay
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +63,7 @@ def _style(name: Any, where: str) -> Any:
 
     if not isinstance(name, str):
         return name
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+    styles: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     if name not in styles:
@@ -93,7 +94,7 @@ def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None
             )
         pairs = list(own.items())
     else:
-        pairs = list(tp.plan)  # type: ignore[arg-type]  # neither a function nor "auto": the pairs
+        pairs = list(tp.plan)  # neither a function nor "auto": the pairs
     names = [n for n, _ in model.named_modules() if n]
     for pattern, _ in pairs:
         if not any(_matches(pattern, n) for n in names):

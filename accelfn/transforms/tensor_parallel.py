@@ -65,7 +65,7 @@ def _to_plan(value: object) -> Plan:
                     "(ColwiseParallel(...), RowwiseParallel(...), SequenceParallel(), PrepareModuleInput(...))")
         return pairs
     if callable(value):
-        return value  # type: ignore[return-value]  # a (model, mesh) -> None function
+        return value  # a (model, mesh) -> None function
     raise wrong_type("tensor_parallel", "plan", "a dict {module pattern: style}, a function (model, mesh) -> None, "
                      "or 'auto'", value)
 
@@ -164,4 +164,4 @@ def tensor_parallel(plan: Mapping[str, Any] | PlanFn | Literal["auto"], *, size:
         >>> af.tensor_parallel({"mlp.0": "colwise", "mlp.2": "rowwise"}, size=2).plan
         (('mlp.0', 'colwise'), ('mlp.2', 'rowwise'))
     """
-    return TensorParallel(plan, size)  # type: ignore[arg-type]  # the converter takes a Mapping
+    return TensorParallel(plan, size)  # the converter takes a Mapping

@@ -174,3 +174,23 @@ def test_auto_without_a_plan_and_a_pattern_matching_nothing_are_refused_before_a
     with pytest.raises(ValueError, match="'blocks.0' matches no module"):
         af.backends.CPU().prepare(af.tensor_parallel({"blocks.0": "colwise"}, size=1)(af.train_step(P.mse)), state)
     assert list(state.model.parameters()) == before
+
+
+def test_a_manifest_describes_plans_and_units_that_are_code() -> None:
+    """The manifest's record of a program whose tensor_parallel plan holds a ParallelStyle or is
+    a function, or whose shard_params units are a predicate or classes, is JSON naming them
+    (it raised 'not JSON serializable' before), the same in any process."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from accelfn.checkpoint import _format
+
+    def record(*transforms: Any) -> Any:
+        return _format.transforms_record(af.compose(*transforms)(af.train_step(P.mse)))
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> None:
+        pass
+
+    assert record(af.tensor_parallel({"0": ColwiseParallel()}, size=2))[0]["plan"] == [["0", "ColwiseParallel"]]
+    assert record(af.tensor_parallel(parallelize, size=2))[0]["plan"].endswith("parallelize")
+    assert record(af.shard_params(units={torch.nn.Linear, torch.nn.LayerNorm}))[0]["units"] == ["LayerNorm", "Linear"]
+    assert record(af.shard_params(units=lambda name, m: True))[0]["units"].endswith("<lambda>")
