@@ -194,3 +194,18 @@ def test_a_manifest_describes_plans_and_units_that_are_code() -> None:
     assert record(af.tensor_parallel(parallelize, size=2))[0]["plan"].endswith("parallelize")
     assert record(af.shard_params(units={torch.nn.Linear, torch.nn.LayerNorm}))[0]["units"] == ["LayerNorm", "Linear"]
     assert record(af.shard_params(units=lambda name, m: True))[0]["units"].endswith("<lambda>")
+
+
+def test_a_tp_checkpoint_resumes_mid_epoch_in_one_unsharded_process(saved: dict[str, Any]) -> None:
+    """The TP=2 checkpoint written after 3 updates (micro-batch 6 of epoch 0, one data shard)
+    resumes in one plain process at that same micro-batch (the group read one shard) and ends
+    equal to the hand-written 1-process loop (1e-5)."""
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.accumulate(2), af.clip(T.CLIP))(
+        af.train_step(T.loss("lm")))
+    with pytest.warns(UserWarning, match="TensorParallel"):  # another program: said once, as for any layout
+        state = af.run(step, T.make_state("lm"), T.loader("lm"), backend=af.backends.CPU(), epochs=T.EPOCHS,
+                       resume=saved["out"] / "ckpt" / "step_00000003", progress=False)
+    model, _ = T.hand_written("lm", accumulate=2)
+    assert state.step == 10
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state.model.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
