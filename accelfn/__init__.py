@@ -52,7 +52,6 @@ from accelfn.transforms import (
 from accelfn.transforms import TensorParallel, tensor_parallel
 from accelfn.checkpoint import load_model
 
-
 __all__ = [
     "JSONL",
     "Accumulate",

@@ -114,7 +114,8 @@ def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     if is_dtensor(target):
         from torch.distributed.tensor import distribute_tensor  # imported: a DTensor exists
 
-        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        placed = full.to(target.to_local().device)  # a CUDA mesh cuts CUDA tensors (one parameter at a time)
+        local = distribute_tensor(placed, target.device_mesh, target.placements, src_data_rank=None).to_local()
         target.to_local().copy_(local)
     else:
         target.copy_(full)

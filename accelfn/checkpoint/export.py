@@ -291,7 +291,8 @@ def _local_part(f: Any, key: str, target: torch.Tensor) -> torch.Tensor:
     if all(type(p) in (Shard, Replicate) for p in target.placements):
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         return f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-    return distribute_tensor(f.get_tensor(key), target.device_mesh, target.placements, src_data_rank=None).to_local()
+    whole = f.get_tensor(key).to(target.to_local().device)  # a CUDA mesh cuts CUDA tensors
+    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainState:
