@@ -49,6 +49,8 @@ from accelfn.transforms import (
     skip_nonfinite,
     with_precision,
 )
+from accelfn.transforms import TensorParallel, tensor_parallel
+from accelfn.checkpoint import load_model
 
 __all__ = [
     "JSONL",
@@ -106,4 +108,7 @@ __all__ = [
     "snapshot",
     "train_step",
     "with_precision",
+    "TensorParallel",
+    "tensor_parallel",
+    "load_model",
 ]

@@ -110,7 +110,8 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
     collectives.sync_buffers(model, backend.collective_device)  # one model: rank 0's buffers on every rank
     cast = _input_cast(model)
     keys, outputs = [], []
-    batches = keyed_batches(data, rank=backend.rank, world_size=backend.world_size)
+    data_rank, data_world, leads = backend.model_data_coordinates(model)  # a tensor-parallel group reads one shard
+    batches = keyed_batches(data, rank=data_rank, world_size=data_world)
     if backend.forward_is_collective(model):
         batches = _in_step(backend, batches)
     modes = [(module, module.training) for module in model.modules()]
@@ -134,6 +135,8 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
             module.training = training
         for param, grad in grads:  # gradients fn took do not leak into the next update
             param.grad = grad
+    if not leads:  # another rank of this tensor-parallel group reports the same samples
+        keys, outputs = [k[:0] for k in keys], [map_tensors(lambda t: t[:0], o) for o in outputs]
     return _gather_in_order(backend, keys, outputs)
 
 

@@ -5,6 +5,8 @@
     python examples/byte_lm.py                                # again: resumes from the latest checkpoint
     python examples/byte_lm.py --width 64 --depth 2 --max-steps 300   # every Config field is a flag
     accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard     # shard_params() instead of replicate()
+    accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # each block's MLP split over 2 ranks
+    accelfn launch --nproc-per-node 4 examples/byte_lm.py --tp 2      # 2-D: FSDP2 over 2 x TP over 2
 
 The text is real and on every machine: the ``.py`` files next to the ``os`` module, read as
 bytes (a vocabulary of 256). The model is a decoder-only transformer (pre-norm blocks,
@@ -198,12 +200,19 @@ def held_out_loss(state: af.TrainState, held_out: Blocks, backend: af.backends.B
     return af.evaluate(per_sequence_loss, state, loader, backend=backend).mean().item()
 
 
+#: the tensor-parallel plan of ``--tp``: each block's MLP split Megatron-style (the attention's
+#: fused qkv projection is reshaped by heads in ``Block.forward``, so it stays whole)
+TP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
 def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_steps: int = 100,
          progress: bool = True, sample_bytes: int = 300,
-         shard: bool = False) -> tuple[af.TrainState, dict[str, float]]:
+         shard: bool = False, tp: int = 1) -> tuple[af.TrainState, dict[str, float]]:
     """Trains (or resumes) and returns the final state and the held-out losses before/after.
 
-    ``shard=True`` trains with ``shard_params()`` instead of ``replicate()``; ``every_steps=0``
+    ``shard=True`` trains with ``shard_params()`` instead of ``replicate()``; ``tp > 1`` splits
+    each block's MLP over groups of ``tp`` ranks (``tensor_parallel``), with ``shard_params()``
+    over the data dimension when there are more processes than ``tp`` (2-D); ``every_steps=0``
     saves no checkpoints (and so resumes from none).
     """
     backend = af.backends.auto()
@@ -216,9 +225,13 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
 
+    if tp > 1:  # replicate() does not take DTensors: data parallel over the data dimension is FSDP2
+        parallel = [af.tensor_parallel(TP_PLAN, size=tp)] + ([af.shard_params()] if backend.world_size > tp else [])
+    else:
+        parallel = [af.shard_params() if shard else af.replicate()]
     step = af.compose(
         af.shard_data(seed=config.seed),
-        af.shard_params() if shard else af.replicate(),
+        *parallel,
         af.with_precision("bf16"),
         af.accumulate(config.accumulate),
         af.clip(1.0),
@@ -235,7 +248,7 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     after = held_out_loss(state, held_out, backend)
     backend.print(f"held-out loss {after:.3f} nats/byte ({after / math.log(2):.2f} bits/byte) "
                   f"after {state.step} optimizer updates")
-    if sample_bytes and (shard or backend.is_main_process):  # a sharded forward needs every rank
+    if sample_bytes and (shard or tp > 1 or backend.is_main_process):  # a sharded or split forward needs every rank
         text = generate(state.model, b"def ", sample_bytes, config.context)
         backend.print("sample:\n" + text.decode("utf-8", errors="replace"))
     return state, {"before": before, "after": after}
@@ -249,6 +262,7 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
                             metavar=field.name.upper(), help=f"(default {field.default})")
     parser.add_argument("--every-steps", type=int, default=100, help="checkpoint every this many updates (0: never)")
     parser.add_argument("--shard", action="store_true", help="shard_params() (FSDP2) instead of replicate()")
+    parser.add_argument("--tp", type=int, default=1, help="split each block's MLP over this many ranks")
     parser.add_argument("--run-dir", default="runs/byte_lm", help="checkpoints and TensorBoard logs")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
     args = parser.parse_args()
@@ -257,4 +271,5 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
 
 if __name__ == "__main__":
     config, args = parse_args()
-    main(config, run_dir=args.run_dir, every_steps=args.every_steps, sample_bytes=args.sample_bytes, shard=args.shard)
+    main(config, run_dir=args.run_dir, every_steps=args.every_steps, sample_bytes=args.sample_bytes, shard=args.shard,
+         tp=args.tp)

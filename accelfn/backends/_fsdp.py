@@ -21,11 +21,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
-import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +32,7 @@ import torch.distributed as dist
 
 from accelfn import collectives
 from accelfn.backends._distributed import leave_at_exit
-from accelfn.collectives import ProcessContext, ReduceOp, is_dtensor
+from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.transforms import ShardParams
 from accelfn.transforms.precision import Policy
 
@@ -138,16 +136,21 @@ def _reduce_uniform_dtype(module: torch.nn.Module) -> None:
     group.post_backward = post_backward
 
 
+def single_process_group(device: torch.device) -> None:
+    """Makes a single-process default group where there is none (FSDP2 and DTensor need one)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
+        leave_at_exit()
+
+
 def mesh(device: torch.device, world_size: int, shard_size: int | None = None) -> DeviceMesh:
     """The device mesh FSDP2 shards over: 1-D over all ranks, or, given a ``shard_size``
     below ``world_size``, 2-D ``(replicate, shard)`` of shape ``(world_size // shard_size,
     shard_size)`` (consecutive ranks share a copy of the model: hybrid sharding). On one
     process, a single-process group is made first (FSDP2 needs one even there; only
     offloading asks for FSDP on one process)."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
-        leave_at_exit()
+    single_process_group(device)
     from torch.distributed.device_mesh import init_device_mesh  # with FSDP2, on first use (fsdp2())
 
     if shard_size is None or shard_size == world_size:
@@ -254,16 +257,18 @@ def _switchable(model: torch.nn.Module) -> bool:
 
 
 def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: ShardParams, policy: Policy,
-                device_mesh: DeviceMesh) -> None:
+                device_mesh: DeviceMesh, *, broadcast: bool = True) -> None:
     """Shards ``model`` in place over ``device_mesh`` and points ``optimizer`` at its sharded
     parameters.
 
     Rank 0's parameters and buffers are broadcast first, so every rank starts from the same
     model whatever its seed (as DDP does). The optimizer's parameters are the model's
-    (``TrainState.create`` checks it), so each maps to a sharded one by its name.
+    (``TrainState.create`` checks it), so each maps to a sharded one by its name. A model split by
+    ``tensor_parallel`` first is equal on every rank already (``broadcast=False``).
     """
     names = {id(p): name for name, p in model.named_parameters()}
-    if device_mesh.size() > 1:
+    on_meta = any(t.is_meta for t in model.parameters())  # materialized after sharding (_materialize)
+    if broadcast and device_mesh.size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
     fsdp = fsdp2()
@@ -282,12 +287,15 @@ def shard_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, shard:
     if options["mp_policy"].param_dtype is not None and _switchable(model):
         ShardedPrecision(model, options["mp_policy"])  # plain forwards outside training
     sharded = dict(model.named_parameters())
-    _rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
+    rebind(optimizer, {id_: sharded[name] for id_, name in names.items()})
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        assert is_dtensor(param), "every optimizer parameter is sharded"
 
 
-def _rebind(optimizer: torch.optim.Optimizer, new: dict[int, torch.nn.Parameter]) -> None:
-    """Points the param groups at the sharded parameters and shards existing state tensors of
-    a parameter's shape (Adam's moments) like their parameter; scalars (``step``) stay."""
+def rebind(optimizer: torch.optim.Optimizer, new: dict[int, torch.nn.Parameter]) -> None:
+    """Points the param groups at the new (sharded or split) parameters and shards existing
+    state tensors of a parameter's shape (Adam's moments) like their parameter; scalars
+    (``step``) stay."""
     old_state = optimizer.state
     state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
     for group in optimizer.param_groups:
@@ -297,8 +305,6 @@ def _rebind(optimizer: torch.optim.Optimizer, new: dict[int, torch.nn.Parameter]
                 state[param] = {k: _like(v, param) for k, v in old_state[old].items()}
         group["params"] = params
     optimizer.state = state
-    for param in (p for group in optimizer.param_groups for p in group["params"]):
-        assert is_dtensor(param), "every optimizer parameter is sharded"
 
 
 def _like(value: Any, param: torch.Tensor) -> Any:
@@ -321,97 +327,6 @@ def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
-def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's gradient on this rank: a DTensor's local shard (in-place ops on it change the gradient).
-
-    Taken without autograd (``DTensor.to_local`` then returns the shard itself, where with
-    gradients enabled it runs an autograd function per parameter, about 14 µs each on CPU).
-    """
-    with torch.no_grad():
-        return [g.to_local() if is_dtensor(g) else g for g in (p.grad for p in params) if g is not None]
-
-
-def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by (device, dtype), in order of first appearance: the lists a
-    foreach kernel takes (one device and dtype each)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
-
-
-def _local_norm(groups: Sequence[list[torch.Tensor]], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The p-norm of this rank's tensors taken together, a float32 scalar on ``device``: one
-    ``torch._foreach_norm`` per device and dtype, then the norm of those norms (as
-    ``torch.nn.utils.get_total_norm``). Empty tensors (a rank's shard of a parameter with
-    fewer rows than ranks) add nothing to any p-norm, so they are left out: the inf-norm of
-    an empty tensor has no identity and would raise on that rank alone. A rank without any
-    element has norm 0, which every rank's sum or max then leaves unchanged."""
-    norms = []
-    for group in groups:
-        nonempty = [t for t in group if t.numel()] if math.isinf(norm_type) else group
-        if nonempty:
-            norms.append(torch.stack(torch._foreach_norm(nonempty, norm_type)).float().to(device))
-    if not norms:
-        return torch.zeros((), device=device)
-    return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
-
-
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, norm_type: float,
-                   all_reduce: Callable[[torch.Tensor, ReduceOp], torch.Tensor]) -> torch.Tensor:
-    """``clip_grad_norm_`` over sharded gradients: one global norm over all shards and ranks.
-
-    Each rank takes the p-norm of its local shards together (``torch._foreach_norm`` per
-    device and dtype, then the norm of those norms), the ranks add their ``local ** p`` (or
-    take the max, for the inf-norm) in one scalar all-reduce, and every shard is scaled by
-    ``min(1, max_norm / (total + 1e-6))`` (``torch._foreach_mul_``) as
-    ``torch.nn.utils.clip_grad_norm_`` does: the same reduction as ``clip_grad_norm_`` over
-    the DTensor parameters, without DTensor's dispatch. The collective runs on the process
-    group's device, so it also works when the shards are offloaded to CPU memory under NCCL
-    (DTensor's own norm would all-reduce a CPU tensor). A rank whose shards are empty (a
-    parameter with fewer rows than ranks) takes part with norm 0, also for the inf-norm.
-
-    Under hybrid sharding (a 2-D mesh) the replicas hold the same shards, so the sum is taken
-    over the ranks of one copy of the model (the mesh's ``"shard"`` group) only.
-
-    Args:
-        params: the parameters (DTensors), each with a gradient or None.
-        max_norm: the largest allowed total norm.
-        norm_type: p of the p-norm, or ``math.inf``.
-        all_reduce: ``backend.reduce`` (over all ranks).
-
-    Returns:
-        The total norm before clipping, a float32 scalar tensor equal on every rank: the
-        unsharded model's gradient norm.
-    """
-    grads = local_gradients(params)
-    if not grads:
-        return torch.zeros(())
-    device = grads[0].device
-    mesh = next(p.device_mesh for p in params if is_dtensor(p))
-    if mesh.ndim > 1:
-        all_reduce = functools.partial(_reduce_in_group, mesh)
-    with torch.no_grad():
-        groups = _by_device_and_dtype(grads)
-        local = _local_norm(groups, norm_type, device)
-        if math.isinf(norm_type):
-            total = all_reduce(local, "max").to(device)
-        else:
-            total = all_reduce(local ** norm_type, "sum").to(device) ** (1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for group in groups:
-            torch._foreach_mul_(group, coefficient.to(group[0].device, group[0].dtype))
-    return total
-
-
-def _reduce_in_group(mesh: DeviceMesh, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-    """``tensor`` summed (or its max taken) over the ranks of ``mesh``'s ``"shard"`` dimension,
-    on the mesh's device (a CUDA mesh's collectives need CUDA tensors, even of offloaded shards)."""
-    out = tensor.detach().to(mesh.device_type).clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=mesh.get_group("shard"))
-    return out
 
 
 def check_group_size(backend: ProcessContext, shard: ShardParams) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accelfn import collectives
-from accelfn.backends import _comm_hooks, _fsdp
+from accelfn.backends import _clip, _comm_hooks, _fsdp
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
@@ -119,6 +119,8 @@ class StepFn:
         replicated = step.find(Replicate) is not None and backend.world_size > 1
         # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
         self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
+        # some parameters are DTensors (shard_params, tensor_parallel): gradients are taken shard by shard
+        self._distributed_params = any(collectives.is_dtensor(p) for p in self._params)
         self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
         # every rank skips the same updates (one rank, all-reduced gradients, or a sharded
         # model's inf check summed over ranks), so a skipped update's metrics can leave
@@ -299,7 +301,7 @@ class StepFn:
         found_inf = None
         if self._guard:
             found_inf = numerics.unscale_and_check(self._grads(params), inv_scale)
-            if self._sharded and self._data_parallel:  # each rank checked only its shards
+            if self._distributed_params and self._backend.world_size > 1:  # each rank checked only its shards
                 found_inf = self._backend.reduce(found_inf, "sum")
         elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
             numerics.scale_(self._grads(params), inv_scale)
@@ -314,9 +316,9 @@ class StepFn:
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
-            if self._sharded:
-                metrics["grad_norm"] = _fsdp.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
-                                                            self._backend.reduce)
+            if self._distributed_params:
+                metrics["grad_norm"] = _clip.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+                                                            self._backend.collective_device)
             else:
                 metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm,
                                                                       self._clip.norm_type)
@@ -365,8 +367,8 @@ class StepFn:
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients to scale in place: under sharding, each DTensor's local shard."""
-        if self._sharded:
-            return _fsdp.local_gradients(params)
+        if self._distributed_params:
+            return _clip.local_gradients(params)
         return [p.grad for p in params if p.grad is not None]
 
     def _group_lrs(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _comm_hooks, _distributed, _fsdp
+from accelfn.backends import _comm_hooks, _distributed, _fsdp, _materialize, _tensor_parallel
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -39,6 +39,7 @@ from accelfn.transforms import (
     Replicate,
     ShardData,
     ShardParams,
+    TensorParallel,
     WithPrecision,
 )
 from accelfn.transforms.precision import Policy, parse_policy
@@ -163,6 +164,62 @@ class Backend(ProcessContext, abc.ABC):
         shards (FSDP2 on CPU and CUDA); called after ``check_sharding``."""
         raise NotImplementedError(f"the {self.name} backend does not support shard_params()")
 
+    def _check_meta(self, state: TrainState, shard: ShardParams | None, tp: TensorParallel | None) -> None:
+        """Raises unless a model built on the meta device can be materialized by ``prepare``.
+
+        Raises:
+            ValueError: the step neither shards nor splits the model, its optimizer holds
+                state already, or a module has tensors of its own and no ``reset_parameters``.
+        """
+        if shard is None and tp is None:
+            raise ValueError(
+                "this state's model is on the meta device (built under `with torch.device('meta')`); prepare "
+                "materializes such a model shard by shard for shard_params() or tensor_parallel(), and this step "
+                "has neither: add one, or build the model on a real device"
+            )
+        if state.optimizer.state:
+            raise ValueError("a model on the meta device has no values yet, so its optimizer cannot hold state; "
+                             "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
+        _materialize.check(state.model)
+
+    def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None, model: torch.nn.Module) -> None:
+        """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``) on ``model``.
+
+        Raises:
+            NotImplementedError: this backend has no tensor parallelism (XLA), or not with
+                ``shard``'s options, or ``"auto"`` finds a style it does not map.
+            ValueError: the world size is not a multiple of ``tp.size``; ``"auto"`` for a model
+                without a plan of its own; a plan pattern that matches no module.
+        """
+        if self.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"the {self.name} backend does not support tensor_parallel(); use the cpu "
+                                      "or cuda backend")
+        _fsdp.check_available()
+        _tensor_parallel.check(tp, shard, self.world_size)
+        _tensor_parallel.resolve(tp, model)
+
+    def split_model(self, state: TrainState, tp: TensorParallel, shard: ShardParams | None, policy: Policy) -> None:
+        """Splits ``state.model`` in place over the ``"tensor"`` dimension of the world's mesh as
+        ``tp`` asks (``parallelize_module``), then, with ``shard``, shards it over the ``"data"``
+        dimension (FSDP2; nothing to shard when that dimension has one rank); the optimizer is
+        pointed at the new parameters. Called after ``check_tensor_parallel``."""
+        mesh = _tensor_parallel.world_mesh(self.device, self.world_size, tp)
+        _tensor_parallel.split_model(state.model, state.optimizer, tp, mesh)
+        if shard is not None and mesh["data"].size() > 1:
+            _fsdp.shard_model(state.model, state.optimizer, shard, policy, mesh["data"], broadcast=False)
+
+    def data_coordinates(self, step: Step) -> tuple[int, int]:
+        """``(data rank, data world size)`` of this process under ``step``: its rank and the world
+        size, or, under ``tensor_parallel(size=t)``, its place on the mesh's data dimension
+        (``rank // t``) and that dimension's size (``world_size // t``): the ranks of one
+        tensor-parallel group read the same data.
+
+        Raises:
+            ValueError: the world size is not a multiple of the tensor-parallel size.
+        """
+        tp = step.find(TensorParallel)
+        return (self.rank, self.world_size) if tp is None else tp.data_coordinates(self.rank, self.world_size)
+
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
         (FSDP2) of non-final micro-batches."""
@@ -229,16 +286,31 @@ class Backend(ProcessContext, abc.ABC):
         if already_sharded and shard is not None:
             _fsdp.check_same_layout(state.model, shard)
             _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
+        tp = step.find(TensorParallel)
+        on_meta = _materialize.is_meta(state.model)
+        if on_meta:
+            self._check_meta(state, shard, tp)
+        already_split = _tensor_parallel.split_with(state.model) is not None
+        _tensor_parallel.check_same_split(state.model, tp)
+        if tp is not None and not already_split:
+            self.check_tensor_parallel(tp, shard, state.model)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
-            _fsdp.check_group_size(self, shard)
-        if not already_sharded:  # a sharded model was placed when it was sharded (offloaded shards stay)
+            if tp is None:
+                _fsdp.check_group_size(self, shard)
+        if not already_sharded and not already_split and not on_meta:  # placed when sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
             state = transform.init(state)
-        if shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
+        if tp is not None and not already_split:
+            self.split_model(state, tp, shard, policy)
+            if shard is not None:
+                _fsdp.remember_layout(state.model, shard)
+        elif shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
             _fsdp.remember_layout(state.model, shard)
+        if on_meta:  # each rank fills its own shards, module by module
+            _materialize.materialize(state.model, self.device)
         replicate = step.find(Replicate)
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
@@ -288,10 +360,12 @@ class Backend(ProcessContext, abc.ABC):
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
-        parallel = (step.find(Replicate) or step.find(ShardParams)) if self.world_size > 1 else None
+        parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel))
+                    if self.world_size > 1 else None)
         replicated = parallel is not None
+        data_rank, data_world = self.data_coordinates(step)
         self._active = epoch_batches(
-            data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
+            data, shard, rank=data_rank, world_size=data_world, epoch=epoch, start=start,
             place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
         )
         if shard is None and parallel is not None:
@@ -357,8 +431,19 @@ class Backend(ProcessContext, abc.ABC):
 
     def forward_is_collective(self, model: torch.nn.Module) -> bool:
         """True when every rank must run each forward of ``model`` together (a model sharded
-        over several ranks all-gathers its parameters in the forward)."""
-        return self.world_size > 1 and _fsdp.is_sharded(model)
+        over several ranks all-gathers its parameters in the forward; a tensor-parallel one
+        all-reduces its row-wise layers' outputs)."""
+        return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None)
+
+    def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
+        """``(data rank, data world size, leads)`` for running ``model`` outside a Step (``af.evaluate``):
+        under a ``tensor_parallel`` split, the ranks of one group read the same data and only
+        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``."""
+        tp = _tensor_parallel.split_with(model)
+        if tp is None:
+            return self.rank, self.world_size, True
+        data_rank, data_world = tp.data_coordinates(self.rank, self.world_size)
+        return data_rank, data_world, self.rank % tp.size == 0
 
     def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
         """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,

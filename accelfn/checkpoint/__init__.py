@@ -18,9 +18,9 @@ module paths (``_codec.py``).
 """
 
 from accelfn.checkpoint.checkpoints import Checkpoints
-from accelfn.checkpoint.export import save_model
+from accelfn.checkpoint.export import load_model, save_model
 from accelfn.checkpoint.save_load import Opened, find_checkpoint, load, open_checkpoint, save
 from accelfn.checkpoint.snapshot import Snapshot, restore, snapshot
 
 __all__ = ["Checkpoints", "Opened", "Snapshot", "find_checkpoint", "load", "open_checkpoint", "restore", "save",
-           "save_model", "snapshot"]
+           "save_model", "snapshot", "load_model"]

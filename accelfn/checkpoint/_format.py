@@ -433,8 +433,20 @@ def transforms_record(program: Step | None) -> Any:
     type name and options), or None."""
     if program is None:
         return None
-    records = [{"type": type(t).__name__, **unstructure(t)} for t in program.transforms]
-    return orjson.loads(dumps(records))  # as it reads back from a manifest
+    records = [{"type": type(t).__name__, **{k: _described(v) if isinstance(v, frozenset) else v
+                                             for k, v in unstructure(t).items()}} for t in program.transforms]
+    return orjson.loads(_converter.dumps(records, default=_described))  # as it reads back from a manifest
+
+
+def _described(value: Any) -> Any:
+    """An option that is code (``shard_params(units=...)``'s predicate or classes,
+    ``tensor_parallel``'s plan function or ParallelStyle objects) as a description: its name
+    (a sorted list of names for a set). Only read to say what differs at a resume, never loaded."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(str(_described(v)) for v in value)
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return value.__qualname__
+    return type(value).__name__
 
 
 def saved_transforms(saved: Any, program: Step | None) -> Any:

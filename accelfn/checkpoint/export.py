@@ -23,6 +23,11 @@ one in ``state_dict`` order (``DTensor.full_tensor``, an all-gather, so every ra
 holds one full tensor), and rank 0 keeps them on the CPU only until the file they belong to
 is written: no rank ever holds more than one file's worth (at most ``max_shard_size``, or
 one tensor larger than that) besides its own shards.
+
+``load_model`` reads such weights (``save_model``'s, or a Hugging Face ``model.safetensors``
+or sharded index) back into a state's model, sharded or split as it is: each rank reads only
+the slices of its own shards (``safetensors.safe_open(...).get_slice``), so no rank ever
+holds the whole model, as for a model built on the meta device and prepared.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, to_path
 from accelfn.state import TrainState, require_state
 
-__all__ = ["INDEX", "MARK", "WEIGHTS", "parse_size", "save_model"]
+__all__ = ["INDEX", "MARK", "WEIGHTS", "load_model", "parse_size", "save_model"]
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -252,3 +257,91 @@ def _finish(directory: Path, names: list[str], files: list[list[str]], total_byt
 def _outcome(backend: ProcessContext, failure: BaseException | None, message: str) -> None:
     """Rank 0's outcome on every rank: its ``failure`` raised there, ``message`` elsewhere."""
     collectives.outcome_of_rank_0(failure, lambda: CheckpointError(message), device=backend.collective_device)
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it, from ``directory``'s index or its ``model.safetensors``
+    (``directory`` may also be that file itself).
+
+    Raises:
+        CheckpointError: neither file exists.
+    """
+    if directory.is_file():
+        with safetensors.safe_open(str(directory), framework="pt") as f:
+            return {k: directory for k in f.keys()}  # noqa: SIM118  # safe_open has no __iter__
+    if (directory / INDEX).is_file():
+        index = orjson.loads((directory / INDEX).read_bytes())
+        return {k: directory / v for k, v in index["weight_map"].items()}
+    if (directory / WEIGHTS).is_file():
+        return _weight_files(directory / WEIGHTS)
+    raise CheckpointError(f"load_model(): {directory} holds neither {WEIGHTS} nor {INDEX}; pass the folder "
+                          "save_model (or save_pretrained) wrote, or the .safetensors file itself")
+
+
+def _local_part(f: Any, key: str, target: torch.Tensor) -> torch.Tensor:
+    """This rank's part of tensor ``key`` of the open file ``f``, shaped as ``target``'s local part:
+    a slice read straight from the file for ``Shard``/``Replicate`` layouts, else (FSDP2's strided
+    layout over a tensor-parallel split) the whole tensor read and cut (``distribute_tensor``)."""
+    if not is_dtensor(target):
+        return f.get_tensor(key)
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if all(type(p) in (Shard, Replicate) for p in target.placements):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        return f.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    whole = f.get_tensor(key).to(target.to_local().device)  # a CUDA mesh cuts CUDA tensors
+    return distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
+
+
+def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainState:
+    """Loads weights in the Hugging Face layout into ``state``'s model, strictly, in place.
+
+    ``directory`` is what ``save_model`` or ``save_pretrained`` wrote (``model.safetensors``,
+    or ``model.safetensors.index.json`` and its files), or a ``.safetensors`` file. The model may
+    be prepared already (sharded by ``shard_params``, split by ``tensor_parallel``, both, or
+    built on the meta device and materialized by ``prepare``): each rank then reads only the
+    slices of its own shards. Tied parameters are read once, under any of their names. No
+    collective: each rank reads on its own. The optimizer state is not touched.
+
+    Args:
+        state: the state whose model to fill.
+        directory: the folder (or file) to read.
+
+    Returns:
+        TrainState: ``state`` (its model's tensors hold the loaded values).
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, ``directory`` not a path.
+        CheckpointError: no weights at ``directory``; a tensor of the model missing from the
+            files, or a tensor in them that the model does not have (both listed), or one of
+            another shape.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"load_model() takes a TrainState first, got {type(state).__name__}")
+    directory = to_path("load_model", "directory", directory)
+    where = _weight_files(directory)
+    model = unwrap(state.model)
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(clean_name(name))
+        tensors[id(t)] = t
+    missing = [ns[0] for ns in names.values() if not any(n in where for n in ns)]
+    known = {n for ns in names.values() for n in ns}
+    unexpected = sorted(set(where) - known)
+    if missing or unexpected:
+        raise CheckpointError(f"load_model(): the weights at {directory} do not match the model: missing "
+                              f"{missing or 'none'}, unexpected {unexpected or 'none'}")
+    with torch.no_grad():
+        for key, ns in names.items():
+            target, name = tensors[key], next(n for n in ns if n in where)
+            with safetensors.safe_open(str(where[name]), framework="pt") as f:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    raise CheckpointError(f"load_model(): {name} has shape {shape} in {where[name].name}, the "
+                                          f"model's is {tuple(target.shape)}")
+                part = _local_part(f, name, target)
+            local = target.to_local() if is_dtensor(target) else target
+            local.copy_(part)
+    return state

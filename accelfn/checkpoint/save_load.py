@@ -307,6 +307,15 @@ class Opened:
         """The number of processes that wrote the checkpoint."""
         return self.manifest.world_size
 
+    @property
+    def data_world_size(self) -> int:
+        """The number of data shards the run that wrote the checkpoint read: its world size, or,
+        under ``tensor_parallel(size=t)`` (as its manifest records the program), ``world_size // t``."""
+        records = self.manifest.transforms if isinstance(self.manifest.transforms, list) else []
+        sizes = [r.get("size") for r in records if isinstance(r, dict) and r.get("type") == "TensorParallel"]
+        size = sizes[0] if sizes and isinstance(sizes[0], int) and sizes[0] > 0 else 1
+        return max(self.manifest.world_size // size, 1)
+
     def other_program(self, program: Step | None) -> str | None:
         """What differs when the checkpoint was written by a program with other transforms
         than ``program`` (then a resumed run differs from an uninterrupted one), else None."""

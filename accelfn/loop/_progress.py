@@ -50,8 +50,9 @@ class Progress:
     """
 
     def __init__(self, backend: Backend, trackers: Sequence[Tracker], *, show: bool, log_every: int,
-                 total: int | None, initial: int):
+                 total: int | None, initial: int, copies: int = 1):
         self._backend = backend
+        self._copies = copies  # ranks reading each sample (a tensor-parallel group's): counted once
         self._trackers = trackers if backend.is_main_process else ()
         self._log_every = log_every
         # the same on every rank (trackers and show are arguments of run), as the reduction is a collective
@@ -139,7 +140,8 @@ class Progress:
             mean = dict(zip(names, reduced))
             # in the order loss_fn gave them
             values = {k: mean[k] / backend.world_size for k in metrics if k not in _COUNTS}
-            samples, items = reduced[len(names)], (reduced[len(names) + 1] if self._items is not None else None)
+            samples = reduced[len(names)] / self._copies
+            items = reduced[len(names) + 1] / self._copies if self._items is not None else None
         values["updates_per_s"] = self._window_updates / elapsed_s
         values["samples_per_s"] = samples / elapsed_s
         if items is not None:

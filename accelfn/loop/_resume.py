@@ -114,17 +114,19 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
         ValueError: the position is beyond this process's epoch (other data or batch size).
     """
     epoch, position = opened.counters["epoch"], opened.counters["epoch_micro_step"]
-    world_size = opened.world_size
+    # data shards, not processes: the ranks of a tensor-parallel group read one shard together
+    world_size = opened.data_world_size
     if not position:
         return 0  # an epoch boundary: the same in any world size
-    total = num_batches(data, program.find(ShardData), rank=backend.rank, world_size=backend.world_size)
-    if world_size != backend.world_size:
-        start = position * world_size // backend.world_size
+    data_rank, data_world = backend.data_coordinates(program)
+    total = num_batches(data, program.find(ShardData), rank=data_rank, world_size=data_world)
+    if world_size != data_world:
+        start = position * world_size // data_world
         start = start if total is None else min(start, total)
         if backend.is_main_process:  # the job's warning: once, not per rank
             warnings.warn(
                 f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
-                f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "
+                f"(of each), and this run has {_processes(data_world)}: an exact resume needs the same world "
                 f"size. Continuing at micro-batch {start}, which keeps the number of samples the epoch has consumed "
                 "(rounded down to whole micro-batches) if the per-process batch size is the same; the rest of the "
                 "epoch is batched in another order, so the run differs from an uninterrupted one",

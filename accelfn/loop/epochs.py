@@ -196,7 +196,8 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
     if continue_after_stop and state.stopped is not None:
         state = state.replace(stopped=None)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
-                   total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step)
+                   total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step,
+                   copies=backend.world_size // backend.data_coordinates(step)[1])
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:

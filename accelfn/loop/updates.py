@@ -85,7 +85,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    micro_batches = num_batches(data, step.find(ShardData), rank=backend.rank, world_size=backend.world_size)
+    data_rank, data_world = backend.data_coordinates(step)
+    micro_batches = num_batches(data, step.find(ShardData), rank=data_rank, world_size=data_world)
     if micro_batches is None:
         if max_steps is None:
             raise ValueError(

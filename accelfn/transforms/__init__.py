@@ -6,6 +6,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     data      shard_data      each process reads its own shard of every epoch
     model     replicate       data parallel: one gradient all-reduce per update
               shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
+              tensor_parallel  layers split over groups of ranks (TP; with shard_params: 2-D)
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -35,6 +36,7 @@ from accelfn.transforms.precision import (
 from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
+from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
 
 __all__ = [
     "POLICY_NAMES",
@@ -66,4 +68,6 @@ __all__ = [
     "shard_params",
     "skip_nonfinite",
     "with_precision",
+    "TensorParallel",
+    "tensor_parallel",
 ]

@@ -16,14 +16,16 @@ from accelfn.transforms.precision import WithPrecision
 from accelfn.transforms.replicate import Replicate
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.skip_nonfinite import SkipNonfinite
+from accelfn.transforms.tensor_parallel import TensorParallel
 
 if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite]
+                  SkipNonfinite, TensorParallel]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
+    TensorParallel,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

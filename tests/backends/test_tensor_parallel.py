@@ -1,0 +1,211 @@
+"""tensor_parallel over gloo: 2 pooled processes (one tensor-parallel group) vs one process.
+
+One pooled scenario (tests/workers/tp_checks.py ``train``) trains the MLP and the byte LM of
+``tests.helpers.tensor_parallel``; each test compares a part of it with a hand-written
+single-process loop computed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelfn as af
+from tests.helpers import programs as P
+from tests.helpers import tensor_parallel as T
+from tests.helpers.pool import Pools
+
+pytestmark = pytest.mark.multiprocess
+
+LAUNCH = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
+
+
+@pytest.fixture(scope="module")
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tp_checks")
+    results = pool.call(*LAUNCH, function="tp_checks:train", out=str(out), timeout_s=300)
+    return {"json": results, "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(2)]}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_tp2_equals_a_hand_written_one_process_loop(run: dict[str, Any], kind: str) -> None:
+    """TP=2 on 2 processes with clip(1.0) ends, after 20 AdamW updates, with the parameters of
+    a hand-written 1-process loop (1e-5) on both ranks, and logs its unsharded grad norms."""
+    model, norms = T.hand_written(kind)
+    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    for rank in range(2):
+        got = {k[len(kind) + 1:]: v for k, v in run["tensors"][rank].items() if k.startswith(f"{kind}.")}
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=f"{kind} rank {rank} {name}")
+    record = run["json"][0][kind]
+    assert record["step"] == T.UPDATES == len(norms)
+    torch.testing.assert_close(torch.tensor(record["grad_norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert max(norms) > T.CLIP  # some updates were clipped: the clip is part of what matched
+    initial = T.make_model(kind).state_dict()
+    assert all(not torch.allclose(initial[k], reference[k]) for k in reference)
+
+
+def test_evaluate_of_a_tp_model_gives_each_sample_once_in_order_on_every_rank(run: dict[str, Any]) -> None:
+    """af.evaluate of the TP=2 MLP over its 40 samples returns, on both ranks, 40 rows in dataset
+    order equal to the hand-written model's outputs (1e-5): the group reads one shard, reported once."""
+    model, _ = T.hand_written("mlp")
+    x, _ = T.data("mlp").tensors
+    with torch.no_grad():
+        expected = model(x)
+    for rank in range(2):
+        torch.testing.assert_close(run["tensors"][rank]["evaluated"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_each_rank_holds_half_of_every_split_layer_and_reads_the_whole_batch(run: dict[str, Any]) -> None:
+    """The plan's column-wise layers keep half of the rows, row-wise ones half of the columns
+    (DTensors), the rest stays whole; the optimizer holds the model's parameters, and each
+    update counts its 4 samples once (the 2 ranks of the group read the same batch)."""
+    for rank in range(2):
+        mlp = run["json"][rank]["mlp"]
+        assert mlp["local_shapes"] == {"0.weight": [16, 4], "0.bias": [16], "2.weight": [1, 16], "2.bias": [1]}
+        assert set(mlp["types"].values()) == {"DTensor"}
+        lm = run["json"][rank]["lm"]
+        assert lm["local_shapes"]["blocks.0.mlp.0.weight"] == [32, 16]
+        assert lm["local_shapes"]["blocks.1.mlp.2.weight"] == [16, 32]
+        assert lm["types"]["blocks.0.qkv.weight"] == "Tensor" and lm["types"]["blocks.0.mlp.0.weight"] == "DTensor"
+        for kind in ("mlp", "lm"):
+            assert run["json"][rank][kind]["optimizer_params_are_model_params"] is True
+            assert all(abs(n - T.BATCH) < 1e-9 for n in run["json"][rank][kind]["samples_per_update"])
+
+
+def test_clip_over_plain_tensors_and_dtensors_on_two_meshes_is_the_global_norm(pool: Pools) -> None:
+    """Gradients that are plain, sharded, replicated, sharded on another (2-D) mesh and Partial
+    clip to the exact global 2-norm and inf-norm of the whole gradients, each counted once."""
+    for result in pool.call(*LAUNCH, function="tp_checks:clip_mixed"):
+        assert result["types"] == ["Tensor", "DTensor", "DTensor", "DTensor", "DTensor"]
+        assert result["norm"] == pytest.approx(result["expected_norm"], rel=1e-6)
+        assert result["inf_norm"] == pytest.approx(result["expected_inf_norm"], rel=1e-6)
+        assert result["expected_norm"] > 1.0 and result["clipped_error"] < 1e-6
+
+
+def test_tensor_parallel_validates_its_arguments() -> None:
+    """tensor_parallel refuses an unknown style, a non-'auto' string, an empty plan, size 0 and
+    replicate(), naming the argument."""
+    with pytest.raises(ValueError, match="style of 'a' is 'diagonal'"):
+        af.tensor_parallel({"a": "diagonal"}, size=2)
+    with pytest.raises(ValueError, match="must be 'auto'"):
+        af.tensor_parallel("mine", size=2)
+    with pytest.raises(ValueError, match="names no module"):
+        af.tensor_parallel({}, size=2)
+    with pytest.raises(ValueError, match="size"):
+        af.tensor_parallel({"a": "colwise"}, size=0)
+    with pytest.raises(af.TransformError, match="shard_params"):
+        af.compose(af.replicate(), af.tensor_parallel({"a": "colwise"}, size=2))(af.train_step(P.mse))
+    assert af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(3, 4) == (1, 2)
+    with pytest.raises(ValueError, match="cannot be split into tensor-parallel groups of 2"):
+        af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(0, 3)
+
+
+@pytest.fixture(scope="module")
+def saved(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tp_ckpt")
+    results = pool.call(*LAUNCH, function="tp_checks:checkpoints", out=str(out), timeout_s=300)
+    return {"out": out, "json": results,
+            "tensors": [load_file(out / f"ckpt_rank{r}.safetensors") for r in range(2)]}
+
+
+def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_a_tp_run_resumed_mid_epoch_from_its_checkpoint_is_bitwise_the_whole_run(saved: dict[str, Any]) -> None:
+    """TP=2 with accumulate(2): stopped after 3 updates (mid-epoch), checkpointed, and resumed by
+    a fresh state, it ends with bitwise the parameters and AdamW moments of the uninterrupted run."""
+    assert saved["json"][0]["steps"] == [10, 3, 10] and saved["json"][0]["stopped_epoch_micro_step"] == 6
+    for rank in range(2):
+        tensors = saved["tensors"][rank]
+        for what in ("", "_optimizer"):
+            whole, resumed = _part(tensors, f"whole{what}."), _part(tensors, f"resumed{what}.")
+            assert whole.keys() == resumed.keys() and whole
+            assert all(torch.equal(whole[k], resumed[k]) for k in whole), what
+
+
+def test_a_tp_checkpoint_loads_into_one_unsharded_process(saved: dict[str, Any]) -> None:
+    """The DCP checkpoint of the TP=2 run loads into a plain 1-process state (this one) with the
+    stopped run's gathered parameters and AdamW moments, bitwise, at step 3."""
+    path = saved["out"] / "ckpt" / "step_00000003"
+    state = af.load(path, into=T.make_state("lm"))
+    assert state.step == 3
+    stopped = _part(saved["tensors"][0], "stopped.")
+    got = state.model.state_dict()
+    assert got.keys() == stopped.keys()
+    assert all(torch.equal(got[k], stopped[k]) for k in stopped)
+    moments = _part(saved["tensors"][0], "stopped_optimizer.")
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    loaded = {f"{names[id(p)]}/{k}": v for p, e in state.optimizer.state.items() for k, v in e.items() if k != "step"}
+    assert loaded.keys() == moments.keys() and moments
+    assert all(torch.equal(loaded[k], moments[k]) for k in moments)
+
+
+def test_save_model_from_a_tp_state_loads_strictly_into_a_fresh_model(saved: dict[str, Any]) -> None:
+    """af.save_model of the TP=2 state writes full weights that a fresh unsharded byte LM loads
+    with load_state_dict(strict=True), equal to the run's gathered parameters."""
+    weights = load_file(saved["out"] / "export" / "model.safetensors")
+    model = T.make_model("lm")
+    model.load_state_dict(weights, strict=True)
+    whole = _part(saved["tensors"][0], "whole.")
+    assert all(torch.equal(model.state_dict()[k], whole[k]) for k in whole)
+
+
+def test_auto_takes_a_transformers_models_own_plan(pool: Pools) -> None:
+    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan: each rank
+    keeps half of q_proj's rows and the logits equal the unsplit model's (1e-5)."""
+    for result in pool.call(*LAUNCH, function="tp_checks:auto", timeout_s=300):
+        assert result["q_local"] == [16, 32] and result["q_full"] == [32, 32]
+        assert result["max_diff"] < 1e-5
+
+
+def test_auto_without_a_plan_and_a_pattern_matching_nothing_are_refused_before_any_change() -> None:
+    """prepare() refuses "auto" for a model without _tp_plan, and a pattern that matches no
+    module, naming them, and leaves the model's parameters as they were."""
+    state = T.make_state("mlp")
+    before = [p for p in state.model.parameters()]
+    with pytest.raises(ValueError, match="Sequential has none"):
+        af.backends.CPU().prepare(af.tensor_parallel("auto", size=1)(af.train_step(P.mse)), state)
+    with pytest.raises(ValueError, match="'blocks.0' matches no module"):
+        af.backends.CPU().prepare(af.tensor_parallel({"blocks.0": "colwise"}, size=1)(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == before
+
+
+def test_a_manifest_describes_plans_and_units_that_are_code() -> None:
+    """The manifest's record of a program whose tensor_parallel plan holds a ParallelStyle or is
+    a function, or whose shard_params units are a predicate or classes, is JSON naming them
+    (it raised 'not JSON serializable' before), the same in any process."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from accelfn.checkpoint import _format
+
+    def record(*transforms: Any) -> Any:
+        return _format.transforms_record(af.compose(*transforms)(af.train_step(P.mse)))
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> None:
+        pass
+
+    assert record(af.tensor_parallel({"0": ColwiseParallel()}, size=2))[0]["plan"] == [["0", "ColwiseParallel"]]
+    assert record(af.tensor_parallel(parallelize, size=2))[0]["plan"].endswith("parallelize")
+    assert record(af.shard_params(units={torch.nn.Linear, torch.nn.LayerNorm}))[0]["units"] == ["LayerNorm", "Linear"]
+    assert record(af.shard_params(units=lambda name, m: True))[0]["units"].endswith("<lambda>")
+
+
+def test_a_tp_checkpoint_resumes_mid_epoch_in_one_unsharded_process(saved: dict[str, Any]) -> None:
+    """The TP=2 checkpoint written after 3 updates (micro-batch 6 of epoch 0, one data shard)
+    resumes in one plain process at that same micro-batch (the group read one shard) and ends
+    equal to the hand-written 1-process loop (1e-5)."""
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.accumulate(2), af.clip(T.CLIP))(
+        af.train_step(T.loss("lm")))
+    with pytest.warns(UserWarning, match="TensorParallel"):  # another program: said once, as for any layout
+        state = af.run(step, T.make_state("lm"), T.loader("lm"), backend=af.backends.CPU(), epochs=T.EPOCHS,
+                       resume=saved["out"] / "ckpt" / "step_00000003", progress=False)
+    model, _ = T.hand_written("lm", accumulate=2)
+    assert state.step == 10
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state.model.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)

@@ -1,0 +1,82 @@
+"""2-D FSDP2 x TP (``shard_params()`` with ``tensor_parallel(size=2)``) on 4 real gloo processes.
+
+One launch of tests/workers/tp2d_checks.py records everything: the byte LM trained whole,
+stopped after 2 updates with a checkpoint and resumed from it, and exported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelfn as af
+from tests.helpers import launch as _launch
+from tests.helpers import tensor_parallel as T
+
+pytestmark = pytest.mark.multiprocess
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("tp2d")
+    _launch.launch("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60", script="tp2d_checks.py",
+                   script_args=("--out", out), cwd=out)
+    return {"json": _launch.read_ranks(out, WORLD), "out": out,
+            "tensors": [load_file(out / f"ckpt_rank{r}.safetensors") for r in range(WORLD)]}
+
+
+def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_split_matrix(run: dict[str, Any]) -> None:
+    """On a (data 2, tensor 2) mesh with accumulate(2) + clip(0.3) the gathered parameters and
+    logged grad norms equal a 1-process loop over windows of 16 samples (1e-5) on every rank;
+    each rank holds 1/4 of every split weight matrix and 1/2 of every other parameter."""
+    model, norms = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D)
+    reference = model.state_dict()
+    for rank in range(WORLD):
+        whole = _part(run["tensors"][rank], "whole.")
+        assert whole.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(whole[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+        record = run["json"][rank]
+        assert record["model_type"] == "FSDPByteLM"
+        for name, full in record["full_numel"].items():
+            split = ".mlp.0." in name or ".mlp.2.weight" in name
+            assert record["local_numel"][name] * (4 if split else 2) == full, name
+    logged = run["json"][0]["grad_norms"]  # the trackers are rank 0's
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert max(norms) > T.CLIP_2D  # some updates were clipped
+
+
+def test_a_2d_run_resumed_from_its_checkpoint_is_bitwise_the_whole_run(run: dict[str, Any]) -> None:
+    """Stopped after 2 updates (mid-epoch) and resumed by a fresh state, the 2-D run ends with
+    bitwise the parameters and AdamW moments of the uninterrupted one, on every rank."""
+    assert run["json"][0]["steps"] == [6, 2, 6] and run["json"][0]["stopped_epoch_micro_step"] == 4
+    for rank in range(WORLD):
+        for what in ("", "_optimizer"):
+            whole, resumed = _part(run["tensors"][rank], f"whole{what}."), _part(run["tensors"][rank], f"resumed{what}.")
+            assert whole.keys() == resumed.keys() and whole
+            assert all(torch.equal(whole[k], resumed[k]) for k in whole), what
+
+
+def test_a_2d_checkpoint_and_export_load_into_one_unsharded_process(run: dict[str, Any]) -> None:
+    """The 2-D checkpoint loads into a 1-process state with the stopped run's gathered parameters
+    (bitwise, step 2); save_model's weights load strictly into a fresh model."""
+    state = af.load(run["out"] / "ckpt" / "step_00000002", into=T.make_state("lm"))
+    stopped = _part(run["tensors"][0], "stopped.")
+    assert state.step == 2 and all(torch.equal(state.model.state_dict()[k], stopped[k]) for k in stopped)
+    model = T.make_model("lm")
+    model.load_state_dict(load_file(run["out"] / "export" / "model.safetensors"), strict=True)
+    whole = _part(run["tensors"][0], "whole.")
+    assert all(torch.equal(model.state_dict()[k], whole[k]) for k in whole)
+
+
+def test_a_tp_size_that_does_not_divide_the_world_is_refused_by_name(run: dict[str, Any]) -> None:
+    """tensor_parallel(size=3) in a world of 4 raises ValueError naming the size and the world."""
+    assert "tensor_parallel(size=3): the world of 4 processes cannot be split" in run["json"][0]["size_error"]

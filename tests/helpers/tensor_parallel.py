@@ -1,0 +1,113 @@
+"""Programs shared by the ``tensor_parallel`` worker (tests/workers/tp_checks.py) and its
+single-process references: an MLP on the regression data of ``programs``, and the byte LM of
+examples/byte_lm.py (tiny) on random bytes, each with the hand-written loop it must equal."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import accelfn as af
+from tests.helpers import launch as _launch
+from tests.helpers import programs as P
+
+UPDATES = 20
+BATCH = 4
+NUM_SAMPLES = 40  # 10 updates of BATCH per epoch: 2 epochs
+EPOCHS = 2
+CLIP = 1.0
+CLIP_2D = 0.3  # windows of 16 samples have smaller gradients: a bound they pass
+LR = 1e-2
+MLP_PLAN = {"0": "colwise", "2": "rowwise"}
+LM_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+CONTEXT = 8
+
+
+def byte_lm() -> ModuleType:
+    """examples/byte_lm.py as a module (registered, as attrs needs)."""
+    name = "byte_lm_example"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, _launch.ROOT / "examples" / "byte_lm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_model(kind: str) -> torch.nn.Module:
+    """``"mlp"``: 4 -> 32 -> tanh -> 1; ``"lm"``: the byte LM, width 16, 2 blocks of 2 heads."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    lm = byte_lm()
+    return lm.ByteLM(lm.Config(context=CONTEXT, width=16, depth=2, heads=2))
+
+
+def make_state(kind: str) -> af.TrainState:
+    """AdamW with ``eps=1e-4``: the key part of a block's fused qkv bias has a gradient of exactly 0
+    (softmax ignores a shift of every key by q.b), so in floating point it is rounding noise
+    (~1e-9) that AdamW's default ``eps=1e-8`` would turn into full-size steps of random sign,
+    different in any two summation orders; 1e-4 keeps those steps below 1e-7."""
+    model = make_model(kind)
+    return af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-4))
+
+
+def data(kind: str) -> TensorDataset:
+    if kind == "mlp":
+        return P.regression_data(NUM_SAMPLES)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (NUM_SAMPLES, CONTEXT + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def loss(kind: str) -> Any:
+    return P.mse if kind == "mlp" else byte_lm().loss_fn
+
+
+def loader(kind: str) -> DataLoader:
+    return DataLoader(data(kind), batch_size=BATCH, shuffle=True)
+
+
+def plan(kind: str) -> dict[str, str]:
+    return MLP_PLAN if kind == "mlp" else LM_PLAN
+
+
+def hand_written(kind: str, *, data_world: int = 1, accumulate: int = 1,
+                 max_norm: float = CLIP) -> tuple[torch.nn.Module, list[float]]:
+    """One process, no accelfn: AdamW over windows of ``BATCH * data_world * accumulate``
+    samples in the ``shard_data`` order of each epoch (the last window of an epoch what is
+    left), clip_grad_norm_(max_norm) before every update.
+
+    Returns:
+        The trained model and the gradient norm before clipping of every update.
+    """
+    state = make_state(kind)
+    model, opt = state.model, state.optimizer
+    dataset = data(kind)
+    x, y = dataset.tensors
+    norms = []
+    for epoch in range(EPOCHS):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        size = BATCH * data_world * accumulate
+        for start in range(0, len(order), size):
+            batch = order[start:start + size]
+            loss(kind)(model, (x[batch], y[batch])).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            opt.step()
+            opt.zero_grad()
+    return model, norms
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer gathered whole, on the CPU (tied weights under each name)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in model.state_dict(keep_vars=False).items()}

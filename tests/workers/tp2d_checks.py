@@ -1,0 +1,34 @@
+"""Worker for tests/backends/test_tp2d.py: 2-D FSDP2 x TP on 4 processes.
+
+Usage: accelfn launch --nproc-per-node 4 tp2d_checks.py --out DIR
+
+Runs ``tp_checks.checkpoints(DIR, shard=True)`` (the byte LM under shard_data +
+tensor_parallel(size=2) + shard_params() + accumulate(2) + clip(0.3): whole, stopped after 2
+updates with a checkpoint, resumed, exported) and writes DIR/rank{r}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import accelfn as af
+from tests.workers import tp_checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out = parser.parse_args().out
+    result = tp_checks.checkpoints(str(out), shard=True, max_norm=tp_checks.T.CLIP_2D, stop=2)
+    try:  # the world of 4 cannot be split into tensor-parallel groups of 3
+        af.backends.auto().prepare(af.tensor_parallel({"blocks.*.mlp.0": "colwise"}, size=3)(
+            af.train_step(tp_checks.T.loss("lm"))), tp_checks.T.make_state("lm"))
+    except ValueError as e:
+        result["size_error"] = str(e)
+    (out / f"rank{af.backends.auto().rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

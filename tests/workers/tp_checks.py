@@ -1,0 +1,161 @@
+"""Scenarios of tests/backends/test_tensor_parallel.py, run on 2 ranks by the worker pool.
+
+``train``: the MLP and the byte LM of ``tests.helpers.tensor_parallel`` under
+``shard_data + tensor_parallel(size=2) + clip(1.0)``, 20 AdamW updates each, writing the
+gathered parameters to ``OUT/rank{r}.safetensors`` and returning what the tests compare.
+``clip_mixed``: clipping gradients that are plain tensors and DTensors on two meshes at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+import accelfn as af
+from accelfn.backends import _clip
+from tests.helpers import programs as P
+from tests.helpers import tensor_parallel as T
+from tests.helpers.tracking import Recorder
+
+
+def train(out: str) -> dict[str, Any]:
+    """Both models trained under TP=2; their gathered parameters saved, the rest returned."""
+    backend = af.backends.auto()
+    result: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for kind in ("mlp", "lm"):
+        step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.plan(kind), size=2),
+                          af.clip(T.CLIP))(af.train_step(T.loss(kind)))
+        recorder = Recorder()
+        state = af.run(step, T.make_state(kind), T.loader(kind), backend=backend, epochs=T.EPOCHS,
+                       progress=False, trackers=[recorder])
+        params = dict(state.model.named_parameters())
+        optimizer_params = [p for g in state.optimizer.param_groups for p in g["params"]]
+        result[kind] = {
+            "step": state.step,
+            "grad_norms": [point["grad_norm"] for _, point in recorder.points],
+            "samples_per_update": [point["samples_per_s"] / point["updates_per_s"] for _, point in recorder.points],
+            "types": {name: type(p.data).__name__ for name, p in params.items()},
+            "local_shapes": {name: list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape)
+                             for name, p in params.items()},
+            "optimizer_params_are_model_params": [id(p) for p in optimizer_params] == [
+                id(p) for p in state.model.parameters()],
+        }
+        tensors |= {f"{kind}.{k}": v for k, v in T.full_state_dict(state.model).items()}
+        if kind == "mlp":  # 40 samples in batches of 3 over one data shard: every sample once, in order
+            evaluated = af.evaluate(lambda m, b: m(b[0]), state, DataLoader(T.data(kind), batch_size=3),
+                                    backend=backend)
+            tensors["evaluated"] = evaluated.contiguous()
+    save_file(tensors, Path(out) / f"rank{backend.rank}.safetensors")
+    return result
+
+
+def clip_mixed() -> dict[str, Any]:
+    """Gradients of 5 parameters on 2 ranks: a plain tensor, a DTensor sharded over the world
+    mesh, one replicated over it, one sharded along the tensor dimension of a 2-D ``(1, 2)``
+    mesh, and one whose gradient is Partial (a pending sum): their full values are known on
+    every rank; returns the norm clip_grad_norm computed, the full norm, and the clipped
+    full gradients next to the expected ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    backend = af.backends.auto()
+    rank = backend.rank
+    world = init_device_mesh("cpu", (2,))
+    grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data", "tensor"))
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(3, 4, generator=g) for _ in range(5)]
+    layouts = [None, (world, [Shard(0)]), (world, [Replicate()]), (grid, [Replicate(), Shard(1)]), "partial"]
+    params: list[torch.Tensor] = []
+    for value, layout in zip(full, layouts):
+        if layout is None:
+            param = torch.nn.Parameter(torch.zeros(3, 4))
+            param.grad = value.clone()
+        elif layout == "partial":  # each rank holds half of the sum
+            param = torch.nn.Parameter(distribute_tensor(torch.zeros(3, 4), world, [Replicate()]))
+            param.grad = DTensor.from_local(value / 2, world, [Partial()], run_check=False)
+        else:
+            mesh, placements = layout
+            param = torch.nn.Parameter(distribute_tensor(torch.zeros(3, 4), mesh, placements))
+            param.grad = distribute_tensor(value.clone(), mesh, placements)
+        params.append(param)
+    expected_norm = float(torch.linalg.vector_norm(torch.cat([v.flatten() for v in full])))
+    inf_norm = float(_clip.global_norm(params, float("inf"), backend.collective_device))
+    norm = float(_clip.clip_grad_norm(params, 1.0, 2.0, backend.collective_device))
+    clipped = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for p in params]
+    coefficient = min(1.0, 1.0 / (expected_norm + 1e-6))
+    return {
+        "rank": rank, "norm": norm, "expected_norm": expected_norm, "inf_norm": inf_norm,
+        "expected_inf_norm": float(max(v.abs().max() for v in full)),
+        "clipped_error": max(float((c - v * coefficient).abs().max()) for c, v in zip(clipped, full)),
+        "types": [type(p.grad).__name__ for p in params],
+    }
+
+
+def _optimizer_full(state: af.TrainState, prefix: str) -> dict[str, torch.Tensor]:
+    """AdamW's moments of every parameter, gathered whole, by ``prefix + name/key``."""
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    return {f"{prefix}{names[id(p)]}/{key}": (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for p, entries in state.optimizer.state.items() for key, v in entries.items() if key != "step"}
+
+
+def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: int = 3) -> dict[str, Any]:
+    """The byte LM under TP=2 (with ``shard``: and shard_params(), 2-D FSDP x TP) with
+    accumulate(2) + clip(max_norm): a whole run of 2 epochs; a run stopped after ``stop`` updates (mid-epoch)
+    with a DCP checkpoint; a fresh state resumed from it; and af.save_model of the whole run.
+    Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
+    backend = af.backends.auto()
+    extra = (af.shard_params(),) if shard else ()
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.LM_PLAN, size=2), af.accumulate(2),
+                      af.clip(max_norm), *extra)(af.train_step(T.loss("lm")))
+    recorder = Recorder()
+    whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False,
+                   trackers=[recorder])
+    params = dict(whole.model.named_parameters())
+    keep = af.Checkpoints(Path(out) / "ckpt", every_steps=stop)
+    stopped = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, max_steps=stop,
+                     checkpoints=keep, progress=False)
+    tensors = ({f"whole.{k}": v for k, v in T.full_state_dict(whole.model).items()}
+               | {f"stopped.{k}": v for k, v in T.full_state_dict(stopped.model).items()}
+               | _optimizer_full(stopped, "stopped_optimizer.") | _optimizer_full(whole, "whole_optimizer."))
+    torch.manual_seed(123)  # another start: rank 0's broadcast and the checkpoint decide
+    resumed = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS,
+                     checkpoints=keep, resume="auto", progress=False)
+    tensors |= {f"resumed.{k}": v for k, v in T.full_state_dict(resumed.model).items()}
+    tensors |= _optimizer_full(resumed, "resumed_optimizer.")
+    af.save_model(whole, Path(out) / "export", backend=backend)
+    save_file(tensors, Path(out) / f"ckpt_rank{backend.rank}.safetensors")
+    return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
+            "grad_norms": [point["grad_norm"] for _, point in recorder.points],
+            "local_numel": {name: p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                            for name, p in params.items()},
+            "full_numel": {name: p.numel() for name, p in params.items()},
+            "meshes": sorted({str(getattr(p, "device_mesh", None)) for p in params.values()}),
+            "model_type": type(whole.model).__name__}
+
+
+def auto() -> dict[str, Any]:
+    """A tiny transformers Llama split by its own plan (tensor_parallel("auto", size=2)): the
+    largest difference of its logits from the unsplit model's, and what rank 0 holds of q_proj."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = reference(tokens).logits
+    backend = af.backends.auto()
+    step = af.tensor_parallel("auto", size=2)(af.train_step(lambda m, b: m(b).logits.float().mean()))
+    state, _ = backend.prepare(step, af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    with torch.no_grad():
+        logits = state.model(tokens).logits
+    q = state.model.model.layers[0].self_attn.q_proj.weight
+    return {"max_diff": float((logits - expected).abs().max()), "q_local": list(q.to_local().shape),
+            "q_full": list(q.shape)}
