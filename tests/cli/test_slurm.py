@@ -20,7 +20,7 @@ from tests.helpers import slurm
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = _launch.WORKERS / "engine_train.py"
-DOCS_PAGE = _launch.ROOT / "docs" / "11-clusters.md"
+DOCS_PAGE = _launch.ROOT / "docs" / "12-clusters.md"
 WAIT_S = 240
 
 
