@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from accelfn import collectives
 from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
+from accelfn.backends._invariant import InvariantStepFn, broadcast_model
 from accelfn.backends._placement import (
     check_placement,
     move_module,
@@ -30,12 +31,15 @@ from accelfn.backends._placement import (
 )
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.collectives import ProcessContext
+from accelfn.data import blocks
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import (
+    Accumulate,
     Compile,
+    Invariant,
     Replicate,
     ShardData,
     ShardParams,
@@ -221,6 +225,9 @@ class Backend(ProcessContext, abc.ABC):
         if compiled is not None:
             self.check_compile(compiled)
         shard = step.find(ShardParams)
+        invariant = step.find(Invariant)
+        if invariant is not None:  # refused before anything is placed
+            invariant.init(state)
         already_sharded = _fsdp.is_sharded(state.model)
         if already_sharded and shard is None:
             raise ValueError(
@@ -243,9 +250,17 @@ class Backend(ProcessContext, abc.ABC):
         replicate = step.find(Replicate)
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
-        model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        if invariant is not None:  # no DDP: the canonical sum replaces its all-reduce
+            if self.world_size > 1:
+                broadcast_model(state.model)
+                collectives.mark_replicas(state.model)
+            model = state.model
+        else:
+            model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
+        if invariant is not None:
+            return state, InvariantStepFn(self, step, state, model)
         return state, step_function(self, step, state, model)
 
     def check_compile(self, spec: Compile) -> None:
@@ -288,6 +303,9 @@ class Backend(ProcessContext, abc.ABC):
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
+        if step.find(Invariant) is not None:
+            self._active = self._blocks(data, step, epoch, start)
+            return self._active
         parallel = (step.find(Replicate) or step.find(ShardParams)) if self.world_size > 1 else None
         replicated = parallel is not None
         self._active = epoch_batches(
@@ -297,6 +315,15 @@ class Backend(ProcessContext, abc.ABC):
         if shard is None and parallel is not None:
             self._check_same_length(self._active.num_batches, parallel.verb)
         return self._active
+
+    def _blocks(self, data: Iterable[Any], step: Step, epoch: int, start: int) -> EpochBatches:
+        """This rank's blocks of micro-batches under ``invariant()`` (``data.blocks``)."""
+        shard, accumulate = step.find(ShardData), step.find(Accumulate)
+        n = accumulate.num_micro_batches if accumulate is not None else 1
+        total = blocks.num_batches(data, world_size=self.world_size, num_micro_batches=n)  # type: ignore[arg-type]  # checked there
+        loader = blocks.block_loader(data, seed=shard.seed if shard is not None else 0, rank=self.rank,  # type: ignore[arg-type]  # as above
+                                     world_size=self.world_size, num_micro_batches=n, epoch=epoch, start=start)
+        return EpochBatches(loader, num_batches=total, start=start, place=self.place)
 
     def eval_batches(self, data: DataLoader) -> Iterator[Any]:
         """This rank's device-placed batches of ``data``, for an evaluation loop of your own.

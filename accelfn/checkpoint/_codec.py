@@ -37,7 +37,7 @@ import torch
 
 from accelfn.checkpoint._rng import RngState
 from accelfn.errors import CheckpointError
-from accelfn.transforms import LossScale, SkipCount, Window
+from accelfn.transforms import Layout, LossScale, Node, SkipCount, TreeWindow, Window
 
 #: tag -> record class; the only records a checkpoint can hold
 RECORDS: Mapping[str, type] = MappingProxyType({
@@ -45,6 +45,9 @@ RECORDS: Mapping[str, type] = MappingProxyType({
     "skip_count": SkipCount,
     "accumulation_window": Window,
     "rng_state": RngState,
+    "invariant_layout": Layout,
+    "invariant_window": TreeWindow,
+    "invariant_node": Node,
 })
 TAGS: Mapping[type, str] = MappingProxyType({cls: tag for tag, cls in RECORDS.items()})
 #: the module paths format 2 wrote -> tag

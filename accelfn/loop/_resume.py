@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints, Opened, find_checkpoint, open_checkpoint
-from accelfn.data import num_batches
+from accelfn.data.blocks import epoch_length
 from accelfn.errors import CheckpointError, check_directory
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import ShardData
+from accelfn.transforms import Invariant
 
 if TYPE_CHECKING:
     from accelfn.checkpoint.checkpoints import Schedule
@@ -108,7 +108,8 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
 
     In the world size that wrote the checkpoint, its own position. In another, each
     process's position is scaled to keep the epoch's consumed samples (approximate: the rest
-    of the epoch is batched otherwise, which a RuntimeWarning says).
+    of the epoch is batched otherwise, which a RuntimeWarning says; exact under
+    ``invariant()``, whose checkpoints between updates hold ``u * A`` of ``u`` updates).
 
     Raises:
         ValueError: the position is beyond this process's epoch (other data or batch size).
@@ -117,11 +118,12 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
     world_size = opened.world_size
     if not position:
         return 0  # an epoch boundary: the same in any world size
-    total = num_batches(data, program.find(ShardData), rank=backend.rank, world_size=backend.world_size)
+    total = epoch_length(data, program, rank=backend.rank, world_size=backend.world_size)
     if world_size != backend.world_size:
         start = position * world_size // backend.world_size
         start = start if total is None else min(start, total)
-        if backend.is_main_process:  # the job's warning: once, not per rank
+        # under invariant(), a window boundary at the same W * A is the same global micro-batch
+        if backend.is_main_process and program.find(Invariant) is None:  # the job's warning: once, not per rank
             warnings.warn(
                 f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
                 f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "

@@ -9,10 +9,10 @@ from typing import Any
 import attrs
 
 from accelfn.backends.base import Backend
-from accelfn.data import num_batches
+from accelfn.data.blocks import epoch_length
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, ShardData
+from accelfn.transforms import Accumulate
 
 
 @attrs.frozen
@@ -85,7 +85,7 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    micro_batches = num_batches(data, step.find(ShardData), rank=backend.rank, world_size=backend.world_size)
+    micro_batches = epoch_length(data, step, rank=backend.rank, world_size=backend.world_size)
     if micro_batches is None:
         if max_steps is None:
             raise ValueError(

@@ -22,6 +22,7 @@ from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
+from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant
 from accelfn.transforms.precision import (
     POLICY_NAMES,
     DynamicScaling,
@@ -65,4 +66,9 @@ __all__ = [
     "shard_params",
     "skip_nonfinite",
     "with_precision",
+    "Invariant",
+    "Layout",
+    "Node",
+    "TreeWindow",
+    "invariant",
 ]
