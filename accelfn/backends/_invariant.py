@@ -20,6 +20,7 @@ The model is not wrapped in DDP: ``prepare`` broadcasts rank 0's parameters and 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,7 @@ class InvariantStepFn(StepFn):
         self._skips_agree = True  # every rank holds the same gradients
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
+        self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
         if state.model is not self._owner:
@@ -93,7 +95,8 @@ class InvariantStepFn(StepFn):
         n = self._n
         position = state.epoch_micro_step % n
         last = flush or position == n - 1
-        window: TreeWindow | None = state.transforms_state.get(WINDOW) if position else None
+        # closed by each update; at a window's first micro-batch only one resumed on another world size
+        window: TreeWindow | None = state.transforms_state.get(WINDOW)
         samples = num_samples(batch)
         if self._layout is None:
             state = self._check_layout(state, samples)
@@ -101,6 +104,8 @@ class InvariantStepFn(StepFn):
             dtype = self._policy.param_dtype
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
         index = global_index(state.epoch_micro_step, rank=self._rank, world_size=self._world, num_micro_batches=n)
+        if window is not None and (window.pending and window.pending[0].start == index or index < window.skip_until):
+            return self._resumed_leaf(state, window, index, last)
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
@@ -114,7 +119,7 @@ class InvariantStepFn(StepFn):
                 torch.cuda.set_rng_state(cuda_rng)
         weight = count if is_sum else 1.0
         names = tuple(sorted(user_metrics)) if user_metrics else ()
-        if window is not None and names != window.metric_names:
+        if window is not None and window.nodes and names != window.metric_names:
             raise ValueError(f"loss_fn returned the metrics {list(names)} on a micro-batch and "
                              f"{list(window.metric_names)} on an earlier one of the same update; return the same names")
         sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).reshape(())
@@ -123,12 +128,30 @@ class InvariantStepFn(StepFn):
         nodes = push(window.nodes if window is not None else (), leaf)
         items = (window.num_items if window is not None else 0.0) + (float(count) if is_sum else 0.0)
         total_samples = samples + (window.num_samples if window is not None else 0)
+        resumed = (window.pending, window.skip_until) if window is not None else ((), 0)
+        return self._close_or_keep(state, TreeWindow(nodes, total_samples, names, items, *resumed, item_counts=is_sum),
+                                   last)
+
+    def _resumed_leaf(self, state: TrainState, window: TreeWindow, index: int,
+                      last: bool) -> tuple[TrainState, Mapping[str, Any]]:
+        """A micro-batch of a window resumed on another number of processes: a subtree saved
+        from its leaves is pushed at its first leaf, and leaves inside it are not computed."""
+        nodes, pending, skip_until = window.nodes, window.pending, window.skip_until
+        if pending and pending[0].start == index:
+            node, pending = pending[0], pending[1:]
+            nodes, skip_until = push(nodes, node), node.start + 2**node.height
+        return self._close_or_keep(state, attrs.evolve(window, nodes=nodes, pending=pending, skip_until=skip_until),
+                                   last)
+
+    def _close_or_keep(self, state: TrainState, window: TreeWindow,
+                       last: bool) -> tuple[TrainState, Mapping[str, Any]]:
+        """The state after a micro-batch: the window kept, or closed by the update."""
         if not last:
-            new_window = TreeWindow(nodes, total_samples, names, items)
             return state._advance(step=state.step, micro_step=state.micro_step + 1,
                                   epoch_micro_step=state.epoch_micro_step + 1,
-                                  transforms_state={**state.transforms_state, WINDOW: new_window}), NO_METRICS
-        root = fold(nodes)
+                                  transforms_state={**state.transforms_state, WINDOW: window}), NO_METRICS
+        names, is_sum, items, total_samples = window.metric_names, window.item_counts, window.num_items, window.num_samples
+        root = fold(window.nodes) if window.nodes else self._identity(len(names))
         grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
         global_count = float(totals[1])
         correction = 1.0 / global_count if global_count > 0 else 0.0
@@ -140,6 +163,13 @@ class InvariantStepFn(StepFn):
                                                           if k != WINDOW})
         return self._update(state, correction, total_samples, means[0], user_means,
                             items=items if is_sum else None)
+
+    def _identity(self, num_metrics: int) -> Node:
+        """A rank's subtree when another rank holds all of its leaves: ``-0.0`` everywhere,
+        the exact identity of IEEE addition (``x + -0.0 == x`` for every ``x``, ``-0.0`` too)."""
+        numel = sum(p.numel() for p in self._params)
+        return Node(0, 0, torch.full((numel,), -0.0, dtype=self._flat_dtype, device=self._params[0].device),
+                    torch.full((2 + num_metrics,), -0.0, dtype=torch.float64, device=self._params[0].device))
 
     def _take_grads(self) -> torch.Tensor:
         """The parameters' gradients flattened into one new buffer (zeros where none); the

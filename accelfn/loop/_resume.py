@@ -108,8 +108,8 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
 
     In the world size that wrote the checkpoint, its own position. In another, each
     process's position is scaled to keep the epoch's consumed samples (approximate: the rest
-    of the epoch is batched otherwise, which a RuntimeWarning says; exact under
-    ``invariant()``, whose checkpoints between updates hold ``u * A`` of ``u`` updates).
+    of the epoch is batched otherwise, which a RuntimeWarning says). Under ``invariant()``
+    the load has put it in this world's micro-batches already: the same global micro-batch.
 
     Raises:
         ValueError: the position is beyond this process's epoch (other data or batch size).
@@ -119,11 +119,12 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
     if not position:
         return 0  # an epoch boundary: the same in any world size
     total = epoch_length(data, program, rank=backend.rank, world_size=backend.world_size)
+    if world_size != backend.world_size and program.find(Invariant) is not None:
+        return position  # the checkpoint's counters are in this world's micro-batches already (load regroups them)
     if world_size != backend.world_size:
         start = position * world_size // backend.world_size
         start = start if total is None else min(start, total)
-        # under invariant(), a window boundary at the same W * A is the same global micro-batch
-        if backend.is_main_process and program.find(Invariant) is None:  # the job's warning: once, not per rank
+        if backend.is_main_process:  # the job's warning: once, not per rank
             warnings.warn(
                 f"the checkpoint was written by {_processes(world_size)} at micro-batch {position} of epoch {epoch} "
                 f"(of each), and this run has {_processes(backend.world_size)}: an exact resume needs the same world "

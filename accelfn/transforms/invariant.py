@@ -116,12 +116,21 @@ class TreeWindow:
         num_samples: samples this rank read in the window.
         metric_names: the names of the user's metrics, in the order of ``Node.sums``.
         num_items: an ``af.Loss``'s items this rank counted in the window (0 for a mean loss).
+        pending: subtrees computed before a resume on another number of processes, pushed
+            when this rank reaches their first leaf (lowest first).
+        skip_until: the global micro-batch index before which this rank computes no leaf
+            (they are in a pushed subtree, or in one another rank holds).
+        item_counts: whether ``loss_fn`` returned an ``af.Loss`` (for a resumed window
+            whose leaves this rank does not compute).
     """
 
     nodes: tuple[Node, ...]
     num_samples: int
     metric_names: tuple[str, ...] = ()
     num_items: float = 0.0
+    pending: tuple[Node, ...] = ()
+    skip_until: int = 0
+    item_counts: bool = False
 
 
 @attrs.frozen
@@ -223,3 +232,43 @@ def fold(nodes: Sequence[Node]) -> Node:
         top = Node(node.start, max(node.height, top.height) + 1, node.grads.add_(top.grads),
                    node.sums.add_(top.sums))
     return top
+
+
+def redistribute(windows: Sequence[TreeWindow | None], *, layout: Layout, saved_position: int, saved_world_size: int,
+                 rank: int, world_size: int) -> tuple[TreeWindow | None, int]:
+    """This rank's share of an open window saved by ``saved_world_size`` processes, for
+    ``world_size`` processes, and the position in the epoch it resumes at (the window's start).
+
+    Every saved node is a complete subtree aligned to its size within the update (``A`` is a
+    power of two), so it lies inside one new rank's block or covers whole blocks: it goes to
+    the rank whose block holds its first leaf; the ranks whose blocks it also covers skip
+    them and add nothing (the tree then adds ``-0.0``, the exact identity of IEEE addition).
+
+    Args:
+        windows: each saved rank's window (None where it had none).
+        layout: the run's ``Layout`` (``L = W * A`` the same before and after).
+        saved_position: the saved ``epoch_micro_step`` (of each saved rank).
+        saved_world_size, rank, world_size: the old world, and this rank's place in the new.
+
+    Raises:
+        ValueError: ``L`` does not divide by ``world_size``.
+    """
+    per_update = layout.micro_batches_per_update
+    if per_update % world_size or per_update % saved_world_size:
+        raise ValueError(f"invariant(): {per_update} micro-batches per update do not divide over {world_size} processes")
+    saved_a, a = per_update // saved_world_size, per_update // world_size
+    update = saved_position // saved_a
+    position = update * a
+    nodes = sorted((n for w in windows if w is not None for n in (*w.nodes, *w.pending)), key=lambda n: n.start)
+    if not nodes:
+        return None, position
+    first = update * per_update + rank * a
+    end = first + a
+    mine = tuple(n for n in nodes if first <= n.start < end)
+    covering = [n.start + 2**n.height for n in nodes if n.start < first < n.start + 2**n.height]
+    known = next(w for w in windows if w is not None)
+    window = TreeWindow(
+        nodes=(), num_samples=0, metric_names=known.metric_names,
+        num_items=float(sum(float(n.sums[1]) for n in mine)) if known.item_counts else 0.0,
+        pending=mine, skip_until=min(covering[0], end) if covering else 0, item_counts=known.item_counts)
+    return window, position

@@ -112,10 +112,8 @@ def state_hash(state: af.TrainState, world_size: int) -> str:
     return h.hexdigest()
 
 
-def train(out: str, variants: list[str] = list(VARIANTS), resume: str | None = None, stop_at: int | None = None,
-          save: str | None = None) -> dict[str, Any]:
-    """Trains each of ``variants`` on this topology (``resume``: from that checkpoint; ``stop_at``:
-    until that step, then ``af.save`` to ``save``) and writes rank 0's results to ``out``."""
+def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
+    """Trains each of ``variants`` on this topology with ``af.run`` and writes rank 0's results to ``out``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels in every topology
     try:
@@ -132,10 +130,8 @@ def train(out: str, variants: list[str] = list(VARIANTS), resume: str | None = N
                 hashes.append(state_hash(state, backend.world_size))
 
             state = af.run(step, state, loader, backend=backend, epochs=EPOCHS, progress=False,
-                           max_steps=stop_at, resume=resume, trackers=[af.JSONL(log)],
+                           trackers=[af.JSONL(log)],
                            hooks=[af.Hook(record, every_steps=1)])
-            if save is not None:
-                af.save(state, Path(save) / variant, backend=backend)
             empty = backend.reduce(torch.tensor(float(getattr(loss_fn, "empty", 0))), "sum").item()
             if backend.is_main_process:
                 points = [json.loads(line) for line in log.read_text().splitlines()]
@@ -147,10 +143,49 @@ def train(out: str, variants: list[str] = list(VARIANTS), resume: str | None = N
         torch.set_num_threads(threads)
 
 
+def segment(out: str, name: str, variant: str = "adamw", resume: str | None = None,
+            stop: list[int] | None = None) -> list[str]:
+    """Trains ``variant`` by hand (prepare, batches, step function) from ``resume`` (a checkpoint
+    of any topology) until ``stop = [update, micro-batch]`` (``state.step`` and the position in
+    its window; None: to the end), where it saves to OUT/NAME as a killed job would have
+    last; rank 0 writes the hashes after each update to OUT/NAME.json."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = af.backends.CPU()
+        step, state, loader, _ = build(variant, backend.world_size)
+        state, step_fn = backend.prepare(step, state)
+        if resume is not None:
+            state = af.load(resume, into=state, backend=backend)
+        a, hashes = L // backend.world_size, []
+        while state.epoch < EPOCHS:
+            epoch = state.epoch
+            for batch, last in backend.batches(loader, step_fn.step, epoch, start=state.epoch_micro_step):
+                if stop is not None and [state.step, state.epoch_micro_step % a] == stop:
+                    af.save(state, Path(out) / name, backend=backend)
+                    break
+                state, metrics = step_fn(state, batch, flush=last)
+                if last:
+                    state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+                if metrics:
+                    hashes.append(state_hash(state, backend.world_size))
+            else:
+                continue
+            break
+        if backend.is_main_process:
+            (Path(out) / f"{name}.json").write_text(json.dumps(hashes))
+        return hashes
+    finally:
+        torch.set_num_threads(threads)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--resume")
+    parser.add_argument("--segment", help="NAME:CHECKPOINT: also train a segment resumed from CHECKPOINT")
     args = parser.parse_args()
-    train(args.out, args.variants.split(","), resume=args.resume)
+    train(args.out, args.variants.split(","))
+    if args.segment:
+        name, checkpoint = args.segment.split(":", 1)
+        segment(args.out, name, resume=checkpoint)
