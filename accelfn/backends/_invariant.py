@@ -83,7 +83,9 @@ class InvariantStepFn(StepFn):
         self._rank, self._world = backend.rank, backend.world_size
         self._reduce_gradients = None  # the canonical sum replaces it
         self._data_parallel = self._world > 1
-        self._loss_kind_agreed = self._world == 1
+        # the count of either kind travels in the tree's sums, so no collective depends on it (and
+        # a rank whose leaves a resumed subtree holds runs no forward to agree on)
+        self._loss_kind_agreed = True
         self._skips_agree = True  # every rank holds the same gradients
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
