@@ -111,7 +111,10 @@ class InvariantStepFn(StepFn):
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
         cpu_rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
-        torch.manual_seed(micro_batch_seed(self._seed, state.epoch, index))
+        seed = micro_batch_seed(self._seed, state.epoch, index)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every lazy device: 0.8 ms
+        if self._cuda:
+            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
         try:
             loss, count, user_metrics, is_sum = self._forward(batch)
             (loss * scale if scale != 1.0 else loss).backward()

@@ -31,14 +31,14 @@ VARIANTS = ("sgd", "adamw", "loss_bf16", "control")
 class Samples(Dataset):
     """``(x, y, w)``: features, a class and an item weight in 0..3 (half of them 0)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_samples: int = NUM_SAMPLES) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(NUM_SAMPLES, 6, generator=g)
-        self.y = torch.randint(0, 3, (NUM_SAMPLES,), generator=g)
-        self.w = torch.randint(1, 4, (NUM_SAMPLES,), generator=g) * (torch.rand(NUM_SAMPLES, generator=g) < 0.5)
+        self.x = torch.randn(num_samples, 6, generator=g)
+        self.y = torch.randint(0, 3, (num_samples,), generator=g)
+        self.w = torch.randint(1, 4, (num_samples,), generator=g) * (torch.rand(num_samples, generator=g) < 0.5)
 
     def __len__(self) -> int:
-        return NUM_SAMPLES
+        return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.x[i], self.y[i], self.w[i]
@@ -63,7 +63,9 @@ class ItemLoss:
         return af.Loss(total=(per_sample * w).sum(), count=count)
 
 
-def build(variant: str, world_size: int) -> tuple[af.Step, af.TrainState, DataLoader, Any]:
+def build(variant: str, world_size: int, micro_batches: int = L,
+          num_samples: int = NUM_SAMPLES) -> tuple[af.Step, af.TrainState, DataLoader, Any]:
+    """The program, state, data and loss function of ``variant`` for ``world_size`` processes."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 3))
@@ -74,16 +76,16 @@ def build(variant: str, world_size: int) -> tuple[af.Step, af.TrainState, DataLo
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.02 * s))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
-    a = L // world_size
+    a = micro_batches // world_size
     loss_fn: Any = ItemLoss() if variant == "loss_bf16" else mean_loss
     if variant == "control":  # the same samples per update, reduced as DDP does
         transforms = [af.shard_data(seed=3, split_batches=True), af.replicate(), af.accumulate(a), af.clip(1.0)]
-        loader = DataLoader(Samples(), batch_size=B * world_size, shuffle=True, drop_last=True)
+        loader = DataLoader(Samples(num_samples), batch_size=B * world_size, shuffle=True, drop_last=True)
     else:
         transforms = [af.invariant(seed=7), af.shard_data(seed=3), af.replicate(), af.accumulate(a), af.clip(1.0)]
         if variant == "loss_bf16":
             transforms.append(af.with_precision("bf16"))
-        loader = DataLoader(Samples(), batch_size=B, shuffle=True)
+        loader = DataLoader(Samples(num_samples), batch_size=B, shuffle=True)
     return af.compose(*transforms)(af.train_step(loss_fn)), state, loader, loss_fn
 
 
@@ -179,12 +181,34 @@ def segment(out: str, name: str, variant: str = "adamw", resume: str | None = No
         torch.set_num_threads(threads)
 
 
+def long_run(out: str, updates: int = 1000) -> list[str]:
+    """1000 updates of 6 micro-batches (``accumulate(6 // W)``: W = 1 or 3, not powers of two)
+    of the SGD variant; rank 0 writes the hashes after every 100th update to OUT/long.json."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        backend = af.backends.CPU()
+        step, state, loader, _ = build("sgd", backend.world_size, micro_batches=6, num_samples=B * 6 * 250 + 7)
+        hashes: list[str] = []
+        hook = af.Hook(lambda s, b: hashes.append(state_hash(s, b.world_size)), every_steps=100)
+        af.run(step, state, loader, backend=backend, epochs=None, max_steps=updates, progress=False, hooks=[hook])
+        if backend.is_main_process:
+            (Path(out) / "long.json").write_text(json.dumps(hashes))
+        return hashes
+    finally:
+        torch.set_num_threads(threads)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--segment", help="NAME:CHECKPOINT: also train a segment resumed from CHECKPOINT")
+    parser.add_argument("--long", action="store_true", help="only long_run")
     args = parser.parse_args()
+    if args.long:
+        long_run(args.out)
+        raise SystemExit
     train(args.out, args.variants.split(","))
     if args.segment:
         name, checkpoint = args.segment.split(":", 1)
