@@ -392,7 +392,7 @@ def rank_entries(directory: Path, manifest: Manifest, key: str,
                  files: Mapping[str, FileEntry] | None = None) -> list[Any]:
     """Every saved rank's ``transforms_state[key]`` (None where a rank has none), decoded."""
     listed = manifest.files if files is None else files
-    values = []
+    values: list[Any] = []
     for rank, entry in enumerate(manifest.ranks):
         state = entry.transforms_state
         if not isinstance(state, dict) or key not in state:
