@@ -26,6 +26,7 @@ import accelfn as af
 B, L, EPOCHS = 2, 8, 2
 NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
 VARIANTS = ("sgd", "adamw", "loss_bf16", "control")
+CONTROL_UPDATES = 20  # the control (without invariant()) differs from the first update on
 
 
 class Samples(Dataset):
@@ -132,7 +133,7 @@ def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
                 hashes.append(state_hash(state, backend.world_size))
 
             state = af.run(step, state, loader, backend=backend, epochs=EPOCHS, progress=False,
-                           trackers=[af.JSONL(log)],
+                           max_steps=CONTROL_UPDATES if variant == "control" else None, trackers=[af.JSONL(log)],
                            hooks=[af.Hook(record, every_steps=1)])
             empty = backend.reduce(torch.tensor(float(getattr(loss_fn, "empty", 0))), "sum").item()
             if backend.is_main_process:
