@@ -1,7 +1,7 @@
 """``invariant()`` against the default ``replicate()`` + ``accumulate(A)``: step time and memory.
 
-    PYTHONPATH=$PWD python benchmarks/invariant.py --nproc 2     # starts the processes itself
-    PYTHONPATH=$PWD python benchmarks/invariant.py --nproc 4
+    PYTHONPATH=$PWD python benchmarks/invariant.py --processes 2 # starts the processes itself
+    PYTHONPATH=$PWD python benchmarks/invariant.py --processes 4
 
 Both contestants train their own copy of the same MLP (AdamW, ``clip(1.0)``) on the same
 DataLoader (micro-batch ``b = 16``, ``L = 8`` micro-batches per update, so ``accumulate(8 // W)``):
@@ -112,13 +112,13 @@ def worker(rounds: int, updates: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--processes", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--updates", type=int, default=20, help="optimizer updates per round (default 20)")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:  # started by hand: become the launcher
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                   str(args.nproc), os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
+                   str(args.processes), os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
         sys.exit(subprocess.call(command))
     worker(args.rounds, args.updates)
 

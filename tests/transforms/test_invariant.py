@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import accelfn as af
+from accelfn.checkpoint._codec import Encoder, decode
 from accelfn.collectives.canonical import blocks
 from accelfn.data.blocks import block_indices
-from accelfn.transforms.invariant import Node, fold, push
+from accelfn.transforms.invariant import Layout, Node, TreeWindow, fold, push
 from tests.helpers import launch as _launch
 from tests.helpers.pool import Pools
 from tests.workers import invariant as worker
@@ -180,3 +181,22 @@ def test_blocks_are_the_same_micro_batches_on_every_world_size() -> None:
                                seed=3, epoch=1) for r in range(w)]
         assert [k for k, _ in ranks[1]][:8 // w] == list(range(8 // w, 2 * (8 // w)))
         assert sorted(pair for rank in ranks for pair in rank) == whole
+
+
+def test_tree_window_and_layout_round_trip_through_the_codec() -> None:
+    """A TreeWindow (its nodes' tensors, -0.0 included) and a Layout, encoded for a checkpoint
+    and decoded, keep every field's type and value."""
+    node = Node(5, 1, torch.tensor([1.5, -0.0]), torch.tensor([2.0, 3.0], dtype=torch.float64))
+    window = TreeWindow((node,), 4, ("acc",), 3.0, (node,), 7, True)
+    encoder = Encoder()
+    plain = encoder.encode({"tree_window": window, "invariant": Layout(2, 8)}, "transforms_state")
+    back = decode(plain, encoder.tensors)
+    assert back["invariant"] == Layout(2, 8)
+    restored = back["tree_window"]
+    assert type(restored) is TreeWindow
+    assert (restored.num_samples, restored.metric_names, restored.num_items, restored.skip_until,
+            restored.item_counts) == (4, ("acc",), 3.0, 7, True)
+    for nodes in (restored.nodes, restored.pending):
+        (got,) = nodes
+        assert (got.start, got.height) == (5, 1) and torch.equal(got.sums, node.sums)
+        assert torch.equal(got.grads, node.grads) and torch.signbit(got.grads).tolist() == [False, True]
