@@ -21,6 +21,7 @@ The model is not wrapped in DDP: ``prepare`` broadcasts rank 0's parameters and 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,21 @@ if TYPE_CHECKING:
 
 WINDOW = "tree_window"
 LAYOUT = "invariant"
+
+
+def check_conditions(backend: Backend) -> None:
+    """Warns (on the main process) where a condition of the guarantee is not met here: ranks
+    with different numbers of intra-op threads (a collective), or CUDA without deterministic
+    algorithms. What no process can see (the thread count of another run) the docs ask for."""
+    threads = torch.get_num_threads()
+    same = collectives.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
+    problems = [] if same else [f"the processes run different numbers of intra-op threads (this one {threads})"]
+    if backend.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
+    if problems and backend.is_main_process:
+        warnings.warn(f"invariant(): {'; '.join(problems)}: the run is correct but may differ bit for bit from "
+                      "the same run on another number of processes (docs/16-invariant.md, Conditions)",
+                      RuntimeWarning, stacklevel=4)
 
 
 def broadcast_model(model: torch.nn.Module) -> None:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from accelfn import collectives
 from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
-from accelfn.backends._invariant import InvariantStepFn, broadcast_model
+from accelfn.backends._invariant import InvariantStepFn, broadcast_model, check_conditions
 from accelfn.backends._placement import (
     check_placement,
     move_module,
@@ -213,6 +213,13 @@ class Backend(ProcessContext, abc.ABC):
             NotImplementedError: this backend cannot run the program's precision policy, or
                 its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend).
             ValueError: a sharded model (prepared with ``shard_params``) with a step without it.
+            TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
+                named, before anything is placed.
+
+        Under ``invariant()`` the model is not wrapped in DDP: rank 0's parameters and
+        buffers are broadcast once, and a RuntimeWarning says when a condition of the
+        guarantee is not met (ranks with different thread counts; CUDA without
+        deterministic algorithms).
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
@@ -251,6 +258,7 @@ class Backend(ProcessContext, abc.ABC):
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         if invariant is not None:  # no DDP: the canonical sum replaces its all-reduce
+            check_conditions(self)
             if self.world_size > 1:
                 broadcast_model(state.model)
                 collectives.mark_replicas(state.model)
