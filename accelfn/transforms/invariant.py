@@ -62,9 +62,10 @@ class Invariant(TransformBase):
     Attributes:
         seed: keys the random draws of each micro-batch (dropout, ``loss_fn``'s use of
             torch's default generator) by ``(seed, epoch, global micro-batch index)``.
-        batch_coupled: module types to refuse besides BatchNorm and InstanceNorm (layers
-            whose per-sample output depends on the rest of the micro-batch's samples is
-            fine; these are refused because their running statistics are per rank).
+        batch_coupled: module types to refuse besides BatchNorm, SyncBatchNorm and
+            InstanceNorm with running statistics: layers whose state or output depends on
+            which micro-batches one process sees in which order (BatchNorm's running
+            statistics are updated by each process from its own micro-batches only).
     """
 
     phase: ClassVar[Phase] = Phase.MODEL

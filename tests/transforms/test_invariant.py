@@ -1,6 +1,6 @@
 """``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3).
 
-One fixture trains every variant once per topology (in this process, in the pool's two
+Module fixtures train every variant once per topology (in this process, in the pool's two
 workers, and in one real launch each of 4 and 8 processes) and the tests compare the hashes
 of the whole state after every update (tests/workers/invariant.py).
 """
@@ -31,70 +31,130 @@ def _read(out: Path, name: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def topologies(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
-    """Every variant on 1 x acc(8), 2 x acc(4), 4 x acc(2) and 8 x acc(1), and the
-    kill/resume chain 2 x acc(4) -> 1 x acc(8) -> 4 x acc(2) of the AdamW variant."""
-    root = tmp_path_factory.mktemp("invariant")
-    out = {w: root / f"w{w}" for w in (1, 2, 4, 8)}
-    for path in out.values():
-        path.mkdir()
-    worker.train(str(out[1]))
-    pool.call(*POOL, function="invariant:train", out=str(out[2]), timeout_s=300)
-    pool.call(*POOL, function="invariant:segment", out=str(out[2]), name="first", stop=[37, 2], timeout_s=120)
-    worker.segment(str(out[1]), "second", resume=str(out[2] / "first"), stop=[70, 5])
-    for w, extra in ((4, ("--segment", f"third:{out[1] / 'second'}")), (8, ("--variants", "sgd,adamw"))):
-        done = _launch.launch("--backend", "cpu", "--nproc-per-node", str(w), "--timeout-s", "120",
-                              script="invariant.py", script_args=("--out", out[w], *extra), timeout_s=400)
-        assert done.returncode == 0, done.stderr[-4000:]
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("invariant")
+
+
+def _out(root: Path, name: str) -> Path:
+    out = root / name
+    out.mkdir(exist_ok=True)
     return out
 
 
+@pytest.fixture(scope="module")
+def one(root: Path) -> Path:
+    """Every variant on 1 x acc(8), in this process."""
+    out = _out(root, "w1")
+    worker.train(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(pool: Pools, root: Path) -> Path:
+    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW variant killed at
+    update 37, micro-batch 2 of its window (saved to w2/first)."""
+    out = _out(root, "w2")
+    pool.call(*POOL, function="invariant:train", out=str(out), timeout_s=280)
+    pool.call(*POOL, function="invariant:segment", out=str(out), name="first", stop=[37, 2], timeout_s=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second(root: Path, two: Path) -> Path:
+    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second)."""
+    out = _out(root, "chain")
+    worker.segment(str(out), "second", resume=str(two / "first"), stop=[70, 5])
+    return out
+
+
+def _launch_job(w: int, out: Path, *args: Any) -> None:
+    done = _launch.launch("--backend", "cpu", "--nproc-per-node", str(w), "--timeout-s", "120",
+                          script="invariant.py", script_args=("--out", out, *args), timeout_s=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def four(root: Path, second: Path) -> Path:
+    """Every variant on 4 x acc(2) (one launch), which also resumes chain/second to the end."""
+    out = _out(root, "w4")
+    _launch_job(4, out, "--segment", f"third:{second / 'second'}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def eight(root: Path) -> Path:
+    """The SGD and AdamW variants on 8 x acc(1) (one launch)."""
+    out = _out(root, "w8")
+    _launch_job(8, out, "--variants", "sgd,adamw")
+    return out
+
+
+def _same_run(reference: dict[str, Any], other: dict[str, Any]) -> None:
+    assert other["hashes"] == reference["hashes"]
+    assert other["points"] == reference["points"]  # logged (step, loss, grad_norm)
+    assert other["empty_micro_batches"] == reference["empty_micro_batches"]
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16"])
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16"])
-def test_every_topology_trains_the_same_bits(topologies: dict[int, Path], variant: str) -> None:
-    """Under invariant() the whole state after each of 104 updates (SGD or AdamW with a
-    scheduler, dropout, clip(1.0); af.Loss with empty micro-batches under bf16) and the
-    logged loss and grad_norm are identical on 1 x acc(8), 2 x acc(4), 4 x acc(2), 8 x acc(1)."""
-    reference = _read(topologies[1], variant)
+@VARIANTS
+def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
+    """Under invariant() the whole state after each of 104 updates (SGD, or AdamW with a
+    scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16) and the
+    logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
+    reference = _read(one, variant)
     assert len(reference["hashes"]) == 104 and len(set(reference["hashes"])) == 104
     assert len(reference["points"]) == 104 and all(p[2] is not None for p in reference["points"])
     if variant == "loss_bf16":
         assert reference["empty_micro_batches"] > 0  # micro-batches whose af.Loss count is 0
-    for w in (2, 4, 8) if variant != "loss_bf16" else (2, 4):
-        other = _read(topologies[w], variant)
-        assert other["hashes"] == reference["hashes"], f"{w} processes differ"
-        assert other["points"] == reference["points"], f"{w} processes log other values"
-        assert other["empty_micro_batches"] == reference["empty_micro_batches"]
+    _same_run(reference, _read(two, variant))
 
 
 @pytest.mark.multiprocess
-def test_without_invariant_the_topologies_differ(topologies: dict[int, Path]) -> None:
+@VARIANTS
+def test_four_processes_train_the_same_bits_as_one(one: Path, four: Path, variant: str) -> None:
+    """The same on 4 x acc(2): every update's state and logged loss and grad_norm."""
+    _same_run(_read(one, variant), _read(four, variant))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["sgd", "adamw"])
+def test_eight_processes_train_the_same_bits_as_one(one: Path, eight: Path, variant: str) -> None:
+    """The same on 8 x acc(1) (no accumulation at all)."""
+    _same_run(_read(one, variant), _read(eight, variant))
+
+
+@pytest.mark.multiprocess
+def test_without_invariant_the_topologies_differ(one: Path, two: Path, four: Path) -> None:
     """The control (the same samples per update, replicate() + accumulate(A) without
     invariant()) gives other states and logged losses on 2 and 4 processes than on 1."""
-    reference = _read(topologies[1], "control")
-    for w in (2, 4):
-        other = _read(topologies[w], "control")
-        assert other["hashes"][0] != reference["hashes"][0]
+    reference = _read(one, "control")
+    for out in (two, four):
+        other = _read(out, "control")
         assert len(other["hashes"]) == len(reference["hashes"]) == worker.CONTROL_UPDATES
+        assert other["hashes"][0] != reference["hashes"][0]
         assert [p[1] for p in other["points"]] != [p[1] for p in reference["points"]]
 
 
 @pytest.mark.multiprocess
-def test_a_job_killed_mid_window_resumes_on_other_topologies(topologies: dict[int, Path]) -> None:
+def test_a_job_killed_mid_window_resumes_on_other_topologies(one: Path, two: Path, second: Path,
+                                                              four: Path) -> None:
     """2 x acc(4) saved at update 37, micro-batch 2 of its window, resumed on 1 x acc(8),
     saved at update 70, micro-batch 5, resumed on 4 x acc(2): every update's state equals
     the uninterrupted run's."""
-    full = _read(topologies[1], "adamw")["hashes"]
-    first, second, third = (_read(topologies[w], name) for w, name in ((2, "first"), (1, "second"), (4, "third")))
-    assert (len(first), len(second), len(third)) == (37, 33, 34)
-    assert first + second + third == full
+    full = _read(one, "adamw")["hashes"]
+    first, middle, third = _read(two, "first"), _read(second, "second"), _read(four, "third")
+    assert (len(first), len(middle), len(third)) == (37, 33, 34)
+    assert first + middle + third == full
 
 
 @pytest.mark.multiprocess
-def test_resume_with_another_global_batch_is_refused(topologies: dict[int, Path]) -> None:
+def test_resume_with_another_global_batch_is_refused(second: Path) -> None:
     """Resuming an invariant() checkpoint with another micro-batch size or another number of
     micro-batches per update raises a TransformError naming both layouts, before a forward."""
-    checkpoint = topologies[1] / "second"
+    checkpoint = second / "second"
     step, state, loader, _ = worker.build("adamw", 1, micro_batches=4)
     with pytest.raises(af.TransformError, match=r"8 micro-batches per update.*resumes with 2 and 4"):
         af.run(step, state, loader, backend=af.backends.CPU(), epochs=2, progress=False, resume=checkpoint)
