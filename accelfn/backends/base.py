@@ -211,7 +211,8 @@ class Backend(ProcessContext, abc.ABC):
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
             NotImplementedError: this backend cannot run the program's precision policy, or
-                its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend).
+                its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend),
+                or its ``invariant`` (XLA).
             ValueError: a sharded model (prepared with ``shard_params``) with a step without it.
             TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
                 named, before anything is placed.
@@ -234,6 +235,7 @@ class Backend(ProcessContext, abc.ABC):
         shard = step.find(ShardParams)
         invariant = step.find(Invariant)
         if invariant is not None:  # refused before anything is placed
+            self.check_invariant(invariant)
             invariant.init(state)
         already_sharded = _fsdp.is_sharded(state.model)
         if already_sharded and shard is None:
@@ -270,6 +272,10 @@ class Backend(ProcessContext, abc.ABC):
         if invariant is not None:
             return state, InvariantStepFn(self, step, state, model)
         return state, step_function(self, step, state, model)
+
+    def check_invariant(self, spec: Invariant) -> None:
+        """Raises NotImplementedError if this backend cannot run ``invariant()`` (before
+        anything is placed)."""
 
     def check_compile(self, spec: Compile) -> None:
         """Raises NotImplementedError if this backend cannot run ``compile`` (before anything
