@@ -25,7 +25,7 @@ import accelfn as af
 
 B, L, EPOCHS = 2, 8, 2
 NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
-VARIANTS = ("sgd", "adamw", "loss_bf16", "control")
+VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "control")
 CONTROL_UPDATES = 20  # the control (without invariant()) differs from the first update on
 
 
@@ -71,7 +71,7 @@ def build(variant: str, world_size: int, micro_batches: int = L,
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 3))
     scheduler = None
-    if variant in ("sgd", "control"):
+    if variant in ("sgd", "control", "clip_value"):
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -86,6 +86,8 @@ def build(variant: str, world_size: int, micro_batches: int = L,
         transforms = [af.invariant(seed=7), af.shard_data(seed=3), af.replicate(), af.accumulate(a), af.clip(1.0)]
         if variant == "loss_bf16":
             transforms.append(af.with_precision("bf16"))
+        if variant == "clip_value":  # clip_value and skip_nonfinite in place of clip
+            transforms[-1:] = [af.clip_value(0.05), af.skip_nonfinite()]
         loader = DataLoader(Samples(num_samples), batch_size=B, shuffle=True)
     return af.compose(*transforms)(af.train_step(loss_fn)), state, loader, loss_fn
 
