@@ -35,7 +35,8 @@ from accelfn.collectives.ops import (
 
 __all__ = [
     "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
-    "barrier", "broadcast", "broadcast_object", "canonical_all_reduce", "default_device", "exchange", "extremes", "failures", "gather",
+    "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather",
     "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce",
     "split_between_processes", "sync_buffers", "world_size",
+    "canonical_all_reduce",
 ]

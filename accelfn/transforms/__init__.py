@@ -6,6 +6,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     data      shard_data      each process reads its own shard of every epoch
     model     replicate       data parallel: one gradient all-reduce per update
               shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
+              invariant       the same bits on any number of processes (canonical sum tree)
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
