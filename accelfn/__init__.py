@@ -51,6 +51,7 @@ from accelfn.transforms import (
 )
 from accelfn.transforms import TensorParallel, tensor_parallel
 from accelfn.checkpoint import load_model
+from accelfn.transforms import Invariant, invariant
 
 __all__ = [
     "JSONL",
@@ -111,4 +112,6 @@ __all__ = [
     "TensorParallel",
     "tensor_parallel",
     "load_model",
+    "Invariant",
+    "invariant",
 ]

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from accelfn import collectives
 from accelfn.backends import _comm_hooks, _distributed, _fsdp, _materialize, _tensor_parallel
 from accelfn.backends._interpreter import StepFn, step_function
+from accelfn.backends._invariant import InvariantStepFn, broadcast_model, check_conditions
 from accelfn.backends._placement import (
     check_placement,
     move_module,
@@ -30,12 +31,15 @@ from accelfn.backends._placement import (
 )
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.collectives import ProcessContext
+from accelfn.data import blocks
 from accelfn.data.batches import EpochBatches, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms import (
+    Accumulate,
     Compile,
+    Invariant,
     Replicate,
     ShardData,
     ShardParams,
@@ -264,8 +268,16 @@ class Backend(ProcessContext, abc.ABC):
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
             NotImplementedError: this backend cannot run the program's precision policy, or
-                its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend).
+                its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend),
+                or its ``invariant`` (XLA).
             ValueError: a sharded model (prepared with ``shard_params``) with a step without it.
+            TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
+                named, before anything is placed.
+
+        Under ``invariant()`` the model is not wrapped in DDP: rank 0's parameters and
+        buffers are broadcast once, and a RuntimeWarning says when a condition of the
+        guarantee is not met (ranks with different thread counts; CUDA without
+        deterministic algorithms).
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
@@ -277,6 +289,10 @@ class Backend(ProcessContext, abc.ABC):
         if compiled is not None:
             self.check_compile(compiled)
         shard = step.find(ShardParams)
+        invariant = step.find(Invariant)
+        if invariant is not None:  # refused before anything is placed
+            self.check_invariant(invariant)
+            invariant.init(state)
         already_sharded = _fsdp.is_sharded(state.model)
         if already_sharded and shard is None:
             raise ValueError(
@@ -314,11 +330,24 @@ class Backend(ProcessContext, abc.ABC):
         replicate = step.find(Replicate)
         if self.world_size > 1 and (replicate is not None or shard is not None):
             collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
-        model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
+        if invariant is not None:  # no DDP: the canonical sum replaces its all-reduce
+            check_conditions(self)
+            if self.world_size > 1:
+                broadcast_model(state.model)
+                collectives.mark_replicas(state.model)
+            model = state.model
+        else:
+            model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
         state = _comm_hooks.attach(state, model, self.device)  # a PowerSGD hook's state: in the TrainState
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
+        if invariant is not None:
+            return state, InvariantStepFn(self, step, state, model)
         return state, step_function(self, step, state, model)
+
+    def check_invariant(self, spec: Invariant) -> None:
+        """Raises NotImplementedError if this backend cannot run ``invariant()`` (before
+        anything is placed)."""
 
     def check_compile(self, spec: Compile) -> None:
         """Raises NotImplementedError if this backend cannot run ``compile`` (before anything
@@ -360,6 +389,9 @@ class Backend(ProcessContext, abc.ABC):
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
+        if step.find(Invariant) is not None:
+            self._active = self._blocks(data, step, epoch, start)
+            return self._active
         parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel))
                     if self.world_size > 1 else None)
         replicated = parallel is not None
@@ -371,6 +403,15 @@ class Backend(ProcessContext, abc.ABC):
         if shard is None and parallel is not None:
             self._check_same_length(self._active.num_batches, parallel.verb)
         return self._active
+
+    def _blocks(self, data: Iterable[Any], step: Step, epoch: int, start: int) -> EpochBatches:
+        """This rank's blocks of micro-batches under ``invariant()`` (``data.blocks``)."""
+        shard, accumulate = step.find(ShardData), step.find(Accumulate)
+        n = accumulate.num_micro_batches if accumulate is not None else 1
+        total = blocks.num_batches(data, world_size=self.world_size, num_micro_batches=n)  # type: ignore[arg-type]  # checked there
+        loader = blocks.block_loader(data, seed=shard.seed if shard is not None else 0, rank=self.rank,  # type: ignore[arg-type]  # as above
+                                     world_size=self.world_size, num_micro_batches=n, epoch=epoch, start=start)
+        return EpochBatches(loader, num_batches=total, start=start, place=self.place)
 
     def eval_batches(self, data: DataLoader) -> Iterator[Any]:
         """This rank's device-placed batches of ``data``, for an evaluation loop of your own.

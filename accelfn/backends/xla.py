@@ -28,7 +28,7 @@ from accelfn.data.tree import map_tensors
 from accelfn.errors import LaunchError
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Compile, Replicate, ShardData, ShardParams
+from accelfn.transforms import Compile, Invariant, Replicate, ShardData, ShardParams
 from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
@@ -145,6 +145,15 @@ class XLA(Backend):
         raise NotImplementedError(
             f"the xla backend does not support {spec!r}: torch_xla already compiles each step into an "
             "XLA graph; remove af.compile() (or accelfn launch --compile) for XLA"
+        )
+
+    def check_invariant(self, spec: Invariant) -> None:
+        """Raises NotImplementedError: the canonical sum's point-to-point exchanges and the
+        per-micro-batch generator keys are written for gloo/NCCL and torch's CPU/CUDA RNG."""
+        raise NotImplementedError(
+            f"the xla backend does not support {spec!r} (its tree of point-to-point exchanges runs over gloo and "
+            "NCCL, its per-micro-batch RNG keys on torch's CPU and CUDA generators); use the cpu or cuda backend, "
+            "or drop af.invariant() on XLA"
         )
 
     def check_sharding(self, shard: ShardParams, state: TrainState) -> None:

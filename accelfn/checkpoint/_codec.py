@@ -37,7 +37,7 @@ import torch
 
 from accelfn.checkpoint._rng import RngState
 from accelfn.errors import CheckpointError
-from accelfn.transforms import LossScale, PowerSGDMemory, SkipCount, Window
+from accelfn.transforms import Layout, LossScale, Node, PowerSGDMemory, SkipCount, TreeWindow, Window
 
 #: tag -> record class; the only records a checkpoint can hold
 RECORDS: Mapping[str, type] = MappingProxyType({
@@ -46,6 +46,9 @@ RECORDS: Mapping[str, type] = MappingProxyType({
     "accumulation_window": Window,
     "rng_state": RngState,
     "powersgd_state": PowerSGDMemory,
+    "invariant_layout": Layout,
+    "invariant_window": TreeWindow,
+    "invariant_node": Node,
 })
 TAGS: Mapping[type, str] = MappingProxyType({cls: tag for tag, cls in RECORDS.items()})
 #: the module paths format 2 wrote -> tag

@@ -383,6 +383,32 @@ def opens_window(manifest: Manifest) -> bool:
         and any(key in TRANSIENT for key in entry.transforms_state) for entry in manifest.ranks)
 
 
+def only_tree_windows(manifest: Manifest) -> bool:
+    """True if every open window of the checkpoint is ``invariant()``'s tree of subtrees
+    (no per-process gradients): such a window can be redistributed over another world size."""
+    return manifest.sharded is None and not any(
+        bool(entry.grads) or isinstance(entry.transforms_state, dict)
+        and any(key in TRANSIENT and key != "tree_window" for key in entry.transforms_state) for entry in manifest.ranks)
+
+
+def rank_entries(directory: Path, manifest: Manifest, key: str,
+                 files: Mapping[str, FileEntry] | None = None) -> list[Any]:
+    """Every saved rank's ``transforms_state[key]`` (None where a rank has none), decoded."""
+    listed = manifest.files if files is None else files
+    values: list[Any] = []
+    for rank, entry in enumerate(manifest.ranks):
+        state = entry.transforms_state
+        if not isinstance(state, dict) or key not in state:
+            values.append(None)
+            continue
+        tables = _tensorfiles.read(directory, {name: e for name, e in listed.items() if e.rank == rank})
+        try:
+            values.append(decode(state[key], tables.get(_rank_group(rank), {}), f"ranks[{rank}].transforms_state.{key}"))
+        except CheckpointError as e:
+            raise CheckpointError(f"{directory / MANIFEST}: {e}") from None
+    return values
+
+
 def section(manifest: Manifest, rank: int) -> int:
     """The rank whose entry ``rank`` restores: its own, or rank 0's when the checkpoint was
     written by fewer processes."""

@@ -26,6 +26,7 @@ from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwr
 from accelfn.collectives import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, check_directory, to_path
 from accelfn.state import TrainState, require_state
+from accelfn.transforms.invariant import Layout, redistribute
 
 if TYPE_CHECKING:
     from accelfn.step import Step
@@ -391,7 +392,8 @@ def _agreed(backend: ProcessContext, check: Callable[[], _T]) -> _T:
 def _manifest(path: Path, backend: ProcessContext) -> tuple[Path, Manifest]:
     directory = find_checkpoint(path)
     manifest = _format.read(directory)
-    if backend.world_size != manifest.world_size and _format.opens_window(manifest):
+    if (backend.world_size != manifest.world_size and _format.opens_window(manifest)
+            and not _format.only_tree_windows(manifest)):
         raise CheckpointError(
             f"{directory} was saved by {_processes(manifest.world_size)} in the middle of an accumulation window, "
             f"whose gradients are per process; resume it with {_processes(manifest.world_size)} "
@@ -411,7 +413,36 @@ def _snapshot(directory: Path, manifest: Manifest, files: Mapping[str, FileEntry
         verify(into, checked, source=_format.MANIFEST, names=_format.field_names(_format.section(manifest, backend.rank)))
     except CheckpointError as e:
         raise CheckpointError(f"{directory}: {e}") from None
+    layout = snap.transforms_state.get("invariant")
+    if isinstance(layout, Layout) and manifest.world_size != backend.world_size:
+        snap = _regroup(directory, manifest, files, snap, layout, backend)
     return snap
+
+
+def _regroup(directory: Path, manifest: Manifest, files: Mapping[str, FileEntry], snap: Snapshot, layout: Layout,
+             backend: ProcessContext) -> Snapshot:
+    """An ``invariant()`` snapshot of ``manifest.world_size`` processes for this rank of
+    another world size: its counters in this world's micro-batches (the same global
+    micro-batch), and its share of the open window's subtrees, read from every saved rank."""
+    if layout.micro_batches_per_update % backend.world_size:
+        raise CheckpointError(
+            f"{directory} was saved under invariant() with {layout.micro_batches_per_update} micro-batches per update "
+            f"(processes x accumulate), which does not divide over {backend.world_size} processes")
+    counters = snap.counters
+    position, total = counters["epoch_micro_step"], counters["micro_step"]
+    windows = _format.rank_entries(directory, manifest, "tree_window", files)
+    try:
+        window, start = redistribute(windows, layout=layout, saved_position=position,
+                                     saved_world_size=manifest.world_size, rank=backend.rank,
+                                     world_size=backend.world_size)
+    except ValueError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
+    earlier = (total - position) * manifest.world_size // backend.world_size  # whole windows only
+    states = {k: v for k, v in snap.transforms_state.items() if k != "tree_window"}
+    if window is not None:
+        states["tree_window"] = window
+    return attrs.evolve(snap, counters={**counters, "epoch_micro_step": start, "micro_step": earlier + start},
+                        transforms_state=states)
 
 
 def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessContext | None = None) -> TrainState:

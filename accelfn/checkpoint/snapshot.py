@@ -39,7 +39,7 @@ _PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extr
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
 #: transform state that belongs to the micro-batches consumed (the open accumulation
 #: window): restored from the snapshot or dropped, never kept from the target state
-TRANSIENT = frozenset({"window"})
+TRANSIENT = frozenset({"window", "tree_window"})
 _COMPILED = "_orig_mod"
 #: below this many bytes, copies into a state's tensors run in the calling thread
 _PARALLEL_COPY_BYTES = 8 << 20

@@ -11,6 +11,7 @@ from accelfn.collectives.agreement import (
     failures,
     outcome_of_rank_0,
 )
+from accelfn.collectives.canonical import canonical_all_reduce
 from accelfn.collectives.context import ProcessContext
 from accelfn.collectives.ops import (
     REDUCE_OPS,
@@ -37,4 +38,5 @@ __all__ = [
     "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather",
     "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce",
     "split_between_processes", "sync_buffers", "world_size",
+    "canonical_all_reduce",
 ]

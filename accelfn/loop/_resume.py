@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from accelfn.backends.base import Backend
 from accelfn.checkpoint import Checkpoints, Opened, find_checkpoint, open_checkpoint
-from accelfn.data import num_batches
+from accelfn.data.blocks import epoch_length
 from accelfn.errors import CheckpointError, check_directory
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import ShardData
+from accelfn.transforms import Invariant
 
 if TYPE_CHECKING:
     from accelfn.checkpoint.checkpoints import Schedule
@@ -108,7 +108,8 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
 
     In the world size that wrote the checkpoint, its own position. In another, each
     process's position is scaled to keep the epoch's consumed samples (approximate: the rest
-    of the epoch is batched otherwise, which a RuntimeWarning says).
+    of the epoch is batched otherwise, which a RuntimeWarning says). Under ``invariant()``
+    the load has put it in this world's micro-batches already: the same global micro-batch.
 
     Raises:
         ValueError: the position is beyond this process's epoch (other data or batch size).
@@ -119,7 +120,9 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
     if not position:
         return 0  # an epoch boundary: the same in any world size
     data_rank, data_world = backend.data_coordinates(program)
-    total = num_batches(data, program.find(ShardData), rank=data_rank, world_size=data_world)
+    total = epoch_length(data, program, rank=data_rank, world_size=data_world)
+    if world_size != data_world and program.find(Invariant) is not None:
+        return position  # the checkpoint's counters are in this world's micro-batches already (load regroups them)
     if world_size != data_world:
         start = position * world_size // data_world
         start = start if total is None else min(start, total)

@@ -9,10 +9,10 @@ from typing import Any
 import attrs
 
 from accelfn.backends.base import Backend
-from accelfn.data import num_batches
+from accelfn.data.blocks import epoch_length
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, ShardData
+from accelfn.transforms import Accumulate
 
 
 @attrs.frozen
@@ -86,7 +86,7 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
     data_rank, data_world = backend.data_coordinates(step)
-    micro_batches = num_batches(data, step.find(ShardData), rank=data_rank, world_size=data_world)
+    micro_batches = epoch_length(data, step, rank=data_rank, world_size=data_world)
     if micro_batches is None:
         if max_steps is None:
             raise ValueError(

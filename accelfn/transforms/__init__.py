@@ -7,6 +7,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     model     replicate       data parallel: one gradient all-reduce per update
               shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
               tensor_parallel  layers split over groups of ranks (TP; with shard_params: 2-D)
+              invariant       the same bits on any number of processes (canonical sum tree)
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -23,6 +24,7 @@ from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
+from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant
 from accelfn.transforms.precision import (
     POLICY_NAMES,
     DynamicScaling,
@@ -70,4 +72,9 @@ __all__ = [
     "with_precision",
     "TensorParallel",
     "tensor_parallel",
+    "Invariant",
+    "Layout",
+    "Node",
+    "TreeWindow",
+    "invariant",
 ]

@@ -29,6 +29,9 @@ def test_the_tag_table_is_pinned() -> None:
         "accumulation_window": "accelfn.transforms.accumulate.Window",
         "rng_state": "accelfn.checkpoint._rng.RngState",
         "powersgd_state": "accelfn.transforms.replicate.PowerSGDMemory",
+        "invariant_layout": "accelfn.transforms.invariant.Layout",
+        "invariant_window": "accelfn.transforms.invariant.TreeWindow",
+        "invariant_node": "accelfn.transforms.invariant.Node",
     }
     assert dict(_tags.LEGACY_NAMES) == {
         "accelfn._precision.LossScale": "loss_scale",

@@ -1,0 +1,225 @@
+"""The step function of a program under ``invariant()``: per micro-batch keyed RNG, a binary
+counter of partial gradient sums, one canonical sum over ranks, one scaling by ``1/N``.
+
+Per micro-batch ``k`` (its global index in the epoch, ``transforms.invariant.global_index``)::
+
+    rng       torch's generators seeded from (seed, epoch, k); restored afterwards
+    forward   autocast(compute dtype)            loss_fn(model, batch)
+    backward  of the summed loss (af.Loss's total; a mean loss as it is: every micro-batch
+              holds b samples), times the loss scale
+    leaf      the gradients flattened into one buffer, pushed on the stack (binary counter)
+    -- last micro-batch of the window only --
+    fold      the stack's sum: this rank's subtree
+    reduce    collectives.canonical_all_reduce (butterfly; no DDP, whose order is not fixed)
+    scale     grads *= 1/N, N the global item count (L micro-batches for a mean loss)
+    then      unscale, clip, check, update, adjust, zero as StepFn does
+
+The model is not wrapped in DDP: ``prepare`` broadcasts rank 0's parameters and buffers once
+(as DDP does when it wraps), and the canonical sum keeps the copies equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from accelfn import collectives
+from accelfn.backends._interpreter import StepFn, foreign_state
+from accelfn.data.tree import map_tensors, num_samples
+from accelfn.errors import TransformError
+from accelfn.state import TrainState
+from accelfn.step import NO_METRICS, Step, detach
+from accelfn.transforms.invariant import (
+    Invariant,
+    Layout,
+    Node,
+    TreeWindow,
+    fold,
+    global_index,
+    micro_batch_seed,
+    push,
+)
+
+if TYPE_CHECKING:
+    from accelfn.backends.base import Backend
+
+WINDOW = "tree_window"
+LAYOUT = "invariant"
+
+
+def check_conditions(backend: Backend) -> None:
+    """Warns (on the main process) where a condition of the guarantee is not met here: ranks
+    with different numbers of intra-op threads (a collective), or CUDA without deterministic
+    algorithms. What no process can see (the thread count of another run) the docs ask for."""
+    threads = torch.get_num_threads()
+    same = collectives.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
+    problems = [] if same else [f"the processes run different numbers of intra-op threads (this one {threads})"]
+    if backend.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
+    if problems and backend.is_main_process:
+        warnings.warn(f"invariant(): {'; '.join(problems)}: the run is correct but may differ bit for bit from "
+                      "the same run on another number of processes (docs/16-invariant.md, Conditions)",
+                      RuntimeWarning, stacklevel=4)
+
+
+def broadcast_model(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers copied into every rank's model, in place (a collective)."""
+    if collectives.world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+class InvariantStepFn(StepFn):
+    """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` under ``invariant()``.
+
+    As :class:`StepFn`, but the update's gradient is summed over the global micro-batches
+    in one tree that does not depend on the world size (module docstring). Metrics are the
+    update's over all ranks (``loss``, the user's metrics, ``grad_norm``: the same value on
+    every rank); ``num_samples`` and ``num_items`` are this rank's, as elsewhere.
+
+    Raises (of a call):
+        TransformError: the run was started with another micro-batch size or number of
+            micro-batches per update (``W * A``) than this one (a resume that cannot be exact).
+        As :class:`StepFn`.
+    """
+
+    def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
+        super().__init__(backend, step, state, model)
+        spec = step.find(Invariant)
+        assert spec is not None
+        self._seed = spec.seed
+        self._rank, self._world = backend.rank, backend.world_size
+        self._reduce_gradients = None  # the canonical sum replaces it
+        self._data_parallel = self._world > 1
+        # the count of either kind travels in the tree's sums, so no collective depends on it (and
+        # a rank whose leaves a resumed subtree holds runs no forward to agree on)
+        self._loss_kind_agreed = True
+        self._skips_agree = True  # every rank holds the same gradients
+        self._cuda = backend.device.type == "cuda"
+        self._layout: Layout | None = None
+        self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        if state.model is not self._owner:
+            raise foreign_state()
+        n = self._n
+        position = state.epoch_micro_step % n
+        last = flush or position == n - 1
+        # closed by each update; at a window's first micro-batch only one resumed on another world size
+        window: TreeWindow | None = state.transforms_state.get(WINDOW)
+        samples = num_samples(batch)
+        if self._layout is None:
+            state = self._check_layout(state, samples)
+        if self._cast_inputs:
+            dtype = self._policy.param_dtype
+            batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
+        index = global_index(state.epoch_micro_step, rank=self._rank, world_size=self._world, num_micro_batches=n)
+        if window is not None and (window.pending and window.pending[0].start == index or index < window.skip_until):
+            return self._resumed_leaf(state, window, index, last)
+        scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
+        seed = micro_batch_seed(self._seed, state.epoch, index)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every lazy device: 0.8 ms
+        if self._cuda:
+            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
+        try:
+            loss, count, user_metrics, is_sum = self._forward(batch)
+            (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
+        weight = count if is_sum else 1.0
+        names = tuple(sorted(user_metrics)) if user_metrics else ()
+        if window is not None and window.nodes and names != window.metric_names:
+            raise ValueError(f"loss_fn returned the metrics {list(names)} on a micro-batch and "
+                             f"{list(window.metric_names)} on an earlier one of the same update; return the same names")
+        sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).reshape(())
+                            for v in (loss.detach(), weight, *(detach(user_metrics[k]) * weight for k in names))])
+        leaf = Node(index, 0, self._take_grads(), sums)
+        nodes = push(window.nodes if window is not None else (), leaf)
+        items = (window.num_items if window is not None else 0.0) + (float(count) if is_sum else 0.0)
+        total_samples = samples + (window.num_samples if window is not None else 0)
+        resumed = (window.pending, window.skip_until) if window is not None else ((), 0)
+        return self._close_or_keep(state, TreeWindow(nodes, total_samples, names, items, *resumed, item_counts=is_sum),
+                                   last)
+
+    def _resumed_leaf(self, state: TrainState, window: TreeWindow, index: int,
+                      last: bool) -> tuple[TrainState, Mapping[str, Any]]:
+        """A micro-batch of a window resumed on another number of processes: a subtree saved
+        from its leaves is pushed at its first leaf, and leaves inside it are not computed."""
+        nodes, pending, skip_until = window.nodes, window.pending, window.skip_until
+        if pending and pending[0].start == index:
+            node, pending = pending[0], pending[1:]
+            nodes, skip_until = push(nodes, node), node.start + 2**node.height
+        return self._close_or_keep(state, attrs.evolve(window, nodes=nodes, pending=pending, skip_until=skip_until),
+                                   last)
+
+    def _close_or_keep(self, state: TrainState, window: TreeWindow,
+                       last: bool) -> tuple[TrainState, Mapping[str, Any]]:
+        """The state after a micro-batch: the window kept, or closed by the update."""
+        if not last:
+            return state._advance(step=state.step, micro_step=state.micro_step + 1,
+                                  epoch_micro_step=state.epoch_micro_step + 1,
+                                  transforms_state={**state.transforms_state, WINDOW: window}), NO_METRICS
+        names, is_sum, items, total_samples = window.metric_names, window.item_counts, window.num_items, window.num_samples
+        root = fold(window.nodes) if window.nodes else self._identity(len(names))
+        grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
+        global_count = float(totals[1])
+        correction = 1.0 / global_count if global_count > 0 else 0.0
+        self._put_grads(grads)
+        means = (totals * correction).to(torch.float32)
+        user_means = {k: means[2 + i] for i, k in enumerate(names)}
+        if WINDOW in state.transforms_state:
+            state = attrs.evolve(state, transforms_state={k: v for k, v in state.transforms_state.items()
+                                                          if k != WINDOW})
+        return self._update(state, correction, total_samples, means[0], user_means,
+                            items=items if is_sum else None)
+
+    def _identity(self, num_metrics: int) -> Node:
+        """A rank's subtree when another rank holds all of its leaves: ``-0.0`` everywhere,
+        the exact identity of IEEE addition (``x + -0.0 == x`` for every ``x``, ``-0.0`` too)."""
+        numel = sum(p.numel() for p in self._params)
+        return Node(0, 0, torch.full((numel,), -0.0, dtype=self._flat_dtype, device=self._params[0].device),
+                    torch.full((2 + num_metrics,), -0.0, dtype=torch.float64, device=self._params[0].device))
+
+    def _take_grads(self) -> torch.Tensor:
+        """The parameters' gradients flattened into one new buffer (zeros where none); the
+        parameters' ``.grad`` set to None, so the next backward writes fresh ones."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
+        for p in self._params:
+            p.grad = None
+        return flat
+
+    def _put_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self._params:
+            numel = p.numel()
+            p.grad = flat[offset:offset + numel].view_as(p).to(p.dtype)
+            offset += numel
+
+    def _check_layout(self, state: TrainState, samples: int) -> TrainState:
+        """Records ``Layout(b, W * A)`` in a fresh run; raises if a resumed run's differs."""
+        layout = Layout(samples, self._world * self._n)
+        saved = state.transforms_state.get(LAYOUT)
+        if saved is not None and saved != layout:
+            raise TransformError(
+                f"this run was started under invariant() with micro-batches of {saved.micro_batch_size} samples and "
+                f"{saved.micro_batches_per_update} micro-batches per update (processes x accumulate), and resumes with "
+                f"{layout.micro_batch_size} and {layout.micro_batches_per_update} ({self._world} x accumulate({self._n})): "
+                "the guarantee holds for the same b and W * A only; keep the DataLoader's batch_size and set "
+                f"accumulate({saved.micro_batches_per_update} // processes)"
+            )
+        self._layout = layout
+        if saved is None:
+            state = state.with_transform_state(**{LAYOUT: layout})
+        return state

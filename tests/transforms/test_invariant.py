@@ -1,0 +1,264 @@
+"""``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3).
+
+Module fixtures train every variant once per topology (in this process, in the pool's two
+workers, and in one real launch each of 4 and 8 processes) and the tests compare the hashes
+of the whole state after every update (tests/workers/invariant.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import accelfn as af
+from accelfn.checkpoint._codec import Encoder, decode
+from accelfn.collectives.canonical import blocks
+from accelfn.data.blocks import block_indices
+from accelfn.transforms.invariant import Layout, Node, TreeWindow, fold, push
+from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
+from tests.workers import invariant as worker
+
+POOL = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120")
+
+
+def _read(out: Path, name: str) -> Any:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("invariant")
+
+
+def _out(root: Path, name: str) -> Path:
+    out = root / name
+    out.mkdir(exist_ok=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one(root: Path) -> Path:
+    """Every variant on 1 x acc(8), in this process."""
+    out = _out(root, "w1")
+    worker.train(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two(pool: Pools, root: Path) -> Path:
+    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW variant killed at
+    update 37, micro-batch 2 of its window (saved to w2/first)."""
+    out = _out(root, "w2")
+    pool.call(*POOL, function="invariant:train", out=str(out), timeout_s=280)
+    pool.call(*POOL, function="invariant:segment", out=str(out), name="first", stop=[37, 2], timeout_s=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def second(root: Path, two: Path) -> Path:
+    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second)."""
+    out = _out(root, "chain")
+    worker.segment(str(out), "second", resume=str(two / "first"), stop=[70, 5])
+    return out
+
+
+def _launch_job(w: int, out: Path, *args: Any) -> None:
+    done = _launch.launch("--backend", "cpu", "--nproc-per-node", str(w), "--timeout-s", "120",
+                          script="invariant.py", script_args=("--out", out, *args), timeout_s=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def four(root: Path, second: Path) -> Path:
+    """Every variant on 4 x acc(2) (one launch), which also resumes chain/second to the end."""
+    out = _out(root, "w4")
+    _launch_job(4, out, "--segment", f"third:{second / 'second'}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def eight(root: Path) -> Path:
+    """The SGD and AdamW variants on 8 x acc(1) (one launch)."""
+    out = _out(root, "w8")
+    _launch_job(8, out, "--variants", "sgd,adamw")
+    return out
+
+
+def _same_run(reference: dict[str, Any], other: dict[str, Any]) -> None:
+    assert other["hashes"] == reference["hashes"]
+    assert other["points"] == reference["points"]  # logged (step, loss, grad_norm)
+    assert other["empty_micro_batches"] == reference["empty_micro_batches"]
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "clip_value"])
+
+
+@pytest.mark.multiprocess
+@VARIANTS
+def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
+    """Under invariant() the whole state after each of 104 updates (SGD, or AdamW with a
+    scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
+    clip_value with skip_nonfinite) and the logged loss and grad_norm are identical on
+    1 x acc(8) and 2 x acc(4)."""
+    reference = _read(one, variant)
+    assert len(reference["hashes"]) == 104 and len(set(reference["hashes"])) == 104
+    assert len(reference["points"]) == 104
+    assert all((p[2] is None) == (variant == "clip_value") for p in reference["points"])  # grad_norm under clip
+    if variant == "loss_bf16":
+        assert reference["empty_micro_batches"] > 0  # micro-batches whose af.Loss count is 0
+    _same_run(reference, _read(two, variant))
+
+
+@pytest.mark.multiprocess
+@VARIANTS
+def test_four_processes_train_the_same_bits_as_one(one: Path, four: Path, variant: str) -> None:
+    """The same on 4 x acc(2): every update's state and logged loss and grad_norm."""
+    _same_run(_read(one, variant), _read(four, variant))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["sgd", "adamw"])
+def test_eight_processes_train_the_same_bits_as_one(one: Path, eight: Path, variant: str) -> None:
+    """The same on 8 x acc(1) (no accumulation at all)."""
+    _same_run(_read(one, variant), _read(eight, variant))
+
+
+@pytest.mark.multiprocess
+def test_without_invariant_the_topologies_differ(one: Path, two: Path, four: Path) -> None:
+    """The control (the same samples per update, replicate() + accumulate(A) without
+    invariant()) gives other states and logged losses on 2 and 4 processes than on 1."""
+    reference = _read(one, "control")
+    for out in (two, four):
+        other = _read(out, "control")
+        assert len(other["hashes"]) == len(reference["hashes"]) == worker.CONTROL_UPDATES
+        assert other["hashes"][0] != reference["hashes"][0]
+        assert [p[1] for p in other["points"]] != [p[1] for p in reference["points"]]
+
+
+@pytest.mark.multiprocess
+def test_a_job_killed_mid_window_resumes_on_other_topologies(one: Path, two: Path, second: Path,
+                                                              four: Path) -> None:
+    """2 x acc(4) saved at update 37, micro-batch 2 of its window, resumed on 1 x acc(8),
+    saved at update 70, micro-batch 5, resumed on 4 x acc(2): every update's state equals
+    the uninterrupted run's."""
+    full = _read(one, "adamw")["hashes"]
+    first, middle, third = _read(two, "first"), _read(second, "second"), _read(four, "third")
+    assert (len(first), len(middle), len(third)) == (37, 33, 34)
+    assert first + middle + third == full
+
+
+@pytest.mark.multiprocess
+def test_resume_with_another_global_batch_is_refused(second: Path) -> None:
+    """Resuming an invariant() checkpoint with another micro-batch size or another number of
+    micro-batches per update raises a TransformError naming both layouts, before a forward."""
+    checkpoint = second / "second"
+    step, state, loader, _ = worker.build("adamw", 1, micro_batches=4)
+    with pytest.raises(af.TransformError, match=r"8 micro-batches per update.*resumes with 2 and 4"):
+        af.run(step, state, loader, backend=af.backends.CPU(), epochs=2, progress=False, resume=checkpoint)
+    step, state, _, _ = worker.build("adamw", 1)
+    loader = torch.utils.data.DataLoader(worker.Samples(), batch_size=3, shuffle=True)
+    with pytest.raises(af.TransformError, match="micro-batches of 2 samples.*resumes with 3 and 8"):
+        af.run(step, state, loader, backend=af.backends.CPU(), epochs=2, progress=False, resume=checkpoint)
+
+
+@pytest.mark.multiprocess
+def test_three_processes_match_one_over_1000_updates(tmp_path: Path) -> None:
+    """1 x acc(6) and 3 x acc(2) (not powers of two) train the same bits for 1000 updates:
+    the ranks' subtrees are complete and the blocks of W are folded as one rank folds."""
+    reference = worker.long_run(str(tmp_path))
+    done = _launch.launch("--backend", "cpu", "--nproc-per-node", "3", "--timeout-s", "120",
+                          script="invariant.py", script_args=("--out", tmp_path, "--long"), timeout_s=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert len(reference) == 10 and json.loads((tmp_path / "long.json").read_text()) == reference
+
+
+def test_batch_norm_is_refused_before_any_forward(cpu: af.backends.CPU) -> None:
+    """prepare() under invariant() refuses a BatchNorm (and a user-listed type) naming the layer."""
+    calls = []
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls.append(1)
+        return model(batch).sum()
+
+    for layer, spec in ((torch.nn.BatchNorm1d(4), af.invariant()),
+                        (torch.nn.Tanh(), af.invariant(batch_coupled=(torch.nn.Tanh,)))):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), layer)
+        state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(af.TransformError, match=f"layer '1' \\({type(layer).__name__}\\)"):
+            cpu.prepare(spec(af.train_step(loss_fn)), state)
+    assert calls == []
+
+
+def test_invariant_validates_and_conflicts() -> None:
+    """invariant() checks its arguments and refuses shard_params() and split batches."""
+    with pytest.raises(ValueError, match="seed"):
+        af.invariant(seed=-1)
+    with pytest.raises(TypeError, match="batch_coupled"):
+        af.invariant(batch_coupled=[torch.nn.BatchNorm1d])
+    base = af.train_step(lambda m, b: m(b).sum())
+    with pytest.raises(af.TransformError, match="shard_params"):
+        af.compose(af.invariant(), af.shard_params())(base)
+    with pytest.raises(af.TransformError, match="split_batches"):
+        af.compose(af.invariant(), af.shard_data(split_batches=True))(base)
+
+
+def test_binary_counter_is_the_pairwise_tree() -> None:
+    """Pushing leaves one by one and folding gives ((0+1)+(2+3))+(4+5) for six leaves,
+    and for a rank's two subtrees of four the tree of eight, bit for bit."""
+    values = torch.randn(8, 1000, dtype=torch.float32) * torch.logspace(-3, 3, 1000)
+
+    def leaf(i: int) -> Node:
+        return Node(i, 0, values[i].clone(), torch.zeros(2, dtype=torch.float64))
+
+    nodes: tuple[Node, ...] = ()
+    for i in range(6):
+        nodes = push(nodes, leaf(i))
+    assert [n.height for n in nodes] == [2, 1]
+    v = values
+    assert torch.equal(fold(nodes).grads, ((v[0] + v[1]) + (v[2] + v[3])) + (v[4] + v[5]))
+    halves = []
+    for start in (0, 4):
+        stack: tuple[Node, ...] = ()
+        for i in range(start, start + 4):
+            stack = push(stack, leaf(i))
+        halves.append(fold(stack))
+    eight = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+    assert torch.equal(halves[0].grads + halves[1].grads, eight)
+    assert not torch.equal(sum(v[i] for i in range(8)), eight)  # the order matters at all
+    assert blocks(8) == [(0, 8)] and blocks(6) == [(0, 4), (4, 2)] and blocks(3) == [(0, 2), (2, 1)]
+
+
+def test_blocks_are_the_same_micro_batches_on_every_world_size() -> None:
+    """Update u reads global micro-batches [u L, (u+1) L), rank r the contiguous block of A;
+    the incomplete last global batch is not read."""
+    whole = block_indices(37, batch_size=2, rank=0, world_size=1, num_micro_batches=8, shuffle=True, seed=3, epoch=1)
+    assert [k for k, _ in whole] == list(range(16))  # 2 updates of 16 samples; 5 samples dropped
+    for w in (2, 4, 8):
+        ranks = [block_indices(37, batch_size=2, rank=r, world_size=w, num_micro_batches=8 // w, shuffle=True,
+                               seed=3, epoch=1) for r in range(w)]
+        assert [k for k, _ in ranks[1]][:8 // w] == list(range(8 // w, 2 * (8 // w)))
+        assert sorted(pair for rank in ranks for pair in rank) == whole
+
+
+def test_tree_window_and_layout_round_trip_through_the_codec() -> None:
+    """A TreeWindow (its nodes' tensors, -0.0 included) and a Layout, encoded for a checkpoint
+    and decoded, keep every field's type and value."""
+    node = Node(5, 1, torch.tensor([1.5, -0.0]), torch.tensor([2.0, 3.0], dtype=torch.float64))
+    window = TreeWindow((node,), 4, ("acc",), 3.0, (node,), 7, True)
+    encoder = Encoder()
+    plain = encoder.encode({"tree_window": window, "invariant": Layout(2, 8)}, "transforms_state")
+    back = decode(plain, encoder.tensors)
+    assert back["invariant"] == Layout(2, 8)
+    restored = back["tree_window"]
+    assert type(restored) is TreeWindow
+    assert (restored.num_samples, restored.metric_names, restored.num_items, restored.skip_until,
+            restored.item_counts) == (4, ("acc",), 3.0, 7, True)
+    for nodes in (restored.nodes, restored.pending):
+        (got,) = nodes
+        assert (got.start, got.height) == (5, 1) and torch.equal(got.sums, node.sums)
+        assert torch.equal(got.grads, node.grads) and torch.signbit(got.grads).tolist() == [False, True]
