@@ -23,6 +23,8 @@ from accelfn.loop import (
     find_batch_size,
     run,
 )
+from accelfn.loop import Plan, plan
+from accelfn.errors import PlanError
 from accelfn.seed import set_seed
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
@@ -106,4 +108,7 @@ __all__ = [
     "snapshot",
     "train_step",
     "with_precision",
+    "Plan",
+    "PlanError",
+    "plan",
 ]

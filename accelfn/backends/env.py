@@ -32,6 +32,8 @@ DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
 #: set by ``accelfn launch`` beside ``ACCELFN_PRECISION``: where the policy came from
 PRECISION_FROM_ENV = "ACCELFN_PRECISION_FROM"
+#: ``accelfn plan``: the world size (and processes per node) to plan for; ``run`` then prints the plan
+PLAN_WORLD_SIZE_ENV, PLAN_LOCAL_WORLD_SIZE_ENV = "ACCELFN_PLAN_WORLD_SIZE", "ACCELFN_PLAN_LOCAL_WORLD_SIZE"
 
 
 @attrs.frozen
@@ -52,6 +54,8 @@ class LaunchEnv:
         timeout_s: collective timeout in seconds (process groups never wait forever).
         precision_from: where ``accelfn launch`` took ``precision`` from: ``"--precision"``
             or the launch config file's path (None: ``ACCELFN_PRECISION`` was set by hand).
+        plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
+            for this many processes (that many per node) and exits without training.
     """
 
     rank: int = 0
@@ -66,6 +70,8 @@ class LaunchEnv:
     compile: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     precision_from: str | None = None
+    plan_world_size: int | None = None
+    plan_local_world_size: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -117,12 +123,18 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
+        plan_world = _int(env, PLAN_WORLD_SIZE_ENV, 0) or None
+        plan_local = _int(env, PLAN_LOCAL_WORLD_SIZE_ENV, 0) or None
+        if plan_world is not None and (plan_world < 1 or world_size > 1):
+            raise LaunchError(f"{PLAN_WORLD_SIZE_ENV}={plan_world}: `accelfn plan` runs one process planning for "
+                              "N >= 1 processes; use `accelfn plan --nproc-per-node N script.py`")
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
             backend=backend, precision=precision, accumulate=accumulate,
             compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
+            plan_world_size=plan_world, plan_local_world_size=plan_local,
         )
 
 
