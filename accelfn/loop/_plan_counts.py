@@ -98,7 +98,8 @@ def _loader_samples(loader: DataLoader, shard: ShardData | None, rank: int, worl
     if shard is None:
         dropped = n % big if loader.drop_last else 0
     else:  # the wrapped samples repeat the epoch's first ones (never dropped but by a loader dropping all)
-        kept = sum(_kept(length_r, big, loader.drop_last) - pad_r
+        kept = sum(_kept(length_r, big, loader.drop_last) - (pad_r if _kept(length_r, big, loader.drop_last) ==
+                                                             length_r else 0)
                    for length_r, pad_r in _shard_lengths(n, shard, world_size))
         dropped = n - kept if sampler_dropped or loader.drop_last else 0
     return _Layout(mb, big, last if mb else 0, pad, dropped)
