@@ -144,3 +144,86 @@ TWO_PROCESSES = [
 MANY_RANKS = [Case(23), Case(23, loader_drop=True), Case(25, shard="drop_last"), Case(26, shard="uneven"),
               Case(23, shard="split", batch=12), Case(26, shard="split", batch=12, loader_drop=True), Case(5, batch=2),
               Case(10, shard="drop_last", batch=3, loader_drop=True)]
+
+
+class Net(torch.nn.Module):
+    """Odd row counts (5, 7: uneven shards on 2 and 4 ranks), repeated blocks (shard_params units),
+    buffers (float and int, as a BatchNorm's) and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 7)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh()) for _ in range(2))
+        self.register_buffer("shift", torch.zeros(7))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.out = torch.nn.Linear(7, 5)
+        self.scale = torch.nn.Parameter(torch.ones(5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h + self.shift.to(h.dtype)) * self.scale
+
+
+#: (optimizer, transforms) of the memory cases; the precision policies are added per test
+MEMORY_OPTIMIZERS = ("adamw", "sgd")
+
+
+def memory_state(optimizer: str) -> af.TrainState:
+    torch.manual_seed(0)
+    model = Net()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(trainable, lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(trainable, lr=0.1, momentum=0.9))
+    return af.TrainState.create(model, opt)
+
+
+def memory_program(parallel: str | None, precision: str) -> af.Step:
+    transforms: list[Any] = [af.shard_data(), af.with_precision(precision)]
+    if parallel == "replicate":
+        transforms.append(af.replicate())
+    elif parallel == "shard_params":
+        transforms.append(af.shard_params())
+    return af.compose(*transforms)(af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1])))
+
+
+def memory_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return DataLoader(TensorDataset(torch.randn(32, 3, generator=g), torch.randn(32, 5, generator=g)), batch_size=4)
+
+
+def _local_bytes(t: Any) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def planned_and_measured(parallel: str | None, precision: str, optimizer: str,
+                         backend: af.backends.Backend) -> dict[str, dict[str, int]]:
+    """This rank's planned persistent bytes, and the real state's after the first update
+    (gradients: measured just before the optimizer step, which ``zero_grad`` follows)."""
+    step, state, loader = memory_program(parallel, precision), memory_state(optimizer), memory_loader()
+    memory = af.plan(step, state, loader, backend=backend, trace=False).memory[backend.rank]
+    grads: list[int] = []
+
+    def before_update(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        grads.append(sum(_local_bytes(p.grad) for g in optimizer.param_groups for p in g["params"]))
+
+    state.optimizer.register_step_pre_hook(before_update)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = af.run(step, state, loader, backend=backend, max_steps=1, progress=False)
+    model = state.model
+    measured = {"params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads[0],
+                "optimizer": sum(_local_bytes(v) for s in state.optimizer.state.values() for v in s.values()),
+                "buffers": sum(_local_bytes(b) for b in model.buffers())}
+    planned = {k: getattr(memory, k) for k in measured}
+    return {"planned": planned, "measured": measured}
+
+
+#: the 2-process memory cases: (parallel, precision, optimizer)
+MEMORY_TWO = [(p, precision, o) for p in ("replicate", "shard_params") for precision in ("fp32", "bf16", "fp16",
+                                                                                         "bf16-true")
+              for o in MEMORY_OPTIMIZERS if (precision, o) != ("bf16-true", "sgd") or p == "replicate"]

@@ -15,3 +15,9 @@ from tests.helpers import planning
 def counts() -> dict[str, Any]:
     backend = af.backends.auto()
     return {case.id: planning.planned_and_run(case, backend) for case in planning.TWO_PROCESSES}
+
+
+def memory() -> dict[str, Any]:
+    """``planning.MEMORY_TWO``: this rank's planned and real persistent bytes per case."""
+    backend = af.backends.auto()
+    return {"-".join(case): planning.planned_and_measured(*case, backend) for case in planning.MEMORY_TWO}
