@@ -7,7 +7,8 @@
   order to be the reverse of the parameters' registration order (the backward's order for a
   model whose forward uses its modules in the order they are defined). The first update
   all-reduces one bucket of every gradient. A model with buffers has them broadcast from
-  rank 0 before every forward (250 MiB coalesced buckets).
+  rank 0 (coalesced per dtype) before the forward of a window's last micro-batch (DDP skips it
+  under ``no_sync``).
 - ``shard_params`` (FSDP2) over ``D`` ranks: per micro-batch an all-gather per unit before
   its forward (the root's too) and again before each non-root unit's backward (none with
   ``reshard_after_forward=False``), then a reduce-scatter per unit on the window's last
@@ -31,10 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_module
 
-from accelfn.transforms import Accumulate, Clip, Replicate, ShardParams
+from accelfn.transforms import Accumulate, Clip, Replicate, ShardParams, SkipNonfinite
 from accelfn.transforms.precision import Policy
 
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 _MIB = 1024 * 1024
 
 
@@ -100,12 +100,29 @@ def ddp_buckets(params: list[torch.nn.Parameter], bucket_cap_mb: float) -> list[
     return [[ready[j] for j in bucket] for bucket in buckets]
 
 
+def metric_count(step: object, optimizer: torch.optim.Optimizer, policy: Policy, user_metrics: int) -> int:
+    """The metrics ``run`` reduces at each log: loss, lr (and ``lr/group{i}`` for groups of
+    different learning rates), grad_norm under clip, skipped and loss_scale where updates may be
+    skipped, and the loss function's own."""
+    find = step.find  # type: ignore[attr-defined]
+    lrs = {g["lr"] for g in optimizer.param_groups}
+    count = 2 + (len(optimizer.param_groups) if len(optimizer.param_groups) > 1 and len(lrs) > 1 else 0)
+    count += find(Clip) is not None
+    count += (policy.scaling is not None or find(SkipNonfinite) is not None) + (policy.scaling is not None)
+    return count + user_metrics
+
+
 def collectives_per_update(step: object, model: torch.nn.Module, policy: Policy, world_size: int,
-                           local_world_size: int, *, num_metrics: int = 1) -> tuple[Collective, ...]:
-    """The collectives of one (steady-state) optimizer update on rank 0, in order."""
+                           local_world_size: int, *, num_metrics: int = 2,
+                           memory_values: int = 1) -> tuple[Collective, ...]:
+    """The collectives of one (steady-state) optimizer update on rank 0, in order; the metric
+    reductions (``per_log``) come once per logged update, here with ``num_metrics`` metrics and
+    ``memory_values`` memory readings (RSS, and the device's peak on CUDA)."""
     if world_size == 1:
         return ()
     find = step.find  # type: ignore[attr-defined]
+    guard = policy.scaling is not None or find(SkipNonfinite) is not None
+
     accumulate = find(Accumulate)
     n = accumulate.num_micro_batches if accumulate else 1
     params = list(dict.fromkeys(model.parameters()))
@@ -119,7 +136,7 @@ def collectives_per_update(step: object, model: torch.nn.Module, policy: Policy,
                 dtype = policy.param_dtype if b.is_floating_point() and policy.param_dtype != torch.float32 else b.dtype
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + b.numel()
             for dtype, elements in by_dtype.items():
-                out.append(_make("broadcast", dtype, elements, "DDP buffers", world_size, count=n))
+                out.append(_make("broadcast", dtype, elements, "DDP buffers", world_size))
         for i, bucket in enumerate(ddp_buckets(params, replicate.bucket_cap_mb)):
             dtype = _stored(params[bucket[0]], policy)
             out.append(_make("all_reduce", dtype, sum(params[j].numel() for j in bucket), f"DDP bucket {i}",
@@ -134,8 +151,11 @@ def collectives_per_update(step: object, model: torch.nn.Module, policy: Policy,
                        for c in list(out) if c.kind == "reduce_scatter")
         if find(Clip) is not None:
             out.append(_make("all_reduce", torch.float32, 1, "clip norm", degree))
+    if guard and shard is not None:  # each rank checked only its shards
+        out.append(_make("all_reduce", torch.float32, 1, "non-finite check", world_size))
+    out.append(_make("all_reduce", torch.int64, 4, "metric names agree", world_size, per_log=True))
     out.append(_make("all_reduce", torch.float64, num_metrics + 1, "metrics (sum)", world_size, per_log=True))
-    out.append(_make("all_reduce", torch.float64, 1, "memory (max)", world_size, per_log=True))
+    out.append(_make("all_reduce", torch.float64, memory_values, "memory (max)", world_size, per_log=True))
     return tuple(out)
 
 

@@ -23,7 +23,7 @@ from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, check_int
-from accelfn.loop._plan_comms import Collective, collectives_per_update
+from accelfn.loop._plan_comms import Collective, collectives_per_update, metric_count
 from accelfn.loop._plan_counts import EpochCounts, epoch_counts
 from accelfn.loop._plan_memory import Memory, persistent_memory, trace_micro_batch
 from accelfn.loop._plan_problems import Facts, Problem, find_problems
@@ -172,6 +172,7 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     facts = attrs.evolve(facts, epochs_counted=counted, final_steps=final)
     shard = step.find(ShardParams)
     memory = None
+    user_metrics = 0  # the loss function's own metrics, known from the trace
     try:
         memory, optimizer_problem = persistent_memory(
             state.model, state.optimizer, state.transforms_state, policy=policy, shard=shard,
@@ -183,12 +184,13 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if trace and memory is not None:
         traced = _trace(step, state, data, backend, policy, facts)
         if isinstance(traced, tuple):
-            peak, unused = traced
+            peak, unused, user_metrics = traced
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
             facts = attrs.evolve(facts, unused_params=unused)
         else:
             facts = attrs.evolve(facts, trace_problem=traced)
     facts = attrs.evolve(facts, memory=memory)
+    num_metrics = metric_count(step, state.optimizer, policy, user_metrics)
     total = final[0]
     scheduler_steps = None
     if state.scheduler is not None and total is not None:
@@ -196,7 +198,9 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     facts = attrs.evolve(facts, scheduler_steps=scheduler_steps)
     return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
                 total_updates=total, scheduler_steps=scheduler_steps, memory=memory,
-                comms=collectives_per_update(step, state.model, policy, world_size, local_world_size),
+                comms=collectives_per_update(step, state.model, policy, world_size, local_world_size,
+                                             num_metrics=num_metrics,
+                                             memory_values=2 if backend.device.type == "cuda" else 1),
                 problems=find_problems(facts), device_memory=device_memory)
 
 
@@ -210,15 +214,19 @@ def _first_batch(data: Iterable[Any]) -> Any:
 
 
 def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           facts: Facts) -> tuple[int, tuple[str, ...]] | str:
-    """(peak bytes of one micro-batch, parameters that got no gradient), or why it was not traced."""
+           facts: Facts) -> tuple[int, tuple[str, ...], int] | str:
+    """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
+    metrics), or why it was not traced."""
     batch = _first_batch(data)
     if batch is None:
         return "no first batch to trace (data that is not a map-style DataLoader or a list)"
     names: list[str] = []
+    metrics: list[int] = []
 
     def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
-        return unpack(step.loss_fn(model, b))[0]
+        loss, _, returned, _ = unpack(step.loss_fn(model, b))
+        metrics.append(len(returned))
+        return loss
 
     def autocast() -> Any:
         return backend.autocast(policy)
@@ -227,7 +235,7 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
         peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names)
     except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
         return f"{type(e).__name__}: {str(e)[:300]}"
-    return peak, tuple(names)
+    return peak, tuple(names), metrics[0]
 
 
 #: errors that ``prepare`` and the data already raise before the first forward, with their own

@@ -227,3 +227,18 @@ def planned_and_measured(parallel: str | None, precision: str, optimizer: str,
 MEMORY_TWO = [(p, precision, o) for p in ("replicate", "shard_params") for precision in ("fp32", "bf16", "fp16",
                                                                                          "bf16-true")
               for o in MEMORY_OPTIMIZERS if (precision, o) != ("bf16-true", "sgd") or p == "replicate"]
+
+
+#: the programs whose collectives are checked on 2 processes
+COMMS = ("replicate-acc4-clip", "replicate-buckets", "shard_params-clip", "shard_params-acc2-fp16")
+
+
+def comms_program(name: str) -> af.Step:
+    loss = af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1]))
+    transforms: dict[str, list[Any]] = {
+        "replicate-acc4-clip": [af.replicate(), af.accumulate(4), af.clip(1.0)],
+        "replicate-buckets": [af.replicate(bucket_cap_mb=0.0002)],  # 209 bytes: several buckets
+        "shard_params-clip": [af.shard_params(), af.clip(1.0)],
+        "shard_params-acc2-fp16": [af.shard_params(), af.accumulate(2), af.with_precision("fp16")],
+    }
+    return af.compose(af.shard_data(), *transforms[name])(loss)
