@@ -24,7 +24,7 @@ from accelfn.loop import (
     run,
 )
 from accelfn.loop import Plan, plan
-from accelfn.errors import PlanError
+from accelfn.errors import PlanError, PlanWarning
 from accelfn.seed import set_seed
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
@@ -110,5 +110,6 @@ __all__ = [
     "with_precision",
     "Plan",
     "PlanError",
+    "PlanWarning",
     "plan",
 ]

@@ -35,6 +35,11 @@ class PlanError(ValueError):
                          f"found before the first forward (run(..., plan=False) skips the check):\n{lines}")
 
 
+class PlanWarning(RuntimeWarning):
+    """A warning of a run's plan (``af.plan``'s problems that are not errors), issued by ``run``
+    before the first forward; filter it like any warning (``warnings.simplefilter``)."""
+
+
 class LaunchError(RuntimeError):
     """The launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is missing or inconsistent."""
 

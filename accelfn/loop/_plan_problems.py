@@ -180,8 +180,8 @@ def _dropped(f: Facts) -> Iterable[Problem]:
     if not f.epochs_counted or size is None or not size:
         return
     dropped = f.epochs_counted[0].dropped
-    if dropped is not None and dropped * 2 > size:
-        yield Problem("drop-last-most", True,
+    if dropped is not None and dropped * 3 >= size:
+        yield Problem("drop-last-large", True,
                       f"drop_last drops {dropped} of the {size} samples of every epoch on {f.world_size} processes",
                       "lower the batch size or the number of processes, or keep the tail (drop_last=False pads "
                       "it by wrapping)")
@@ -386,11 +386,11 @@ def _data_parallel(f: Facts) -> Iterable[Problem]:
     if f.world_size == 1:
         return
     shard = f.step.find(ShardData)
-    if _parallel(f) is not None and shard is None:
+    if _parallel(f) is not None and shard is None and isinstance(f.data, DataLoader):
         yield Problem("replicate-without-shard-data", False,
                       f"{_parallel(f).verb}() over {f.world_size} processes without shard_data(): every rank "  # type: ignore[union-attr]
-                      "reads the same batches, so each update averages identical gradients",
-                      "add af.shard_data() so each process reads its own shard")
+                      "reads the DataLoader as it is (the same batches, unless each rank built its own)",
+                      "add af.shard_data() so each process reads its own shard of one dataset")
     if shard is not None and _parallel(f) is None:
         yield Problem("shard-data-alone", False,
                       f"shard_data() over {f.world_size} processes without replicate() or shard_params(): each "

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
-from accelfn.errors import PlanError, check_int
+from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop._plan_comms import Collective, collectives_per_update, metric_count
 from accelfn.loop._plan_counts import EpochCounts, epoch_counts
 from accelfn.loop._plan_memory import Memory, persistent_memory, trace_micro_batch
@@ -196,11 +196,13 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if state.scheduler is not None and total is not None:
         scheduler_steps = int(getattr(state.scheduler, "last_epoch", 0)) + total - state.step
     facts = attrs.evolve(facts, scheduler_steps=scheduler_steps)
+    try:
+        comms = collectives_per_update(step, state.model, policy, world_size, local_world_size,
+                                       num_metrics=num_metrics, memory_values=2 if backend.device.type == "cuda" else 1)
+    except ValueError:  # shard_size that does not divide the world: a problem of the plan already
+        comms = ()
     return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
-                total_updates=total, scheduler_steps=scheduler_steps, memory=memory,
-                comms=collectives_per_update(step, state.model, policy, world_size, local_world_size,
-                                             num_metrics=num_metrics,
-                                             memory_values=2 if backend.device.type == "cuda" else 1),
+                total_updates=total, scheduler_steps=scheduler_steps, memory=memory, comms=comms,
                 problems=find_problems(facts), device_memory=device_memory)
 
 
@@ -248,17 +250,22 @@ RAISED_ELSEWHERE = frozenset({"precision-unsupported", "sharding-unsupported", "
 def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
                      max_steps: int | None) -> Plan:
     """``run``'s check: the plan without tracing; raises ``PlanError`` naming every error (but
-    those of ``RAISED_ELSEWHERE``) and warns of every warning (RuntimeWarning) on the main
+    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``) on the main
     process; every rank computes the same plan, so every rank raises alike."""
     world_size = backend.world_size
-    result = _plan(step, state, data, backend, world_size, backend.local_world_size, epochs, max_steps, None,
-                   trace=False)
+    device_memory = None
+    if backend.device.type == "cuda" and torch.cuda.is_available():
+        device_memory = torch.cuda.get_device_properties(backend.device).total_memory
+    result = _plan(step, state, data, backend, world_size, backend.local_world_size, epochs, max_steps,
+                   device_memory, trace=False)
     errors = tuple(p for p in result.errors if p.code not in RAISED_ELSEWHERE)
+    if errors and len(errors) < len(result.errors):  # name the others too: every error at once
+        errors = result.errors
     if errors:
         raise PlanError(errors)
     if backend.is_main_process:
         for problem in result.warnings:
-            warnings.warn(str(problem), RuntimeWarning, stacklevel=4)
+            warnings.warn(str(problem), PlanWarning, stacklevel=4)
     return result
 
 

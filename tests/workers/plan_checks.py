@@ -129,3 +129,12 @@ def comms() -> dict[str, Any]:
             "windows": [calls[a + 1:b] for a, b in zip(marks, marks[1:])],
         }
     return out
+
+
+def catalogue() -> dict[str, Any]:
+    """The 2-process error cases of ``bad_programs.CATALOGUE`` through ``af.run`` on both ranks."""
+    from tests.helpers import bad_programs
+
+    backend = af.backends.auto()
+    return {code: bad_programs.run_case(code, backend) for code, (build, error) in bad_programs.CATALOGUE.items()
+            if error and build()[4] == 2 and code not in bad_programs.PLAN_ONLY}
