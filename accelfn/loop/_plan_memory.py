@@ -112,7 +112,10 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
                 options[flag] = False if flag != "foreach" else None
         groups.append({**options, "params": [metas[index[id(p)]] for p in group["params"] if id(p) in index]})
     copy_ = copy.copy(optimizer)  # the same class and attributes, never its constructor's arguments
-    copy_.__dict__ = dict(optimizer.__dict__, param_groups=groups, state=collections.defaultdict(dict))
+    # an instance attribute shadowing a method (an lr scheduler's counting wrapper of `step`) calls
+    # the real optimizer: the copy uses its class's own methods
+    own = {k: v for k, v in optimizer.__dict__.items() if not (callable(v) and hasattr(type(optimizer), k))}
+    copy_.__dict__ = dict(own, param_groups=groups, state=collections.defaultdict(dict))
     for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # not the user's hooks
         if hasattr(copy_, hooks):
             setattr(copy_, hooks, collections.OrderedDict())

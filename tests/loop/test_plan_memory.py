@@ -51,3 +51,15 @@ def test_shards_on_four_ranks_are_torch_chunks():
         assert memory.params == sum(c.nbytes for c in chunks)
         assert memory.optimizer == 2 * sum(c.nbytes for c, p in zip(chunks, state.model.parameters())
                                            if p.requires_grad) + 4 * sum(p.requires_grad for p in state.model.parameters())
+
+
+def test_an_lr_scheduler_does_not_hide_the_optimizer_state(cpu):
+    """With an lr scheduler (which wraps the optimizer's step), the plan still runs a copy of the
+    optimizer's own step: AdamW's state is planned, and the real optimizer is not touched."""
+    state = planning.memory_state("adamw")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+    state = state.replace(scheduler=scheduler)
+    plan = af.plan(planning.memory_program(None, "fp32"), state, planning.memory_loader(), trace=False)
+    trainable = [p for p in state.model.parameters() if p.requires_grad]
+    assert plan.memory[0].optimizer == 2 * sum(p.nbytes for p in trainable) + 4 * len(trainable)
+    assert not state.optimizer.state and not getattr(state.optimizer, "_opt_called", False)
