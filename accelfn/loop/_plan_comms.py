@@ -64,7 +64,7 @@ class Collective:
     @property
     def bytes(self) -> int:
         """The tensor's bytes (``elements`` times the element size)."""
-        return self.elements * torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return self.elements * self.dtype.itemsize
 
 
 def _wire(kind: str, nbytes: int, world_size: int) -> int:
@@ -79,7 +79,7 @@ def _wire(kind: str, nbytes: int, world_size: int) -> int:
 
 def _make(kind: str, dtype: torch.dtype, elements: int, what: str, world_size: int, count: int = 1,
           per_log: bool = False) -> Collective:
-    size = elements * torch.empty((), dtype=dtype, device="meta").element_size()
+    size = elements * dtype.itemsize
     return Collective(kind, dtype, elements, what, count, _wire(kind, size, world_size), per_log)
 
 

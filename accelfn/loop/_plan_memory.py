@@ -90,27 +90,36 @@ def local_numel(shape: torch.Size, index: int, degree: int) -> int:
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty((), dtype=dtype, device="meta").element_size()
+    return numel * dtype.itemsize
 
 
 def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                            policy: Policy) -> list[list[tuple[torch.Size, torch.dtype]]]:
     """The (shape, dtype) of each state tensor the optimizer keeps per parameter after one step,
-    learned by running a copy of it (same class and hyperparameters) once on meta tensors.
+    learned by running a copy of it (same class and hyperparameters) once on meta tensors: one
+    stand-in per kind of parameter (shape, dtype, requires_grad, parameter group), since a
+    ``torch.optim`` optimizer's state of a parameter depends on nothing else (18 alike
+    transformer blocks step as one).
 
     Raises:
-        RuntimeError: the optimizer cannot step on meta tensors (a closure-only one, like LBFGS).
+        RuntimeError: the optimizer cannot step on meta tensors (one reading values on the host).
     """
-    index = {id(p): i for i, p in enumerate(params)}
-    metas = [torch.nn.Parameter(torch.empty(p.shape, dtype=_storage_dtype(p, policy), device="meta"),
-                                requires_grad=p.requires_grad) for p in params]
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    keys = [(tuple(p.shape), _storage_dtype(p, policy), p.requires_grad, group_of.get(id(p))) for p in params]
+    stand_ins: dict[tuple[Any, ...], torch.nn.Parameter] = {}
+    for shape, dtype, requires_grad, group in keys:
+        if group is not None and (shape, dtype, requires_grad, group) not in stand_ins:
+            meta = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=requires_grad)
+            if requires_grad:
+                meta.grad = torch.zeros_like(meta)
+            stand_ins[(shape, dtype, requires_grad, group)] = meta
     groups = []
-    for group in optimizer.param_groups:
+    for g, group in enumerate(optimizer.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
         for flag in ("foreach", "fused", "capturable"):  # kernels for real devices; same state
             if flag in options:
                 options[flag] = False if flag != "foreach" else None
-        groups.append({**options, "params": [metas[index[id(p)]] for p in group["params"] if id(p) in index]})
+        groups.append({**options, "params": [m for key, m in stand_ins.items() if key[3] == g]})
     copy_ = copy.copy(optimizer)  # the same class and attributes, never its constructor's arguments
     # an instance attribute shadowing a method (an lr scheduler's counting wrapper of `step`) calls
     # the real optimizer: the copy uses its class's own methods
@@ -119,13 +128,11 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
     for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):  # not the user's hooks
         if hasattr(copy_, hooks):
             setattr(copy_, hooks, collections.OrderedDict())
-    for meta in metas:
-        if meta.requires_grad:
-            meta.grad = torch.zeros_like(meta)
     with torch.no_grad():
         copy_.step()
-    return [[(v.shape, v.dtype) for v in copy_.state.get(meta, {}).values() if isinstance(v, torch.Tensor)]
-            for meta in metas]
+    shapes = {key: [(v.shape, v.dtype) for v in copy_.state.get(meta, {}).values() if isinstance(v, torch.Tensor)]
+              for key, meta in stand_ins.items()}
+    return [shapes.get(key, []) for key in keys]
 
 
 def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, *,
@@ -147,6 +154,7 @@ def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     transform = sum(t.nbytes for t in _tensors(transforms_state))
     memories = []
     cache: dict[int, Memory] = {}
+    gathered = _gathered(model, shard, policy) if sharded else 0
     for rank in range(world_size):
         index = rank % degree
         if index in cache:
@@ -164,7 +172,7 @@ def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
         buckets = g_bytes if replicate is not None and world_size > 1 and not replicate.gradient_as_bucket_view else 0
         cache[index] = Memory(params=p_bytes, grads=g_bytes, optimizer=o_bytes, buffers=buffers,
                               transform_state=transform, ddp_buckets=buckets,
-                              gathered=_gathered(model, shard, policy) if sharded else 0)
+                              gathered=gathered)
         memories.append(cache[index])
     return tuple(memories), problem
 
