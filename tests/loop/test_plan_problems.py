@@ -72,3 +72,17 @@ def test_run_stops_before_the_first_forward_on_two_processes(two_processes):
             raised, message = rank[code]["raised"], rank[code]["message"]
             # a PlanError names the code; the data's and prepare's own checks say the fix in theirs
             assert raised == "PlanError" and f"[{code}]" in message or raised == "ValueError" and "multiple" in message
+
+
+def test_docs_07_lists_every_problem_the_plan_knows():
+    """docs/07's table has a row for every code of the catalogue's checks."""
+    import re
+
+    from accelfn.loop import _plan_problems
+    from tests.helpers import launch as _launch
+
+    source = (_launch.ROOT / "accelfn" / "loop" / "_plan_problems.py").read_text()
+    codes = set(re.findall(r'Problem\("([a-z0-9-]+)"', source))
+    assert len(_plan_problems.CHECKS) >= 20 and len(codes) >= 25
+    page = (_launch.ROOT / "docs" / "07-troubleshooting.md").read_text()
+    assert {c for c in codes if f"| `{c}` |" not in page} == set()
