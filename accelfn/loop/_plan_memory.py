@@ -114,8 +114,8 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
                 meta.grad = torch.zeros_like(meta)
             stand_ins[(shape, dtype, requires_grad, group)] = meta
     groups = []
-    for g, group in enumerate(optimizer.param_groups):
-        options = {k: v for k, v in group.items() if k != "params"}
+    for g, options_of in enumerate(optimizer.param_groups):
+        options = {k: v for k, v in options_of.items() if k != "params"}
         for flag in ("foreach", "fused", "capturable"):  # kernels for real devices; same state
             if flag in options:
                 options[flag] = False if flag != "foreach" else None

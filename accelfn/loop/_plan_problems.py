@@ -9,7 +9,7 @@ the fix. docs/07-troubleshooting.md lists them all.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 import attrs
@@ -160,13 +160,15 @@ def _count_error(f: Facts) -> Iterable[Problem]:
 def _empty_ranks(f: Facts) -> Iterable[Problem]:
     if f.count_error is not None:
         return
+    size = _map_size(f) if isinstance(f.data, DataLoader) else len(f.data) if isinstance(f.data, Sized) else None
+    if not size:  # no data at all: run warns of an epoch that read nothing, as it always has
+        return
     shard = f.step.find(ShardData)
     try:
         counts = {num_batches(f.data, shard, rank=r, world_size=f.world_size) for r in {0, f.world_size - 1}}
     except ValueError:
         return
     if 0 in counts:
-        size = _map_size(f)
         yield Problem("empty-rank", True,
                       f"some rank reads no micro-batch in an epoch ({size if size is not None else 'the'} samples "
                       f"over {f.world_size} processes, after drop_last)",
