@@ -11,6 +11,7 @@ unit layout (``_plan_comms``), and the misconfigurations from the catalogue (``_
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterable
 from typing import Any, NoReturn
@@ -273,6 +274,17 @@ def show_plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backe
               max_steps: int | None) -> NoReturn:
     """``accelfn plan``: prints the plan for the launch's world size and exits the process,
     with status 1 if the plan has errors (0 otherwise), before anything is trained."""
+    before = time.process_time()  # what the script cost up to here: building its model and data
     result = plan(step, state, data, backend=backend, epochs=epochs, max_steps=max_steps)
     print(result, flush=True)
+    params = list(state.model.parameters())
+    if params and all(p.device.type == "meta" for p in params):
+        print(f"\nplanned in {time.process_time() - before:.1f} s of CPU; the model is on the meta device: "
+              "nothing of it was allocated", flush=True)
+    else:
+        held = sum(p.numel() * p.element_size() for p in params)
+        print(f"\nplanned in {time.process_time() - before:.1f} s of CPU, after {before:.1f} s of CPU in the script "
+              f"before af.run, which built the model for real ({held / 2**20:.1f} MiB of parameters on "
+              f"{params[0].device if params else 'no device'}); build it under torch.device('meta') to plan a model "
+              "this machine cannot hold", flush=True)
     raise SystemExit(1 if result.errors else 0)
