@@ -6,7 +6,6 @@ DataLoader drop_last, accumulate(1..5) with partial windows, max_steps and resum
 from __future__ import annotations
 
 import pytest
-import torch
 
 import accelfn as af
 from accelfn.data import epoch_batches
@@ -78,5 +77,4 @@ def test_a_million_epochs_plan_as_one_record(cpu):
     plan = af.plan(step, planning.fresh_state(), loader, epochs=None, max_steps=2_000_001, trace=False)
     assert [(e.epoch, e.num_epochs, e.updates) for e in plan.epochs] == [(0, 1_000_000, (2,)), (1_000_000, 1, (1,))]
     assert plan.total_updates == 2_000_001
-    assert torch.Size  # the plan did not iterate a million times: it is small
     assert len(plan.epochs) == 2
