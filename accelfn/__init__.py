@@ -23,6 +23,8 @@ from accelfn.loop import (
     find_batch_size,
     run,
 )
+from accelfn.loop import Plan, plan
+from accelfn.errors import PlanError, PlanWarning
 from accelfn.seed import set_seed
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
@@ -114,4 +116,8 @@ __all__ = [
     "load_model",
     "Invariant",
     "invariant",
+    "Plan",
+    "PlanError",
+    "PlanWarning",
+    "plan",
 ]

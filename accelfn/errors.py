@@ -24,6 +24,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupted, or does not match the state it is loaded into."""
 
 
+class PlanError(ValueError):
+    """The plan of a run has errors (``af.plan``'s problems): each named with what is wrong and
+    its fix. ``problems`` holds them; ``run(..., plan=False)`` skips the check."""
+
+    def __init__(self, problems: tuple[object, ...]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"the plan of this run has {len(problems)} error{'s' if len(problems) != 1 else ''}, "
+                         f"found before the first forward (run(..., plan=False) skips the check):\n{lines}")
+
+
+class PlanWarning(RuntimeWarning):
+    """A warning of a run's plan (``af.plan``'s problems that are not errors), issued by ``run``
+    before the first forward; filter it like any warning (``warnings.simplefilter``)."""
+
+
 class LaunchError(RuntimeError):
     """The launch environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) is missing or inconsistent."""
 

@@ -38,6 +38,9 @@ DEFAULT_TIMEOUT_S = 600.0
 BACKEND_NAMES = ("cpu", "cuda", "xla")
 #: set by ``accelfn launch`` beside ``ACCELFN_PRECISION``: where the policy came from
 PRECISION_FROM_ENV = "ACCELFN_PRECISION_FROM"
+#: ``accelfn plan``: the world size (and processes per node) to plan for; ``run`` then prints the plan
+PLAN_WORLD_SIZE_ENV, PLAN_LOCAL_WORLD_SIZE_ENV = "ACCELFN_PLAN_WORLD_SIZE", "ACCELFN_PLAN_LOCAL_WORLD_SIZE"
+
 #: ``accelfn launch --shard-params`` without options
 SHARD_PARAMS_DEFAULTS = "defaults"
 #: the options of ``shard_params`` a launch may set, and how each value is read
@@ -107,6 +110,8 @@ class LaunchEnv:
         engine_vars: the engine's variables the world was read from, ``(name, value)`` pairs.
         shard_params: ``accelfn launch --shard-params``: the ``shard_params`` transform for
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.
+        plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
+            for this many processes (that many per node) and exits without training.
     """
 
     rank: int = 0
@@ -124,6 +129,8 @@ class LaunchEnv:
     engine: str = "none"
     engine_vars: tuple[tuple[str, str], ...] = ()
     shard_params: ShardParams | None = None
+    plan_world_size: int | None = None
+    plan_local_world_size: int | None = None
 
     @property
     def env_rendezvous(self) -> bool:
@@ -169,6 +176,11 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
+        plan_world = _int(env, PLAN_WORLD_SIZE_ENV, 0) or None
+        plan_local = _int(env, PLAN_LOCAL_WORLD_SIZE_ENV, 0) or None
+        if plan_world is not None and (plan_world < 1 or world.world_size > 1):
+            raise LaunchError(f"{PLAN_WORLD_SIZE_ENV}={plan_world}: `accelfn plan` runs one process planning for "
+                              "N >= 1 processes; use `accelfn plan --nproc-per-node N script.py`")
         return cls(
             rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
             local_world_size=world.local_world_size, master_addr=world.master_addr, master_port=world.master_port,
@@ -176,6 +188,7 @@ class LaunchEnv:
             compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
+            plan_world_size=plan_world, plan_local_world_size=plan_local,
         )
 
 

@@ -1,8 +1,9 @@
-"""The ``accelfn`` command: ``accelfn launch | config | env | test``.
+"""The ``accelfn`` command: ``accelfn launch | plan | config | env | test``.
 
 ``launch`` drives ``torch.distributed.run`` (torchrun): it turns the launch config and
 flags into torchrun's arguments and runs it in this process; torchrun starts the workers,
-runs the rendezvous and restarts. ``config`` writes a YAML launch config, ``env`` prints
+runs the rendezvous and restarts. ``plan`` runs the script in one process where ``af.run``
+prints the plan for the launch's world size and exits. ``config`` writes a YAML launch config, ``env`` prints
 what a bug report needs, ``test`` checks the machine end to end (``_selftest.py``).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -23,6 +25,8 @@ import torch
 from accelfn._version import __version__
 from accelfn.backends.env import (
     BACKEND_NAMES,
+    PLAN_LOCAL_WORLD_SIZE_ENV,
+    PLAN_WORLD_SIZE_ENV,
     PRECISION_FROM_ENV,
     SHARD_PARAMS_DEFAULTS,
     LaunchEnv,
@@ -128,6 +132,31 @@ def _launch(args: argparse.Namespace) -> int:
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
     return run_torchrun(torchrun_args, config)
+
+
+# -- accelfn plan ---------------------------------------------------------------------------
+
+def _plan(args: argparse.Namespace) -> int:
+    """Runs SCRIPT in one process that plans for the launch's world size (``af.run`` prints the
+    plan and exits: 0, or 1 if the plan has errors)."""
+    resolved = _active_config(args, stderr=sys.stderr)
+    config = resolved.config
+    if not args.module and not Path(args.script).is_file():
+        raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
+    env = {k: v for k, v in os.environ.items() if k not in _WORLD_VARS}
+    for name, value in config.worker_env().items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env[PLAN_WORLD_SIZE_ENV] = str(config.nproc_per_node * config.nnodes)
+    env[PLAN_LOCAL_WORLD_SIZE_ENV] = str(config.nproc_per_node)
+    command = [sys.executable, *(["-m"] if args.module else []), args.script, *args.script_args]
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+#: what a launch sets for a worker's place in the world: `accelfn plan`'s one process has none
+_WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
 # -- accelfn config -------------------------------------------------------------------------
@@ -276,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
     )
     parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,config,env,test}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,plan,config,env,test}")
 
     launch = commands.add_parser(
         "launch", help="run a script on N processes per node (drives torch.distributed.run)",
@@ -302,6 +331,24 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments passed to SCRIPT unchanged")
     launch.set_defaults(run=_launch, parser=launch)
+
+    plan = commands.add_parser(
+        "plan", help="print what a launch would do, hold and break on, training nothing (af.plan)",
+        description="Runs SCRIPT unchanged in one process that stands for the launch's "
+        "--nproc-per-node x --nnodes processes: af.run prints af.plan(...) for that world size "
+        "(updates, samples per rank, memory per rank, collectives per update, misconfigurations) "
+        "and exits without training, with status 1 if the plan has errors. Code before af.run runs "
+        "for real (build the model on the meta device to plan a model this machine cannot hold).",
+    )
+    plan.add_argument("--config", metavar="FILE",
+                      help="YAML launch config (default $ACCELFN_CONFIG_FILE, else "
+                      f"./{_config.DEFAULT_CONFIG_FILE} if it exists), over the user's config file")
+    _add_launch_options(plan)
+    plan.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    plan.add_argument("script", metavar="SCRIPT", nargs="?", help="the training script (or module, with -m)")
+    plan.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                      help="arguments passed to SCRIPT unchanged")
+    plan.set_defaults(run=_plan, parser=plan)
 
     config = commands.add_parser(
         "config", help="write a YAML launch config for `accelfn launch`",
@@ -362,8 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # the command's own usage, not the top level's
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "launch" and args.script is None:
-        args.parser.error("the training SCRIPT is missing: accelfn launch [options] SCRIPT [ARGS...]")
+    if args.command in ("launch", "plan") and args.script is None:
+        args.parser.error(f"the training SCRIPT is missing: accelfn {args.command} [options] SCRIPT [ARGS...]")
     command: Callable[[argparse.Namespace], int] = args.run
     try:
         return command(args)

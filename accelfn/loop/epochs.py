@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from accelfn import collectives
 from accelfn.backends.base import Backend
+from accelfn.backends.env import with_launch_defaults
 from accelfn.checkpoint import Checkpoints
 from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
@@ -18,6 +19,7 @@ from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
 from accelfn.loop.profile import Profile, profiling
+from accelfn.loop.plan import check_before_run, show_plan
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
 from accelfn.step import Step
@@ -72,6 +74,7 @@ def run(
     hooks: Sequence[Hook] = (),
     profile: Profile | None = None,
     continue_after_stop: bool = False,
+    plan: bool = True,
 ) -> TrainState:
     """Trains ``state`` with ``step`` over ``data`` until ``epochs`` or ``max_steps`` (totals).
 
@@ -114,6 +117,11 @@ def run(
             the stop is cleared first. False: such a run trains nothing and returns the
             state as it is, so a rerun of a job that stopped early (a requeue, a restart
             after a crash in code after training) ends where the job ended.
+        plan: check the program's plan (``af.plan`` without its trace: counts, persistent
+            bytes, the catalogue of misconfigurations) before preparing the state, raising
+            ``af.PlanError`` for its errors and warning of its warnings; False skips it. Under
+            ``accelfn plan`` the plan is printed instead and the process exits (status 1 if
+            it has errors) without training.
 
     A hook's ``af.Stop`` is part of the state: ``state.stopped`` records the update and the
     reason, every checkpoint from then on holds it, and when a checkpoint schedule is given
@@ -140,6 +148,7 @@ def run(
         RuntimeError: (``collectives.ArrivalError``) a collective: some rank did not call
             ``run`` within the collective timeout, or called another collective API (each
             rank's call named, at once).
+        PlanError: the plan has errors (each named with its fix), before anything is prepared.
         CheckpointError: ``resume`` names no complete checkpoint, or one that does not fit
             or is corrupted (with ``"auto"``, the message names the previous checkpoint if
             that one loads, or says that it does not); or a checkpoint written in the
@@ -163,6 +172,12 @@ def run(
         8
     """
     _validate(step, state, data, backend, epochs, max_steps, trackers, log_every)
+    if not isinstance(plan, bool):
+        raise TypeError(f"run(plan=...) takes True or False, got {plan!r}")
+    if backend.env.plan_world_size is not None:  # `accelfn plan`: print the plan, train nothing
+        show_plan(step, state, data, backend, epochs, max_steps)
+    if plan:
+        check_before_run(with_launch_defaults(step, backend.env, warn=False), state, data, backend, epochs, max_steps)
     if backend.world_size > 1:  # a rank busy alone before run (data preparation) may take the whole timeout
         collectives.arrive("af.run", backend.env.timeout_s)
     with backend.user_code("af.run"):

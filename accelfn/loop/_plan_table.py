@@ -1,0 +1,85 @@
+"""``str(plan)``: the plan as a readable table (bytes as MiB/GiB, per rank and for the job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SHOWN_EPOCHS = 4
+
+
+def size(n: int | None) -> str:
+    """Bytes as B, KiB, MiB or GiB."""
+    if n is None:
+        return "?"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _span(values: tuple[int | None, ...]) -> str:
+    known = [v for v in values if v is not None]
+    if not known:
+        return "?"
+    low, high = min(known), max(known)
+    return str(low) if low == high else f"{low}..{high}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            for r in rows]
+
+
+def render(plan: Any) -> str:
+    """The plan's counts, memory, collectives and problems as text."""
+    lines = [f"plan: {plan.world_size} process{'es' if plan.world_size > 1 else ''}, {plan.backend} backend, "
+             f"{plan.precision}; {plan.total_updates if plan.total_updates is not None else '?'} optimizer updates"
+             + (f", scheduler at step {plan.scheduler_steps} at the end" if plan.scheduler_steps is not None else "")]
+    if plan.epochs:
+        shown = plan.epochs[:_SHOWN_EPOCHS]
+        rows = [["per rank", *(f"epoch {e.epoch}" if e.num_epochs == 1 else f"epochs {e.epoch}-{e.epoch + e.num_epochs - 1}"
+                                for e in shown)]]
+        rows.append(["updates", *(_span(e.updates) for e in shown)])
+        rows.append(["micro-batches", *(_span(e.micro_batches) for e in shown)])
+        rows.append(["samples read", *(_span(e.samples) for e in shown)])
+        rows.append(["of them padded", *(_span(e.padded) for e in shown)])
+        rows.append(["dropped (job)", *("?" if e.dropped is None else str(e.dropped) for e in shown)])
+        lines += ["", "counts", *_table(rows)]
+        if len(plan.epochs) > _SHOWN_EPOCHS:
+            lines.append(f"  ... {len(plan.epochs) - _SHOWN_EPOCHS} more epochs like these")
+    if plan.memory:
+        worst = max(plan.memory, key=lambda m: m.peak)
+        job = plan.memory
+
+        def row(label: str, attr: str) -> list[str]:
+            return [label, size(getattr(worst, attr)), size(sum(getattr(m, attr) or 0 for m in job))]
+
+        rows = [["memory", "per rank", f"job ({plan.world_size})"],
+                row("parameters", "params"), row("gradients", "grads"), row("optimizer state", "optimizer"),
+                row("buffers", "buffers"), row("transform state", "transform_state")]
+        if worst.ddp_buckets:
+            rows.append(row("DDP buckets", "ddp_buckets"))
+        if worst.gathered:
+            rows.append(row("gathered params", "gathered"))
+        rows.append(["micro-batch peak", size(worst.micro_batch) if worst.micro_batch is not None else "not traced",
+                     size(sum(m.micro_batch for m in job)) if worst.micro_batch is not None else ""])
+        rows.append(row("persistent", "persistent"))
+        rows.append(row("step peak", "peak"))
+        lines += ["", *_table(rows)]
+        if plan.device_memory is not None:
+            lines.append(f"  device memory {size(plan.device_memory)}: peak at "
+                         f"{100 * worst.peak / plan.device_memory:.0f}%")
+    if plan.comms:
+        rows = [["collectives (rank 0)", "dtype", "elements", "bytes", "on wire", "per update"]]
+        for c in plan.comms:
+            rows.append([f"{c.kind} {c.what}", str(c.dtype).removeprefix("torch."), str(c.elements), size(c.bytes),
+                         size(c.wire_bytes), "per log" if c.per_log else f"x{c.count}"])
+        total = sum(c.wire_bytes * c.count for c in plan.comms if not c.per_log)
+        lines += ["", *_table(rows), f"  sent per update and rank: {size(total)}"]
+    if plan.problems:
+        lines += ["", "problems"]
+        lines += [f"  {'error' if p.error else 'warning'} {p}" for p in plan.problems]
+    else:
+        lines += ["", "problems: none found"]
+    return "\n".join(lines)

@@ -1,0 +1,290 @@
+"""``plan``: what a run will do, hold and break on, known before it starts.
+
+A plan is computed in one process for any world size, without training and without
+allocating gradients, optimizer state or activations: the counts are arithmetic over the
+data's length and the program's transforms (``_plan_counts``), the persistent bytes come from
+shapes and dtypes and the optimizer's own step on meta tensors, the activation peak from one
+micro-batch traced on fake tensors (``_plan_memory``), the collectives from the bucket and
+unit layout (``_plan_comms``), and the misconfigurations from the catalogue (``_plan_problems``).
+``run`` checks the plan's problems before the first forward and refuses one with errors.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+import attrs
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from accelfn.backends.base import Backend
+from accelfn.backends.cpu import CPU
+from accelfn.backends.env import LaunchEnv, with_launch_defaults
+from accelfn.errors import PlanError, PlanWarning, check_int
+from accelfn.loop._plan_comms import Collective, collectives_per_update, metric_count
+from accelfn.loop._plan_counts import EpochCounts, epoch_counts
+from accelfn.loop._plan_memory import Memory, persistent_memory, trace_micro_batch
+from accelfn.loop._plan_problems import Facts, Problem, find_problems
+from accelfn.loop._plan_table import render
+from accelfn.state import TrainState
+from accelfn.step import Step, unpack
+from accelfn.transforms import Replicate, ShardParams
+
+__all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
+
+
+@attrs.frozen
+class Plan:
+    """What ``run(step, state, data, ...)`` will do, hold and break on; see :func:`plan`.
+
+    Attributes:
+        world_size: the processes the plan is for.
+        backend: the backend's name (``"cpu"``, ``"cuda"``, ``"xla"``).
+        precision: the precision policy's name.
+        epochs: the counts of each epoch the run trains (from ``state``'s position on).
+        total_updates: ``state.step`` when the run ends (rank 0's; None when the data's
+            length is unknown and no ``max_steps`` bounds it).
+        scheduler_steps: the steps ``state.scheduler`` will have taken when the run ends
+            (its ``last_epoch``), if no fp16 update is skipped; None without a scheduler.
+        memory: each rank's bytes, indexed by rank (None if not planned).
+        comms: the collectives of one optimizer update on rank 0, in order.
+        problems: errors and warnings, each with a code, what is wrong and the fix.
+        device_memory: the bytes per device the plan was checked against, or None.
+    """
+
+    world_size: int
+    backend: str
+    precision: str
+    epochs: tuple[EpochCounts, ...]
+    total_updates: int | None
+    scheduler_steps: int | None
+    memory: tuple[Memory, ...] | None
+    comms: tuple[Collective, ...]
+    problems: tuple[Problem, ...]
+    device_memory: int | None = None
+
+    @property
+    def updates_per_epoch(self) -> tuple[int | None, ...]:
+        """Optimizer updates of each epoch of the run (rank 0's)."""
+        return tuple(u for e in self.epochs for u in [e.updates[0]] * e.num_epochs)
+
+    @property
+    def errors(self) -> tuple[Problem, ...]:
+        """The problems that make ``run`` refuse the program."""
+        return tuple(p for p in self.problems if p.error)
+
+    @property
+    def warnings(self) -> tuple[Problem, ...]:
+        """The problems ``run`` warns about and trains anyway."""
+        return tuple(p for p in self.problems if not p.error)
+
+    def __str__(self) -> str:
+        return render(self)
+
+
+def _target(backend: Backend | None, world_size: int | None) -> tuple[Backend, int, int]:
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"plan(backend=...) must be a backend such as af.backends.auto() or None, got {backend!r}")
+    if backend is None:
+        backend = CPU(LaunchEnv())
+    if world_size is None:
+        world_size = backend.env.plan_world_size or backend.world_size
+    check_int("plan", "world_size", world_size, minimum=1)
+    local = backend.env.plan_local_world_size or backend.local_world_size
+    if world_size != backend.world_size and not backend.env.plan_world_size:
+        local = min(world_size, backend.local_world_size if backend.world_size > 1 else world_size)
+    return backend, world_size, min(local, world_size)
+
+
+def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend | None = None,
+         world_size: int | None = None, epochs: int | None = None, max_steps: int | None = None,
+         device_memory: int | None = None, trace: bool = True) -> Plan:
+    """What ``run(step, state, data, backend=backend, epochs=epochs, max_steps=max_steps)``
+    will do on ``world_size`` processes, computed here in one process without training.
+
+    Counts (updates, scheduler steps, samples per rank) are exact; parameter, gradient,
+    optimizer-state and buffer bytes are exact; the micro-batch's peak is traced on fake
+    tensors (no activation is allocated); collectives follow DDP's buckets and FSDP2's units.
+    ``state`` may be built on the meta device (``torch.device("meta")``).
+
+    Args:
+        step: the program (``af.train_step`` with transforms).
+        state: the state ``run`` will train, fresh or resumed (its position counts).
+        data: the DataLoader or iterable ``run`` will read.
+        backend: the backend ``run`` will use (None: the CPU backend of one process);
+            its launch defaults (``accelfn launch --precision/--accumulate``) apply.
+        world_size: the processes to plan for (None: the backend's, or ``accelfn plan``'s);
+            any number, since nothing is launched.
+        epochs: as ``run``'s (None with ``max_steps`` None: ``run``'s default of 1).
+        max_steps: as ``run``'s.
+        device_memory: bytes of one device; a rank whose planned peak exceeds it is an error.
+        trace: trace one micro-batch (the first batch of ``data``, read once) for the
+            activation peak and the parameters no forward uses; False skips it.
+
+    Returns:
+        Plan: counts, memory, collectives and problems; ``print(plan)`` shows them as a table.
+
+    Raises:
+        TypeError: ``step`` not a Step, ``state`` not a TrainState, ``backend`` not a backend.
+        ValueError: ``world_size``, ``epochs``, ``max_steps`` or ``device_memory`` below 1.
+
+    Example:
+        >>> import torch, accelfn as af
+        >>> model = torch.nn.Linear(4, 1)
+        >>> state = af.TrainState.create(model, torch.optim.AdamW(model.parameters()))
+        >>> data = torch.utils.data.DataLoader(torch.randn(100, 4), batch_size=8)
+        >>> step = af.compose(af.shard_data(), af.replicate(), af.accumulate(2))(
+        ...     af.train_step(lambda m, x: m(x).pow(2).mean()))
+        >>> p = af.plan(step, state, data, world_size=4, epochs=2, trace=False)
+        >>> p.updates_per_epoch, p.total_updates, p.epochs[0].samples
+        ((2, 2), 4, (25, 25, 25, 25))
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"plan() takes a Step first (af.train_step(loss_fn)), got {type(step).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"plan() takes a TrainState second (af.TrainState.create), got {type(state).__name__}")
+    for name, value in (("epochs", epochs), ("max_steps", max_steps), ("device_memory", device_memory)):
+        if value is not None:
+            check_int("plan", name, value, minimum=1)
+    if epochs is None and max_steps is None:
+        epochs = 1
+    backend, world_size, local_world_size = _target(backend, world_size)
+    step = with_launch_defaults(step, backend.env, warn=False)
+    return _plan(step, state, data, backend, world_size, local_world_size, epochs, max_steps, device_memory,
+                 trace=trace)
+
+
+def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, world_size: int,
+          local_world_size: int, epochs: int | None, max_steps: int | None, device_memory: int | None, *,
+          trace: bool) -> Plan:
+    policy = backend.precision(step)
+    facts = Facts(step=step, state=state, data=data, backend=backend, world_size=world_size,
+                  local_world_size=local_world_size, policy=policy, epochs=epochs, max_steps=max_steps,
+                  device_memory=device_memory)
+    counted: tuple[EpochCounts, ...] = ()
+    final: tuple[int | None, ...] = (state.step,)
+    try:
+        counted, final = epoch_counts(step, state, data, world_size=world_size, epochs=epochs, max_steps=max_steps)
+    except ValueError as e:  # data that cannot be sharded or split as asked: a problem of the plan
+        facts = attrs.evolve(facts, count_error=str(e))
+    facts = attrs.evolve(facts, epochs_counted=counted, final_steps=final)
+    shard = step.find(ShardParams)
+    memory = None
+    user_metrics = 0  # the loss function's own metrics, known from the trace
+    try:
+        memory, optimizer_problem = persistent_memory(
+            state.model, state.optimizer, state.transforms_state, policy=policy, shard=shard,
+            replicate=step.find(Replicate), world_size=world_size, local_world_size=local_world_size)
+    except ValueError as e:  # shard_size that does not divide the world: a problem of the plan
+        optimizer_problem = None
+        facts = attrs.evolve(facts, count_error=facts.count_error or str(e))
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem)
+    if trace and memory is not None:
+        traced = _trace(step, state, data, backend, policy, facts)
+        if isinstance(traced, tuple):
+            peak, unused, user_metrics = traced
+            memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
+            facts = attrs.evolve(facts, unused_params=unused)
+        else:
+            facts = attrs.evolve(facts, trace_problem=traced)
+    facts = attrs.evolve(facts, memory=memory)
+    num_metrics = metric_count(step, state.optimizer, policy, user_metrics)
+    total = final[0]
+    scheduler_steps = None
+    if state.scheduler is not None and total is not None:
+        scheduler_steps = int(getattr(state.scheduler, "last_epoch", 0)) + total - state.step
+    facts = attrs.evolve(facts, scheduler_steps=scheduler_steps)
+    try:
+        comms = collectives_per_update(step, state.model, policy, world_size, local_world_size,
+                                       num_metrics=num_metrics, memory_values=2 if backend.device.type == "cuda" else 1)
+    except ValueError:  # shard_size that does not divide the world: a problem of the plan already
+        comms = ()
+    return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
+                total_updates=total, scheduler_steps=scheduler_steps, memory=memory, comms=comms,
+                problems=find_problems(facts), device_memory=device_memory)
+
+
+def _first_batch(data: Iterable[Any]) -> Any:
+    if isinstance(data, DataLoader) and not isinstance(data.dataset, IterableDataset) and data.batch_size:
+        size = min(data.batch_size, len(data.dataset))  # type: ignore[arg-type]  # map-style: sized
+        return data.collate_fn([data.dataset[i] for i in range(size)])
+    if isinstance(data, (list, tuple)):
+        return data[0] if data else None
+    return None  # an iterator would lose the batch; a stream would start its workers
+
+
+def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
+           facts: Facts) -> tuple[int, tuple[str, ...], int] | str:
+    """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
+    metrics), or why it was not traced."""
+    batch = _first_batch(data)
+    if batch is None:
+        return "no first batch to trace (data that is not a map-style DataLoader or a list)"
+    names: list[str] = []
+    metrics: list[int] = []
+
+    def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
+        loss, _, returned, _ = unpack(step.loss_fn(model, b))
+        metrics.append(len(returned))
+        return loss
+
+    def autocast() -> Any:
+        return backend.autocast(policy)
+
+    try:
+        peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names)
+    except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
+        return f"{type(e).__name__}: {str(e)[:300]}"
+    return peak, tuple(names), metrics[0]
+
+
+#: errors that ``prepare`` and the data already raise before the first forward, with their own
+#: exception types (NotImplementedError, ValueError) that callers catch: ``run`` leaves them to those
+RAISED_ELSEWHERE = frozenset({"precision-unsupported", "sharding-unsupported", "compile-unsupported",
+                              "sampler-unshardable", "global-batch-indivisible", "shard-size-indivisible",
+                              "data-unshardable", "resume-beyond-epoch"})
+
+
+def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
+                     max_steps: int | None) -> Plan:
+    """``run``'s check: the plan without tracing; raises ``PlanError`` naming every error (but
+    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``) on the main
+    process; every rank computes the same plan, so every rank raises alike."""
+    world_size = backend.world_size
+    device_memory = None
+    if backend.device.type == "cuda" and torch.cuda.is_available():
+        device_memory = torch.cuda.get_device_properties(backend.device).total_memory
+    result = _plan(step, state, data, backend, world_size, backend.local_world_size, epochs, max_steps,
+                   device_memory, trace=False)
+    errors = tuple(p for p in result.errors if p.code not in RAISED_ELSEWHERE)
+    if errors and len(errors) < len(result.errors):  # name the others too: every error at once
+        errors = result.errors
+    if errors:
+        raise PlanError(errors)
+    if backend.is_main_process:
+        for problem in result.warnings:
+            warnings.warn(str(problem), PlanWarning, stacklevel=4)
+    return result
+
+
+def show_plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
+              max_steps: int | None) -> NoReturn:
+    """``accelfn plan``: prints the plan for the launch's world size and exits the process,
+    with status 1 if the plan has errors (0 otherwise), before anything is trained."""
+    before = time.process_time()  # what the script cost up to here: building its model and data
+    result = plan(step, state, data, backend=backend, epochs=epochs, max_steps=max_steps)
+    print(result, flush=True)
+    params = list(state.model.parameters())
+    if params and all(p.device.type == "meta" for p in params):
+        print(f"\nplanned in {time.process_time() - before:.1f} s of CPU; the model is on the meta device: "
+              "nothing of it was allocated", flush=True)
+    else:
+        held = sum(p.numel() * p.element_size() for p in params)
+        print(f"\nplanned in {time.process_time() - before:.1f} s of CPU, after {before:.1f} s of CPU in the script "
+              f"before af.run, which built the model for real ({held / 2**20:.1f} MiB of parameters on "
+              f"{params[0].device if params else 'no device'}); build it under torch.device('meta') to plan a model "
+              "this machine cannot hold", flush=True)
+    raise SystemExit(1 if result.errors else 0)

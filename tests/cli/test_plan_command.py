@@ -1,0 +1,45 @@
+"""``accelfn plan [launch flags] SCRIPT``: the unchanged script runs in one process that plans for
+the launch's world size; af.run prints the plan and exits (status 1 on a plan with errors)
+without training."""
+
+from __future__ import annotations
+
+from tests.helpers import launch as _launch
+
+BAD = """
+import torch, torch.nn.functional as F, accelfn as af
+from torch.utils.data import DataLoader, TensorDataset
+
+model = torch.nn.Linear(4, 2)
+state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 2)), batch_size=6)
+step = af.compose(af.shard_data(split_batches=True), af.replicate())(
+    af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])))
+af.run(step, state, data, backend=af.backends.auto())
+print("TRAINED")
+"""
+
+
+def test_plan_of_the_byte_lm_on_eight_processes_prints_and_trains_nothing(tmp_path):
+    """`accelfn plan --nproc-per-node 8 examples/byte_lm.py` prints the plan for 8 processes (300
+    updates, the DDP bucket, no problems) and exits 0 before training: no checkpoint is written
+    and nothing after af.run runs."""
+    result = _launch.run("plan", "--nproc-per-node", "8", _launch.ROOT / "examples" / "byte_lm.py",
+                         "--run-dir", tmp_path / "runs", "--max-bytes", "300000", cwd=tmp_path, timeout_s=300)
+    assert "plan: 8 processes, cpu backend, bf16; 300 optimizer updates" in result.stdout
+    assert "all_reduce DDP bucket 0" in result.stdout and "problems: none found" in result.stdout
+    assert "after 300 optimizer updates" not in result.stdout  # the script's line after af.run
+    assert not (tmp_path / "runs" / "ckpt").exists()
+
+
+def test_plan_with_errors_exits_1_naming_them(tmp_path):
+    """A global batch of 6 split over --nproc-per-node 4 --nnodes 2 (8 processes): the plan names
+    the error with its fix, the command exits 1 and the script goes no further."""
+    script = tmp_path / "bad.py"
+    script.write_text(BAD)
+    result = _launch.run("plan", "--nproc-per-node", "4", "--nnodes", "2", "--master-addr", "127.0.0.1",
+                         "--master-port", "29500", script, cwd=tmp_path, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "plan: 8 processes" in result.stdout
+    assert "error [global-batch-indivisible]" in result.stdout and "Fix: use a DataLoader batch_size" in result.stdout
+    assert "TRAINED" not in result.stdout

@@ -1,0 +1,244 @@
+"""Programs for the plan tests, and what ``run`` really did with them, shared by the
+single-process tests and the 2-process worker ``tests/workers/plan_checks.py``.
+
+A case's dataset carries each sample's index, so the loss function records, per rank and
+epoch, exactly which samples the run read; a hook marks each epoch's end; a constant
+LambdaLR counts the scheduler's steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import accelfn as af
+
+EPOCHS = 2
+
+
+@attrs.frozen
+class Case:
+    """One combination: data size, batch size, DataLoader drop_last, sharding, accumulation, limits."""
+
+    size: int
+    batch: int = 4
+    loader_drop: bool = False
+    shard: str | None = "pad"  # None | "pad" | "drop_last" | "uneven" | "split"
+    n: int = 1
+    max_steps: int | None = None
+    epochs: int = EPOCHS
+    resume_at: int = 0  # micro-batches trained by hand before run (a state part-way through)
+
+    @property
+    def id(self) -> str:
+        drop = "droplast" if self.loader_drop else "keeplast"
+        stop = f"-max{self.max_steps}" if self.max_steps else ""
+        resume = f"-resume{self.resume_at}" if self.resume_at else ""
+        return f"n{self.size}-b{self.batch}-{drop}-{self.shard or 'noshard'}-acc{self.n}{stop}{resume}"
+
+
+def program(case: Case, world_size: int) -> tuple[af.Step, DataLoader]:
+    """The case's program and DataLoader (indices as the third tensor of each batch)."""
+    g = torch.Generator().manual_seed(case.size)
+    data = TensorDataset(torch.randn(case.size, 2, generator=g), torch.randn(case.size, 1, generator=g),
+                         torch.arange(case.size))
+    transforms: list[Any] = [af.accumulate(case.n)] if case.n > 1 else []
+    if case.shard is not None:
+        transforms.append(af.shard_data(drop_last=case.shard == "drop_last", even_batches=case.shard != "uneven",
+                                        split_batches=case.shard == "split"))
+        if case.shard != "uneven":
+            transforms.append(af.replicate())
+    seen: list[list[int]] = [[]]
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        seen[-1].extend(batch[2].tolist())
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    step = af.compose(*transforms)(af.train_step(loss_fn))
+    loader = DataLoader(data, batch_size=case.batch, shuffle=case.shard is not None, drop_last=case.loader_drop)
+    loader.seen = seen  # type: ignore[attr-defined]  # what loss_fn read, one list per epoch
+    return step, loader
+
+
+def fresh_state() -> af.TrainState:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return af.TrainState.create(model, optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+
+
+def planned_and_run(case: Case, backend: af.backends.Backend) -> dict[str, Any]:
+    """The plan's counts for this rank and the job, and what ``run`` did on this rank."""
+    step, loader = program(case, backend.world_size)
+    state = fresh_state()
+    if case.resume_at:  # train by hand to a position part-way through the first epoch
+        state, step_fn = backend.prepare(step, state)
+        for batch, last in backend.batches(loader, step, 0):
+            state, _ = step_fn(state, batch, flush=last)
+            if state.micro_step == case.resume_at:
+                break
+        loader.seen[:] = [[]]  # type: ignore[attr-defined]
+    plan = af.plan(step, state, loader, backend=backend, epochs=case.epochs, max_steps=case.max_steps, trace=False)
+    ends: list[int] = []
+
+    def epoch_end(s: af.TrainState, b: Any) -> None:
+        ends.append(s.step)
+        loader.seen.append([])  # type: ignore[attr-defined]
+
+    start = state.step
+    with warnings.catch_warnings():  # the plan's own warnings (padding, ...) are not this test's subject
+        warnings.simplefilter("ignore")
+        state = af.run(step, state, loader, backend=backend, epochs=case.epochs, max_steps=case.max_steps,
+                       progress=False, hooks=[af.Hook(epoch_end, at_epoch_end=True)])
+    seen = [s for s in loader.seen if s]  # type: ignore[attr-defined]
+    updates = [b - a for a, b in zip([start, *ends], ends)]
+    if state.step != (ends[-1] if ends else start):
+        updates.append(state.step - (ends[-1] if ends else start))  # an epoch that max_steps cut
+    r = backend.rank
+    return {
+        "planned": {
+            "updates": [u for e in plan.epochs for u in [e.updates[r]] * e.num_epochs],
+            "samples": [s for e in plan.epochs for s in [e.samples[r]] * e.num_epochs],
+            "padded_job": [p for e in plan.epochs for p in [sum(e.padded)] * e.num_epochs],
+            "dropped": [d for e in plan.epochs for d in [e.dropped] * e.num_epochs],
+            "total": plan.total_updates, "scheduler": plan.scheduler_steps,
+        },
+        "run": {"updates": updates, "samples": [len(s) for s in seen], "indices": seen,
+                "total": state.step, "scheduler": state.scheduler.last_epoch},
+    }
+
+
+def unique_dropped_padded(results: list[dict[str, Any]], size: int) -> tuple[list[int], list[int]]:
+    """Per epoch over all ranks' results: (samples no rank read, samples read more than once)."""
+    epochs = len(results[0]["run"]["indices"])
+    dropped, padded = [], []
+    for e in range(epochs):
+        read = [i for r in results for i in r["run"]["indices"][e]]
+        dropped.append(size - len(set(read)))
+        padded.append(len(read) - len(set(read)))
+    return dropped, padded
+
+
+#: one-process cases (23, 25 and 8 samples; every sharding; accumulate 1 to 5; max_steps; resumed)
+ONE_PROCESS = [
+    Case(23), Case(23, loader_drop=True), Case(25, shard=None, n=3), Case(25, shard="drop_last", n=2),
+    Case(23, n=3), Case(23, n=5, loader_drop=True), Case(25, n=4, max_steps=5), Case(8, n=5),
+    Case(23, shard="split", n=2), Case(23, shard="uneven", n=3), Case(25, shard=None, loader_drop=True, n=2),
+    Case(23, n=3, resume_at=4), Case(25, n=2, resume_at=3, max_steps=9), Case(23, batch=5, n=4, max_steps=3),
+]
+#: two-process cases (odd sizes leave padding, drop_last tails and partial windows)
+TWO_PROCESSES = [
+    Case(23), Case(23, loader_drop=True, n=3), Case(25, shard="drop_last", n=2), Case(25, shard="drop_last",
+                                                                                      loader_drop=True),
+    Case(23, shard="uneven", n=3), Case(25, shard="uneven", loader_drop=True), Case(23, shard="split", batch=6, n=2),
+    Case(25, shard="split", batch=4, loader_drop=True), Case(21, n=5), Case(25, n=4, max_steps=3),
+    Case(23, n=2, max_steps=6), Case(23, n=3, resume_at=2), Case(25, shard="drop_last", n=3, resume_at=2),
+    Case(7, batch=2, n=2),
+]
+#: sharding cases checked on 3 and 4 ranks against the data path ``run`` reads (epoch_batches)
+MANY_RANKS = [Case(23), Case(23, loader_drop=True), Case(25, shard="drop_last"), Case(26, shard="uneven"),
+              Case(23, shard="split", batch=12), Case(26, shard="split", batch=12, loader_drop=True), Case(5, batch=2),
+              Case(10, shard="drop_last", batch=3, loader_drop=True)]
+
+
+class Net(torch.nn.Module):
+    """Odd row counts (5, 7: uneven shards on 2 and 4 ranks), repeated blocks (shard_params units),
+    buffers (float and int, as a BatchNorm's) and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 7)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh()) for _ in range(2))
+        self.register_buffer("shift", torch.zeros(7))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.out = torch.nn.Linear(7, 5)
+        self.scale = torch.nn.Parameter(torch.ones(5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h + self.shift.to(h.dtype)) * self.scale
+
+
+#: (optimizer, transforms) of the memory cases; the precision policies are added per test
+MEMORY_OPTIMIZERS = ("adamw", "sgd")
+
+
+def memory_state(optimizer: str) -> af.TrainState:
+    torch.manual_seed(0)
+    model = Net()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(trainable, lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(trainable, lr=0.1, momentum=0.9))
+    return af.TrainState.create(model, opt)
+
+
+def memory_program(parallel: str | None, precision: str) -> af.Step:
+    transforms: list[Any] = [af.shard_data(), af.with_precision(precision)]
+    if parallel == "replicate":
+        transforms.append(af.replicate())
+    elif parallel == "shard_params":
+        transforms.append(af.shard_params())
+    return af.compose(*transforms)(af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1])))
+
+
+def memory_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    return DataLoader(TensorDataset(torch.randn(32, 3, generator=g), torch.randn(32, 5, generator=g)), batch_size=4)
+
+
+def _local_bytes(t: Any) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def planned_and_measured(parallel: str | None, precision: str, optimizer: str,
+                         backend: af.backends.Backend) -> dict[str, dict[str, int]]:
+    """This rank's planned persistent bytes, and the real state's after the first update
+    (gradients: measured just before the optimizer step, which ``zero_grad`` follows)."""
+    step, state, loader = memory_program(parallel, precision), memory_state(optimizer), memory_loader()
+    memory = af.plan(step, state, loader, backend=backend, trace=False).memory[backend.rank]
+    grads: list[int] = []
+
+    def before_update(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        grads.append(sum(_local_bytes(p.grad) for g in optimizer.param_groups for p in g["params"]))
+
+    state.optimizer.register_step_pre_hook(before_update)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = af.run(step, state, loader, backend=backend, max_steps=1, progress=False)
+    model = state.model
+    measured = {"params": sum(_local_bytes(p) for p in model.parameters()), "grads": grads[0],
+                "optimizer": sum(_local_bytes(v) for s in state.optimizer.state.values() for v in s.values()),
+                "buffers": sum(_local_bytes(b) for b in model.buffers())}
+    planned = {k: getattr(memory, k) for k in measured}
+    return {"planned": planned, "measured": measured}
+
+
+#: the 2-process memory cases: (parallel, precision, optimizer)
+MEMORY_TWO = [(p, precision, o) for p in ("replicate", "shard_params") for precision in ("fp32", "bf16", "fp16",
+                                                                                         "bf16-true")
+              for o in MEMORY_OPTIMIZERS if (precision, o) != ("bf16-true", "sgd") or p == "replicate"]
+
+
+#: the programs whose collectives are checked on 2 processes
+COMMS = ("replicate-acc4-clip", "replicate-buckets", "shard_params-clip", "shard_params-acc2-fp16")
+
+
+def comms_program(name: str) -> af.Step:
+    loss = af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1]))
+    transforms: dict[str, list[Any]] = {
+        "replicate-acc4-clip": [af.replicate(), af.accumulate(4), af.clip(1.0)],
+        "replicate-buckets": [af.replicate(bucket_cap_mb=0.0002)],  # 209 bytes: several buckets
+        "shard_params-clip": [af.shard_params(), af.clip(1.0)],
+        "shard_params-acc2-fp16": [af.shard_params(), af.accumulate(2), af.with_precision("fp16")],
+    }
+    return af.compose(af.shard_data(), *transforms[name])(loss)

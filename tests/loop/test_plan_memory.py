@@ -1,0 +1,65 @@
+"""``af.plan``'s persistent bytes per rank (parameters, gradients, optimizer state, buffers)
+equal the real state's after the first update: one process, and two processes under
+replicate and shard_params (uneven shards), in fp32, bf16, fp16 and bf16-true."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accelfn as af
+from tests.helpers import planning
+from tests.helpers.pool import Pools
+
+TWO = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-true"])
+@pytest.mark.parametrize("optimizer", planning.MEMORY_OPTIMIZERS)
+def test_planned_bytes_are_the_real_state_on_one_process(cpu, precision, optimizer):
+    """On one process, planned parameter, gradient, optimizer-state and buffer bytes equal the
+    state's after its first update."""
+    result = planning.planned_and_measured(None, precision, optimizer, cpu)
+    assert result["planned"] == result["measured"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(pool: Pools):
+    """Both ranks' planned and measured bytes of every 2-process case (one pooled scenario)."""
+    return pool.call(*TWO, function="plan_checks:memory", timeout_s=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", planning.MEMORY_TWO, ids="-".join)
+def test_planned_bytes_are_the_real_state_on_two_processes(two_processes, case):
+    """On each of two ranks, planned bytes equal the real state's, shards of uneven rows included."""
+    for rank in two_processes:
+        result = rank["-".join(case)]
+        assert result["planned"] == result["measured"]
+    if case[0] == "shard_params":  # 7 and 5 rows split 4 + 3 and 3 + 2: the ranks differ
+        assert two_processes[0]["-".join(case)]["measured"]["params"] > two_processes[1]["-".join(case)]["measured"]["params"]
+
+
+def test_shards_on_four_ranks_are_torch_chunks():
+    """Planned for 4 ranks, each rank's parameter bytes are its torch.chunk of every parameter's rows."""
+    state = planning.memory_state("adamw")
+    plan = af.plan(planning.memory_program("shard_params", "fp32"), state, planning.memory_loader(), world_size=4,
+                   trace=False)
+    for rank, memory in enumerate(plan.memory):
+        chunks = [torch.chunk(p.detach(), 4)[rank] if len(torch.chunk(p.detach(), 4)) > rank else p[:0]
+                  for p in state.model.parameters()]
+        assert memory.params == sum(c.nbytes for c in chunks)
+        assert memory.optimizer == 2 * sum(c.nbytes for c, p in zip(chunks, state.model.parameters())
+                                           if p.requires_grad) + 4 * sum(p.requires_grad for p in state.model.parameters())
+
+
+def test_an_lr_scheduler_does_not_hide_the_optimizer_state(cpu):
+    """With an lr scheduler (which wraps the optimizer's step), the plan still runs a copy of the
+    optimizer's own step: AdamW's state is planned, and the real optimizer is not touched."""
+    state = planning.memory_state("adamw")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lambda s: 1.0)
+    state = state.replace(scheduler=scheduler)
+    plan = af.plan(planning.memory_program(None, "fp32"), state, planning.memory_loader(), trace=False)
+    trainable = [p for p in state.model.parameters() if p.requires_grad]
+    assert plan.memory[0].optimizer == 2 * sum(p.nbytes for p in trainable) + 4 * len(trainable)
+    assert not state.optimizer.state and not getattr(state.optimizer, "_opt_called", False)
