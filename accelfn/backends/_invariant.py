@@ -64,7 +64,7 @@ def check_conditions(backend: Backend) -> None:
         problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
     if problems and backend.is_main_process:
         warnings.warn(f"invariant(): {'; '.join(problems)}: the run is correct but may differ bit for bit from "
-                      "the same run on another number of processes (docs/16-invariant.md, Conditions)",
+                      "the same run on another number of processes (docs/14-invariant.md, Conditions)",
                       RuntimeWarning, stacklevel=4)
 
 

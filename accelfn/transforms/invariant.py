@@ -58,7 +58,7 @@ class Invariant(TransformBase):
     For a fixed micro-batch size ``b`` (the DataLoader's ``batch_size``) and a fixed number
     ``L = W * A`` of micro-batches per update, every TrainState after every update is
     byte-identical for every ``(W, A)`` with ``A`` a power of two (or ``W = 1``), and so are
-    the logged ``loss`` and ``grad_norm``. See docs/16-invariant.md for the conditions.
+    the logged ``loss`` and ``grad_norm``. See docs/14-invariant.md for the conditions.
 
     Attributes:
         seed: keys the random draws of each micro-batch (dropout, ``loss_fn``'s use of
@@ -156,7 +156,7 @@ def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...]
 
     Under ``invariant()`` the data order, the random draws of each micro-batch and the
     summation order of the gradients depend only on the global micro-batch index, not on
-    which process computes it; see :class:`Invariant` and docs/16-invariant.md.
+    which process computes it; see :class:`Invariant` and docs/14-invariant.md.
 
     Args:
         seed: keys the random draws of each micro-batch (int >= 0).
