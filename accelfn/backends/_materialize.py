@@ -43,13 +43,25 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def check(model: torch.nn.Module) -> None:
-    """Raises before anything changes unless every module with tensors of its own can reset them.
+def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, splits: bool) -> None:
+    """Raises before anything changes unless ``prepare`` can materialize ``model``, built on the
+    meta device: the step must shard or split it (``splits``), its optimizer hold no state yet,
+    and every module with tensors of its own be able to reset them.
 
     Raises:
-        ValueError: naming each module (and its class) that holds parameters or buffers of its
-            own and has no ``reset_parameters()``.
+        ValueError: the step neither shards nor splits the model; the optimizer holds state;
+            naming each module (and its class) that holds parameters or buffers of its own
+            and has no ``reset_parameters()``.
     """
+    if not splits:
+        raise ValueError(
+            "this state's model is on the meta device (built under `with torch.device('meta')`); prepare "
+            "materializes such a model shard by shard for shard_params() or tensor_parallel(), and this step "
+            "has neither: add one, or build the model on a real device"
+        )
+    if optimizer.state:
+        raise ValueError("a model on the meta device has no values yet, so its optimizer cannot hold state; "
+                         "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
     missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
                if _own(m) and not callable(getattr(m, "reset_parameters", None))]
     if missing:

@@ -168,24 +168,6 @@ class Backend(ProcessContext, abc.ABC):
         shards (FSDP2 on CPU and CUDA); called after ``check_sharding``."""
         raise NotImplementedError(f"the {self.name} backend does not support shard_params()")
 
-    def _check_meta(self, state: TrainState, shard: ShardParams | None, tp: TensorParallel | None) -> None:
-        """Raises unless a model built on the meta device can be materialized by ``prepare``.
-
-        Raises:
-            ValueError: the step neither shards nor splits the model, its optimizer holds
-                state already, or a module has tensors of its own and no ``reset_parameters``.
-        """
-        if shard is None and tp is None:
-            raise ValueError(
-                "this state's model is on the meta device (built under `with torch.device('meta')`); prepare "
-                "materializes such a model shard by shard for shard_params() or tensor_parallel(), and this step "
-                "has neither: add one, or build the model on a real device"
-            )
-        if state.optimizer.state:
-            raise ValueError("a model on the meta device has no values yet, so its optimizer cannot hold state; "
-                             "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
-        _materialize.check(state.model)
-
     def check_tensor_parallel(self, tp: TensorParallel, shard: ShardParams | None, model: torch.nn.Module) -> None:
         """Raises before anything changes if this backend cannot run ``tp`` (with ``shard``) on ``model``.
 
@@ -303,9 +285,11 @@ class Backend(ProcessContext, abc.ABC):
             _fsdp.check_same_layout(state.model, shard)
             _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
         tp = step.find(TensorParallel)
-        on_meta = _materialize.is_meta(state.model)
+        # a meta model is materialized for shard_params/tensor_parallel; without them and without
+        # placement (place_model=False) it is the user's, left where it is
+        on_meta = _materialize.is_meta(state.model) and (shard is not None or tp is not None or self.place_model)
         if on_meta:
-            self._check_meta(state, shard, tp)
+            _materialize.check(state.model, state.optimizer, splits=shard is not None or tp is not None)
         already_split = _tensor_parallel.split_with(state.model) is not None
         _tensor_parallel.check_same_split(state.model, tp)
         if tp is not None and not already_split:

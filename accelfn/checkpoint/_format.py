@@ -459,7 +459,7 @@ def transforms_record(program: Step | None) -> Any:
     type name and options), or None."""
     if program is None:
         return None
-    records = [{"type": type(t).__name__, **{k: _described(v) if isinstance(v, frozenset) else v
+    records = [{"type": type(t).__name__, **{k: _described(getattr(t, k)) if isinstance(getattr(t, k), frozenset) else v
                                              for k, v in unstructure(t).items()}} for t in program.transforms]
     return orjson.loads(_converter.dumps(records, default=_described))  # as it reads back from a manifest
 
