@@ -49,6 +49,7 @@ from accelfn.transforms import (
     skip_nonfinite,
     with_precision,
 )
+from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
     "JSONL",
@@ -106,4 +107,6 @@ __all__ = [
     "snapshot",
     "train_step",
     "with_precision",
+    "DeepSpeed",
+    "deepspeed",
 ]

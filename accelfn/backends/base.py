@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from accelfn import collectives
-from accelfn.backends import _distributed, _fsdp
+from accelfn.backends import _deepspeed, _distributed, _fsdp
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._placement import (
     check_placement,
@@ -41,6 +41,7 @@ from accelfn.transforms import (
     ShardParams,
     WithPrecision,
 )
+from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -217,6 +218,9 @@ class Backend(ProcessContext, abc.ABC):
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)
+        ds = step.find(DeepSpeed)
+        if ds is not None:  # the engine places, wraps and partitions the model itself
+            return _deepspeed.prepare(self, step, state, policy, ds)
         compiled = step.find(Compile)
         if compiled is not None:
             self.check_compile(compiled)
@@ -288,7 +292,8 @@ class Backend(ProcessContext, abc.ABC):
                 instead: ranks that run out replay their first batch until all are done.
         """
         shard = step.find(ShardData)
-        parallel = (step.find(Replicate) or step.find(ShardParams)) if self.world_size > 1 else None
+        parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(DeepSpeed))
+                    if self.world_size > 1 else None)
         replicated = parallel is not None
         self._active = epoch_batches(
             data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
@@ -358,7 +363,7 @@ class Backend(ProcessContext, abc.ABC):
     def forward_is_collective(self, model: torch.nn.Module) -> bool:
         """True when every rank must run each forward of ``model`` together (a model sharded
         over several ranks all-gathers its parameters in the forward)."""
-        return self.world_size > 1 and _fsdp.is_sharded(model)
+        return self.world_size > 1 and (_fsdp.is_sharded(model) or _deepspeed.partitions_parameters(model))
 
     def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
         """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,

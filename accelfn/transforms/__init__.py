@@ -10,6 +10,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
     update    skip_nonfinite  skip updates whose gradients are not finite
+    model     deepspeed       a DeepSpeed engine (ZeRO 0-3, offload) from the user's config
 
 One module per transform holds its record, its verb and the state record it keeps in
 ``TrainState.transforms_state`` (the loss scale, the accumulation window, the skip count).
@@ -35,6 +36,7 @@ from accelfn.transforms.precision import (
 from accelfn.transforms.replicate import Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
+from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
     "POLICY_NAMES",
@@ -65,4 +67,6 @@ __all__ = [
     "shard_params",
     "skip_nonfinite",
     "with_precision",
+    "DeepSpeed",
+    "deepspeed",
 ]

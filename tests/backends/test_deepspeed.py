@@ -1,0 +1,130 @@
+"""``af.deepspeed(config)``: a real DeepSpeed engine behind the same Step (docs/DeepSpeed).
+
+The multi-process claims share one 2-process scenario (``tests/workers/deepspeed_checks.py``);
+the config checks run in this process. DeepSpeed JIT-builds a C++ op the first time a CPU
+process group initializes it (``deepspeed_shm_comm``); TORCH_EXTENSIONS_DIR keeps it out of
+the repository, built once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import accelfn as af
+from tests.helpers import deepspeed_programs as D
+from tests.helpers import programs as P
+from tests.helpers.pool import Pools
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'accelfn[deepspeed]')")
+
+LAUNCH = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "300")
+#: where DeepSpeed's JIT-built ops are kept between runs (outside the repository)
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "accelfn" / "torch_extensions"))
+
+
+@pytest.fixture(scope="module")
+def trained(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every training case of the worker, on 2 processes, in one scenario."""
+    from tests.helpers import launch as L
+
+    env = L.environment(TORCH_EXTENSIONS_DIR=EXTENSIONS)
+    [rank0, rank1] = pool.call(*LAUNCH, function="deepspeed_checks:train_all", env=env, timeout_s=1200,
+                               cwd=tmp_path_factory.mktemp("deepspeed"))
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        assert rank0[name]["params"] == rank1[name]["params"], f"{name}: the ranks' models differ"
+    return rank0
+
+
+@pytest.mark.parametrize("case", sorted(D.CASES))
+def test_zero_stage_equals_hand_written_loop(trained: dict[str, Any], case: str) -> None:
+    """Each ZeRO stage (and stage 3 with CPU offload) on 2 processes, with and without
+    accumulate(2) + clip(1.0), equals a 1-process hand-written AdamW loop to 1e-5 over 10
+    updates, and reports the norms before clipping as grad_norm."""
+    _, n, clip = D.CASES[case]
+    expected, norms = D.hand_written(n, clip)
+    got = trained[case]
+    assert got["step"] == D.UPDATES
+    assert got["micro_step"] == D.UPDATES * n
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value.double().flatten(),
+                                   rtol=0, atol=1e-5)
+    if clip is not None:
+        assert [p["grad_norm"] for p in got["points"]] == pytest.approx(norms, rel=1e-4)
+    else:  # norms above 1: DeepSpeed's default gradient_clipping of 1.0 would have changed these
+        assert min(D.hand_written(n, math.inf)[1]) > 1.0
+        assert all("grad_norm" not in p for p in got["points"])
+
+
+def test_bf16_trains(trained: dict[str, Any]) -> None:
+    """Under with_precision("bf16") DeepSpeed's bf16 engine trains: the loss of the last
+    updates is below that of the first ones."""
+    losses = [p["loss"] for p in trained["s2_bf16"]["points"]]
+    assert len(losses) == D.UPDATES
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
+
+
+# -- the config and its composition (one process, no engine) --------------------------------
+
+
+def test_contradicting_accumulation_is_refused_naming_both() -> None:
+    """A config whose gradient_accumulation_steps contradicts accumulate(n) is refused, naming both."""
+    ds = af.deepspeed({"gradient_accumulation_steps": 4})
+    with pytest.raises(af.TransformError, match=r"gradient_accumulation_steps=4.*accumulate\(2\)"):
+        af.compose(ds, af.accumulate(2))(af.train_step(P.mse))
+    af.compose(ds, af.accumulate(4))(af.train_step(P.mse))  # agreeing is fine
+
+
+@pytest.mark.parametrize(("other", "words"), [
+    (af.clip(0.5), r"gradient_clipping=1.0 contradicts clip\(0.5\)"),
+    (af.with_precision("fp16"), r"enables bf16.*with_precision\('fp16'\)"),
+    (af.replicate(), r"own data-parallel engine.*Remove replicate\(\)"),
+    (af.shard_params(), r"Remove shard_params\(\)"),
+    (af.clip_value(0.1), r"no value clipping"),
+])
+def test_contradicting_transforms_are_refused(other: Any, words: str) -> None:
+    """Transforms that contradict the config, or that DeepSpeed's engine replaces, are refused."""
+    ds = af.deepspeed({"gradient_clipping": 1.0, "bf16": {"enabled": True}})
+    with pytest.raises(af.TransformError, match=words):
+        af.compose(ds, other)(af.train_step(P.mse))
+
+
+def test_config_is_validated_at_construction(tmp_path: Path) -> None:
+    """deepspeed() reads JSON and HJSON files and rejects bad stages, files and types at once."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert af.deepspeed(path).stage == 3
+    hjson_path = tmp_path / "ds.hjson"
+    hjson_path.write_text("{\n  # comment\n  zero_optimization: {stage: 2}\n}\n")
+    assert af.deepspeed(str(hjson_path)).stage == 2
+    with pytest.raises(ValueError, match="stage must be one of"):
+        af.deepspeed({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ValueError, match="no such file"):
+        af.deepspeed(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="takes a dict or the path"):
+        af.deepspeed(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gradient_clipping must be"):
+        af.deepspeed({"gradient_clipping": -1})
+
+
+def test_engine_config_fills_in_transforms_and_never_clips_unasked() -> None:
+    """Without clip and without gradient_clipping the engine's config clips nothing (0.0, not
+    DeepSpeed's 1.0); clip, accumulate, precision and the batch size fill the config in."""
+    from accelfn.transforms.deepspeed import engine_config
+
+    ds = af.deepspeed({"zero_optimization": {"stage": 2}})
+    plain = engine_config(ds, num_micro_batches=1, clip=None, precision="fp32", micro_batch_size=3, world_size=2)
+    assert plain["gradient_clipping"] == 0.0
+    assert plain["train_batch_size"] == 6
+    filled = engine_config(ds, num_micro_batches=2, clip=af.clip(0.5), precision="bf16", micro_batch_size=3,
+                           world_size=2)
+    assert (filled["gradient_clipping"], filled["gradient_accumulation_steps"], filled["bf16"]) == (
+        0.5, 2, {"enabled": True})
+    assert filled["train_batch_size"] == 12
