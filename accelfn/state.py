@@ -46,6 +46,9 @@ def _check_model(instance: object, attribute: attrs.Attribute, value: object) ->
 #: set (True) on a model whose optimizer an engine drives (``af.deepspeed``): the engine
 #: points the optimizer at partitions of its own, which are no parameters of the model
 ENGINE_OWNED = "_accelfn_engine_owned"
+#: on such a model: the optimizer as checkpoints see it (``param_groups`` of the model's own
+#: parameters, ``state_dict``/``load_state_dict`` in torch's format with whole tensors)
+OPTIMIZER_VIEW = "_accelfn_optimizer_view"
 
 
 def _check_ownership(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

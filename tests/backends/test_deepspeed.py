@@ -30,17 +30,23 @@ EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" /
 
 
 @pytest.fixture(scope="module")
-def trained(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every training case of the worker, on 2 processes, in one scenario."""
+def checks(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The worker's training cases and checkpoint round trips, on 2 processes, in one scenario
+    (DeepSpeed keeps its process groups for the life of a process)."""
     from tests.helpers import launch as L
 
     env = L.environment(TORCH_EXTENSIONS_DIR=EXTENSIONS)
-    [rank0, rank1] = pool.call(*LAUNCH, function="deepspeed_checks:train_all", env=env, timeout_s=1200,
+    [rank0, rank1] = pool.call(*LAUNCH, function="deepspeed_checks:all_checks", env=env, timeout_s=1200,
                                cwd=tmp_path_factory.mktemp("deepspeed"))
-    assert rank0.keys() == rank1.keys()
-    for name in rank0:
-        assert rank0[name]["params"] == rank1[name]["params"], f"{name}: the ranks' models differ"
+    for name in rank0["train"]:
+        assert rank0["train"][name]["params"] == rank1["train"][name]["params"], f"{name}: the ranks' models differ"
     return rank0
+
+
+@pytest.fixture(scope="module")
+def trained(checks: dict[str, Any]) -> dict[str, Any]:
+    """Every training case of the worker: parameters, logged points, counters."""
+    return checks["train"]
 
 
 @pytest.mark.parametrize("case", sorted(D.CASES))
@@ -128,3 +134,41 @@ def test_engine_config_fills_in_transforms_and_never_clips_unasked() -> None:
     assert (filled["gradient_clipping"], filled["gradient_accumulation_steps"], filled["bf16"]) == (
         0.5, 2, {"enabled": True})
     assert filled["train_batch_size"] == 12
+
+
+# -- checkpoints (one 2-process scenario) --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(checks: dict[str, Any]) -> dict[str, Any]:
+    """Each stage's save / resume results of the worker."""
+    return checks["checkpoints"]
+
+
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
+def test_mid_epoch_resume_is_bitwise_and_pickle_free(saved: dict[str, Any], stage: str) -> None:
+    """At each ZeRO stage, 3 updates + af.save + a resume (with pickle.load and torch.load made
+    to raise) in fresh processes end bitwise where the uninterrupted 10 updates end, and
+    every file of the checkpoint is JSON, a checksum or safetensors (no pickle, no zip)."""
+    got = saved[stage]
+    assert got["steps"] == [3, D.UPDATES]
+    assert got["resumed"] == got["whole"]
+    assert sorted(got["files"]) == ["manifest.json", "manifest.sha256", "model.safetensors", "state.safetensors"]
+    assert not [name for name, magic in got["files"].items() if magic.startswith("80") or magic == "504b"]
+
+
+def test_stage3_checkpoint_loads_into_one_unsharded_process(saved: dict[str, Any]) -> None:
+    """A ZeRO-3 checkpoint of 2 processes loads into a plain 1-process state with its whole
+    parameters and AdamW state; af.save_model of the ZeRO-3 state exports the same weights."""
+    from safetensors.torch import load_file
+
+    got = saved["s3"]
+    model = D.make_model(seed=1)
+    state = af.load(got["path"], into=af.TrainState.create(model, D.make_optimizer(model)))
+    assert state.step == 3
+    for name, value in model.state_dict().items():
+        assert value.double().flatten().tolist() == got["saved"][name]
+    assert {tuple(s) for s in (sorted(v) for v in state.optimizer.state_dict()["state"].values())} == {
+        ("exp_avg", "exp_avg_sq", "step")}
+    exported = load_file(str(Path(got["path"]).parent / "export_s3" / "model.safetensors"))
+    assert {k: v.double().flatten().tolist() for k, v in exported.items()} == got["saved"]

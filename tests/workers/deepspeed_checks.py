@@ -2,11 +2,16 @@
 
 ``train_all`` trains each case of ``tests.helpers.deepspeed_programs.CASES`` (ZeRO stages 1,
 2, 3 and 3 with CPU offload, with and without ``accumulate(2)`` + ``clip(1.0)``) and one bf16
-run, and returns (as JSON) each case's full parameters, logged metrics and counters.
+run, and returns (as JSON) each case's full parameters, logged metrics and counters;
+``checkpoints`` saves and resumes at each stage.
 """
 
 from __future__ import annotations
 
+import contextlib
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,3 +65,64 @@ def train_all() -> dict[str, Any]:
     results = {name: _run(D.ZERO[zero], n, clip) for name, (zero, n, clip) in D.CASES.items()}
     results["s2_bf16"] = _run(D.ZERO["s2"], 1, None, bf16=True)
     return results
+
+
+def _program(zero: dict[str, Any]) -> af.Step:
+    return af.compose(af.shard_data(), af.deepspeed({"zero_optimization": zero}), af.accumulate(2),
+                      af.clip(D.CLIP))(af.train_step(P.mse))
+
+
+def _fresh() -> af.TrainState:
+    model = D.make_model()
+    return af.TrainState.create(model, D.make_optimizer(model))
+
+
+def _magic(path: Path) -> str:
+    with path.open("rb") as f:
+        return f.read(2).hex()
+
+
+def checkpoints() -> dict[str, Any]:
+    """For ZeRO stages 1, 2 and 3 (accumulate(2) + clip): 2 epochs uninterrupted, and 3 updates
+    (mid-epoch), ``af.save``, then a fresh state resumed from it with ``pickle.load`` and
+    ``torch.load`` made to raise; every file's first bytes; at stage 3 also ``af.save_model``
+    and the parameters at the save (for the unsharded load in the test process)."""
+    backend = af.backends.CPU()
+    results: dict[str, Any] = {}
+    for name in ("s1", "s2", "s3"):
+        zero = D.ZERO[name]
+        whole = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, progress=False)
+        part = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, max_steps=3, progress=False)
+        path = af.save(part, f"ckpt_{name}", backend=backend)
+        saved = D.to_json(full_parameters(part.model))
+        if name == "s3":
+            af.save_model(part, "export_s3", backend=backend)
+        with _no_unpickling():
+            resumed = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, resume=path,
+                             progress=False)
+        results[name] = {
+            "whole": D.to_json(full_parameters(whole.model)), "resumed": D.to_json(full_parameters(resumed.model)),
+            "steps": [part.step, resumed.step], "saved": saved, "path": str(path.resolve()),
+            "files": {str(p.relative_to(path)): _magic(p) for p in sorted(path.rglob("*")) if p.is_file()},
+        }
+    return results
+
+
+@contextlib.contextmanager
+def _no_unpickling() -> Iterator[None]:
+    """``pickle.load`` and ``torch.load`` raise while in this block."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a checkpoint load unpickled")
+
+    saved = pickle.load, torch.load
+    pickle.load, torch.load = refuse, refuse
+    try:
+        yield
+    finally:
+        pickle.load, torch.load = saved
+
+
+def all_checks() -> dict[str, Any]:
+    """``train_all`` and ``checkpoints`` in one scenario: DeepSpeed keeps its process groups
+    for the life of the process, so a second scenario (in a new default group) cannot use it."""
+    return {"train": train_all(), "checkpoints": checkpoints()}
