@@ -9,6 +9,7 @@ accelfn reads the environment.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -21,6 +22,9 @@ from accelfn.step import Step
 from accelfn.transforms import (
     Accumulate,
     Compile,
+    DeepSpeed,
+    Replicate,
+    ShardParams,
     WithPrecision,
     accumulate,
     with_precision,
@@ -66,6 +70,7 @@ class LaunchEnv:
     compile: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
     precision_from: str | None = None
+    deepspeed: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -117,12 +122,20 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
+        deepspeed_config = env.get("ACCELFN_DEEPSPEED") or None
+        if deepspeed_config is not None:
+            try:
+                json.loads(deepspeed_config)
+            except ValueError as e:
+                raise LaunchError(f"ACCELFN_DEEPSPEED must hold a DeepSpeed config as JSON ({e}); set it with "
+                                  "`accelfn launch --deepspeed ds_config.json`") from e
         return cls(
             rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size,
             master_addr=addr, master_port=_int(env, "MASTER_PORT", 0) if port else None,
             backend=backend, precision=precision, accumulate=accumulate,
             compile=compile_flag in ("1", "true"), timeout_s=timeout_from_env(env, DEFAULT_TIMEOUT_S),
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
+            deepspeed=deepspeed_config,
         )
 
 
@@ -193,9 +206,23 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
             step = accumulate(env.accumulate)(step)
         elif window.num_micro_batches != env.accumulate and warn:
             _overridden(f"accelfn launch --accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+    if env.deepspeed is not None:
+        step = _with_deepspeed(step, env.deepspeed, warn=warn)
     if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
         step = compile_transform()(step)
     return step
+
+
+def _with_deepspeed(step: Step, config_json: str, *, warn: bool) -> Step:
+    """``step`` with the launch's ``af.deepspeed`` in place of its ``replicate()``; a script's
+    own ``deepspeed(...)`` or ``shard_params(...)`` wins (with a warning when ``warn``)."""
+    own = step.find(DeepSpeed) or step.find(ShardParams)
+    if own is not None:
+        if warn and not (isinstance(own, DeepSpeed) and own.config_json == config_json):
+            _overridden("accelfn launch --deepspeed", f"{own.verb}(...)")
+        return step
+    kept = tuple(t for t in step.transforms if not isinstance(t, Replicate))
+    return DeepSpeed(config_json)(attrs.evolve(step, transforms=kept))
 
 
 def _overridden(asked: str, script: str) -> None:

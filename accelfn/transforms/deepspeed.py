@@ -39,6 +39,8 @@ from accelfn.transforms.shard_params import ShardParams
 
 #: ``zero_optimization.stage`` values DeepSpeed has
 STAGES = (0, 1, 2, 3)
+#: where ZeRO offloads optimizer state or parameters (``offload_*.device``)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: DeepSpeed's precision sections, by the ``with_precision`` policy each stands for
 PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
 
@@ -257,3 +259,30 @@ def engine_config(ds: DeepSpeed, *, num_micro_batches: int, clip: Clip | None, p
     if isinstance(zero, dict) and zero.get("offload_optimizer", {}).get("device", "none") != "none":
         config.setdefault("zero_force_ds_cpu_optimizer", False)  # the user's torch optimizer is kept
     return config
+
+
+def launch_config(path: str | os.PathLike[str] | None, *, zero_stage: int | None = None,
+                  offload_optimizer_device: str | None = None, offload_param_device: str | None = None,
+                  gradient_accumulation_steps: int | None = None) -> str | None:
+    """The DeepSpeed config of a launch (``accelfn launch --deepspeed FILE`` and the launch
+    config's keys) as canonical JSON, or None when none of them is given: the file's
+    config (or an empty one) with each given key set over it.
+
+    Raises:
+        ValueError: as :func:`deepspeed` for the file or the resulting config.
+    """
+    keys = (zero_stage, offload_optimizer_device, offload_param_device, gradient_accumulation_steps)
+    if path is None and all(key is None for key in keys):
+        return None
+    config = _load(path) if path is not None else {}
+    zero = dict(config.get("zero_optimization", {}))
+    if zero_stage is not None:
+        zero["stage"] = zero_stage
+    for name, device in (("offload_optimizer", offload_optimizer_device), ("offload_param", offload_param_device)):
+        if device is not None:
+            zero[name] = {**zero.get(name, {}), "device": device}
+    if zero:
+        config["zero_optimization"] = zero
+    if gradient_accumulation_steps is not None:
+        config["gradient_accumulation_steps"] = gradient_accumulation_steps
+    return deepspeed(config).config_json

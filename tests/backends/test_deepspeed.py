@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ from tests.helpers.pool import Pools
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'accelfn[deepspeed]')")
 
 LAUNCH = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "300")
-#: where DeepSpeed's JIT-built ops are kept between runs (outside the repository)
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "accelfn" / "torch_extensions"))
+EXTENSIONS = D.EXTENSIONS
 
 
 @pytest.fixture(scope="module")

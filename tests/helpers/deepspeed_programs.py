@@ -8,6 +8,8 @@ The model is ``Blocks`` of ``tests.helpers.sharded`` (4 -> 16, three 16 x 16 tan
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +19,8 @@ from torch.utils.data import DataLoader
 from tests.helpers import programs as P
 from tests.helpers.sharded import Blocks
 
+#: where DeepSpeed's JIT-built C++ ops are kept between runs: outside the repository, built once per machine
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "accelfn" / "torch_extensions"))
 NUM_SAMPLES = 60
 PER_RANK_BATCH = 3
 WORLD_SIZE = 2
