@@ -189,8 +189,10 @@ def deepspeed(config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeed:
     meaning and fill the config: ``accumulate(n)`` is ``gradient_accumulation_steps``,
     ``clip(max_norm)`` is ``gradient_clipping`` (without ``clip``, and without the entry in
     ``config``, clipping is off: DeepSpeed's own default of 1.0 is not used),
-    ``with_precision("bf16"|"fp16")`` enables the ``bf16``/``fp16`` section, and the
-    micro-batch size is the loader's. An entry of ``config`` that contradicts one of them is
+    ``with_precision("bf16"|"fp16")`` enables the ``bf16``/``fp16`` section, and
+    ``train_batch_size`` is made to agree (``train_micro_batch_size_per_gpu`` is 1 unless
+    ``config`` sets it: the engine is built before the loader is read, and DeepSpeed uses it
+    only for its throughput log). An entry of ``config`` that contradicts one of them is
     refused when they are composed.
 
     Args:

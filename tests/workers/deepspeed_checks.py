@@ -60,10 +60,36 @@ def _run(zero: dict[str, Any], n: int, clip: float | None, *, bf16: bool = False
             "micro_step": state.micro_step}
 
 
+def bf16_by_hand(zero: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed driven by hand (no accelfn in the loop) with the config ``af.deepspeed`` gives
+    the engine under ``with_precision("bf16")``: ``D.UPDATES`` updates of this rank's 3 samples
+    (r, r + 2, r + 4 of each consecutive 6, as shard_data reads them), inputs cast to bf16."""
+    import deepspeed
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from accelfn.transforms.deepspeed import engine_config
+
+    config = engine_config(af.deepspeed({"zero_optimization": zero}), num_micro_batches=1, clip=None,
+                           precision="bf16", micro_batch_size=1, world_size=D.WORLD_SIZE)
+    model = D.make_model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=D.make_optimizer(model), config=config)
+    x, y = P.regression_data(D.NUM_SAMPLES).tensors
+    size = D.WORLD_SIZE * D.PER_RANK_BATCH
+    for update in range(D.UPDATES):
+        rows = slice(update * size + dist.get_rank(), (update + 1) * size, D.WORLD_SIZE)
+        loss = F.mse_loss(engine(x[rows].bfloat16()), y[rows].bfloat16())
+        engine.backward(loss)
+        engine.step()
+    return D.to_json(full_parameters(model))
+
+
 def train_all() -> dict[str, Any]:
-    """Every case of ``D.CASES``, then ZeRO-2 under ``with_precision("bf16")`` (no accumulation)."""
+    """Every case of ``D.CASES``, then ZeRO-2 under ``with_precision("bf16")`` (no accumulation)
+    through accelfn and by hand."""
     results = {name: _run(D.ZERO[zero], n, clip) for name, (zero, n, clip) in D.CASES.items()}
     results["s2_bf16"] = _run(D.ZERO["s2"], 1, None, bf16=True)
+    results["s2_bf16"]["by_hand"] = bf16_by_hand(D.ZERO["s2"])
     return results
 
 
