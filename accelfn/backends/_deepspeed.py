@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accelfn.backends._interpreter import StepFn
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import CheckpointError
 from accelfn.state import ENGINE_OWNED, OPTIMIZER_VIEW, TrainState
@@ -105,7 +106,7 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Policy,
     return state, DeepSpeedStepFn(backend, step, state, engine, n, config, getattr(state.model, OPTIMIZER_VIEW))
 
 
-class DeepSpeedStepFn:
+class DeepSpeedStepFn(StepFn):
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` driving a DeepSpeed engine.
 
     Metrics after the last micro-batch of a window: ``loss`` (the window's mean on this
@@ -122,7 +123,7 @@ class DeepSpeedStepFn:
     """
 
     def __init__(self, backend: Backend, step: Step, state: TrainState, engine: Any, n: int,
-                 config: Mapping[str, Any], view: CheckpointView):
+                 config: Mapping[str, Any], view: CheckpointView):  # noqa: D107  # StepFn's own is not used
         self.step = step
         self._view = view
         self._backend = backend
@@ -266,7 +267,8 @@ class CheckpointView:
         for name, param in module.named_parameters():
             full = safe_get_full_fp32_param(param)
             if full is not None:
-                state_dict[prefix + name] = full.detach().reshape(param.ds_shape if self._stage3 else param.shape)
+                shape = getattr(param, "ds_shape") if self._stage3 else param.shape
+                state_dict[prefix + name] = full.detach().reshape(shape)
 
     def _load_model(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
         import deepspeed
@@ -339,7 +341,7 @@ class CheckpointView:
                 entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
                 for key in keys:
                     full = safe_get_full_optimizer_state(param, key)
-                    shape = param.ds_shape if self._stage3 else param.shape
+                    shape = getattr(param, "ds_shape") if self._stage3 else param.shape
                     entry[key] = full.detach().reshape(shape)
                 if entry:
                     state[index] = entry

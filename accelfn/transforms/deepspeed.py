@@ -59,7 +59,7 @@ def _load(value: object) -> dict[str, Any]:
             config = json.loads(text)
         except json.JSONDecodeError as e:
             try:
-                import hjson  # type: ignore[import-untyped]  # DeepSpeed's config parser, installed with it
+                import hjson  # DeepSpeed's own config parser, installed with it
             except ImportError:
                 raise ValueError(f"deepspeed(config={str(value)!r}): not valid JSON ({e}), and hjson (for "
                                  "HJSON files) is not installed") from e
