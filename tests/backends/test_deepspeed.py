@@ -67,6 +67,19 @@ def test_zero_stage_equals_hand_written_loop(trained: dict[str, Any], case: str)
         assert all("grad_norm" not in p for p in got["points"])
 
 
+def test_stage3_offload_with_deepspeed_cpu_adam_equals_hand_written_loop(trained: dict[str, Any]) -> None:
+    """ZeRO-3 with CPU offload and DeepSpeed's own fused CPU AdamW (weight decay as torch's
+    AdamW) under accumulate(2) + clip(1.0) on 2 processes equals the 1-process torch AdamW
+    loop to 1e-5 over 10 updates."""
+    expected, norms = D.hand_written(2, D.CLIP)
+    got = trained["s3_offload_cpu_adam_acc2_clip"]
+    assert got["step"] == D.UPDATES
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value.double().flatten(),
+                                   rtol=0, atol=1e-5)
+    assert [p["grad_norm"] for p in got["points"]] == pytest.approx(norms, rel=1e-4)
+
+
 def test_bf16_trains_as_deepspeed_by_hand(trained: dict[str, Any]) -> None:
     """Under with_precision("bf16") DeepSpeed's bf16 engine trains (the loss of the last updates
     is below that of the first ones) and ends exactly where DeepSpeed driven by hand with the

@@ -43,9 +43,16 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in params.items()}
 
 
-def _run(zero: dict[str, Any], n: int, clip: float | None, *, bf16: bool = False) -> dict[str, Any]:
+def _run(zero: dict[str, Any], n: int, clip: float | None, *, bf16: bool = False,
+         cpu_adam: bool = False) -> dict[str, Any]:
     model = D.make_model()
-    state = af.TrainState.create(model, D.make_optimizer(model))
+    if cpu_adam:  # DeepSpeed's fused CPU AdamW (a C++ op, JIT-built on first use), torch AdamW's defaults
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=D.LR, weight_decay=0.01, adamw_mode=True)
+    else:
+        optimizer = D.make_optimizer(model)
+    state = af.TrainState.create(model, optimizer)
     transforms: list[Any] = [af.shard_data(), af.deepspeed({"zero_optimization": zero})]
     if n > 1:
         transforms.append(af.accumulate(n))
@@ -88,6 +95,7 @@ def train_all() -> dict[str, Any]:
     """Every case of ``D.CASES``, then ZeRO-2 under ``with_precision("bf16")`` (no accumulation)
     through accelfn and by hand."""
     results = {name: _run(D.ZERO[zero], n, clip) for name, (zero, n, clip) in D.CASES.items()}
+    results["s3_offload_cpu_adam_acc2_clip"] = _run(D.ZERO["s3_offload"], 2, D.CLIP, cpu_adam=True)
     results["s2_bf16"] = _run(D.ZERO["s2"], 1, None, bf16=True)
     results["s2_bf16"]["by_hand"] = bf16_by_hand(D.ZERO["s2"])
     return results
