@@ -26,6 +26,7 @@ def test_launch_keys_fill_the_config_over_the_file(tmp_path: Path) -> None:
     assert DEEPSPEED_ENV not in LaunchConfig().worker_env()
 
 
+@pytest.mark.timeout(1200)  # a first run on a machine JIT-builds DeepSpeed's shm_comm op (minutes)
 def test_launch_deepspeed_trains_an_unchanged_script(tmp_path: Path) -> None:
     """`accelfn launch --deepspeed cfg.json` of a replicate() script that sets no accumulation
     trains under the file's ZeRO stage and its gradient_accumulation_steps of 2: its parameters
