@@ -54,6 +54,7 @@ from accelfn.transforms import (
 from accelfn.transforms import TensorParallel, tensor_parallel
 from accelfn.checkpoint import load_model
 from accelfn.transforms import Invariant, invariant
+from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
     "JSONL",
@@ -120,4 +121,6 @@ __all__ = [
     "PlanError",
     "PlanWarning",
     "plan",
+    "DeepSpeed",
+    "deepspeed",
 ]

@@ -44,6 +44,14 @@ def _check_model(instance: object, attribute: attrs.Attribute, value: object) ->
         )
 
 
+#: set (True) on a model whose optimizer an engine drives (``af.deepspeed``): the engine
+#: points the optimizer at partitions of its own, which are no parameters of the model
+ENGINE_OWNED = "_accelfn_engine_owned"
+#: on such a model: the optimizer as checkpoints see it (``param_groups`` of the model's own
+#: parameters, ``state_dict``/``load_state_dict`` in torch's format with whole tensors)
+OPTIMIZER_VIEW = "_accelfn_optimizer_view"
+
+
 def _check_ownership(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     owned = {id(p) for p in model.parameters()}
     for group_index, group in enumerate(optimizer.param_groups):
@@ -173,8 +181,9 @@ class TrainState:
         return cls(model, optimizer, scheduler, extra=extra or {})
 
     def __attrs_post_init__(self) -> None:
-        _check_ownership(self.model, self.optimizer)
-        _check_scheduler(self.scheduler, self.optimizer)
+        if not getattr(self.model, ENGINE_OWNED, False):  # an engine's optimizer holds its own partitions
+            _check_ownership(self.model, self.optimizer)
+            _check_scheduler(self.scheduler, self.optimizer)
         for name, obj in self.extra.items():
             if not isinstance(name, str) or not isinstance(obj, Stateful):
                 raise TypeError(

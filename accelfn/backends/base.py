@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from accelfn import collectives
-from accelfn.backends import _comm_hooks, _distributed, _fsdp, _materialize, _tensor_parallel
+from accelfn.backends import _comm_hooks, _deepspeed, _distributed, _fsdp, _materialize, _tensor_parallel
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn, broadcast_model, check_conditions
 from accelfn.backends._placement import (
@@ -32,7 +32,7 @@ from accelfn.backends._placement import (
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.collectives import ProcessContext
 from accelfn.data import blocks
-from accelfn.data.batches import EpochBatches, epoch_batches, even_out
+from accelfn.data.batches import EpochBatches, check_eval_loader, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
@@ -46,6 +46,7 @@ from accelfn.transforms import (
     TensorParallel,
     WithPrecision,
 )
+from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.precision import Policy, parse_policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -267,6 +268,9 @@ class Backend(ProcessContext, abc.ABC):
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)
+        ds = step.find(DeepSpeed)
+        if ds is not None:  # the engine places, wraps and partitions the model itself
+            return _deepspeed.prepare(self, step, state, policy, ds)
         compiled = step.find(Compile)
         if compiled is not None:
             self.check_compile(compiled)
@@ -376,7 +380,8 @@ class Backend(ProcessContext, abc.ABC):
         if step.find(Invariant) is not None:
             self._active = self._blocks(data, step, epoch, start)
             return self._active
-        parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel))
+        parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel)
+                     or step.find(DeepSpeed))
                     if self.world_size > 1 else None)
         replicated = parallel is not None
         data_rank, data_world = self.data_coordinates(step)
@@ -458,7 +463,8 @@ class Backend(ProcessContext, abc.ABC):
         """True when every rank must run each forward of ``model`` together (a model sharded
         over several ranks all-gathers its parameters in the forward; a tensor-parallel one
         all-reduces its row-wise layers' outputs)."""
-        return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None)
+        return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None
+                                       or _deepspeed.partitions_parameters(model))
 
     def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
         """``(data rank, data world size, leads)`` for running ``model`` outside a Step (``af.evaluate``):
@@ -560,41 +566,3 @@ class Backend(ProcessContext, abc.ABC):
         """The device tensors must be on for this backend's collectives (gloo: CPU)."""
         return self.device
 
-
-def check_eval_loader(data: Any) -> None:
-    """Raises unless ``data`` is a DataLoader that ``eval_batches`` can shard by samples.
-
-    Raises:
-        TypeError: ``data`` is not a DataLoader, or one over an IterableDataset (its padding
-            could not be told apart), or with a sampler other than ``shuffle=False``/
-            ``shuffle=True``'s (which ``eval_batches`` replaces).
-        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler), or with
-            ``drop_last=True`` (evaluation reads every sample).
-    """
-    if not isinstance(data, DataLoader):
-        raise TypeError(
-            f"eval_batches() takes a torch.utils.data.DataLoader, got {type(data).__name__}; "
-            "for any other iterable of batches use af.evaluate(fn, state, data, backend=...)"
-        )
-    if isinstance(data.dataset, IterableDataset):
-        raise TypeError(
-            "eval_batches() needs a DataLoader over a map-style dataset (with __len__ and "
-            "__getitem__), so that gather_for_metrics can drop the padding; for an "
-            "IterableDataset use af.evaluate(fn, state, loader, backend=...)"
-        )
-    if data.batch_size is None:
-        raise ValueError(
-            "eval_batches() needs a DataLoader built with batch_size=...; this one has "
-            "batch_size=None (a custom batch_sampler, or unbatched samples)"
-        )
-    if data.drop_last:
-        raise ValueError(
-            "eval_batches() reads every sample once (the padding of the last batches is dropped by "
-            "gather_for_metrics), so it cannot honour drop_last=True; build the evaluation DataLoader "
-            "with drop_last=False"
-        )
-    if not isinstance(data.sampler, (SequentialSampler, RandomSampler)):
-        raise TypeError(
-            f"eval_batches() replaces the DataLoader's sampler, but this one uses "
-            f"{type(data.sampler).__name__}; build the DataLoader with shuffle=False"
-        )

@@ -11,6 +11,7 @@ environment.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -24,6 +25,7 @@ from accelfn.step import Step
 from accelfn.transforms import (
     Accumulate,
     Compile,
+    DeepSpeed,
     Replicate,
     ShardParams,
     WithPrecision,
@@ -131,6 +133,7 @@ class LaunchEnv:
     shard_params: ShardParams | None = None
     plan_world_size: int | None = None
     plan_local_world_size: int | None = None
+    deepspeed: str | None = None
 
     @property
     def env_rendezvous(self) -> bool:
@@ -181,6 +184,13 @@ class LaunchEnv:
         if plan_world is not None and (plan_world < 1 or world.world_size > 1):
             raise LaunchError(f"{PLAN_WORLD_SIZE_ENV}={plan_world}: `accelfn plan` runs one process planning for "
                               "N >= 1 processes; use `accelfn plan --nproc-per-node N script.py`")
+        deepspeed_config = env.get("ACCELFN_DEEPSPEED") or None
+        if deepspeed_config is not None:
+            try:
+                json.loads(deepspeed_config)
+            except ValueError as e:
+                raise LaunchError(f"ACCELFN_DEEPSPEED must hold a DeepSpeed config as JSON ({e}); set it with "
+                                  "`accelfn launch --deepspeed ds_config.json`") from e
         return cls(
             rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
             local_world_size=world.local_world_size, master_addr=world.master_addr, master_port=world.master_port,
@@ -189,6 +199,7 @@ class LaunchEnv:
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
+            deepspeed=deepspeed_config,
         )
 
 
@@ -267,9 +278,23 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
             step = env.shard_params(step)
         elif sharded != env.shard_params and warn:
             _overridden(f"accelfn launch --shard-params ({env.shard_params!r})", repr(sharded))
+    if env.deepspeed is not None:
+        step = _with_deepspeed(step, env.deepspeed, warn=warn)
     if env.compile and step.find(Compile) is None:  # the script's own compile(...) refines it
         step = compile_transform()(step)
     return step
+
+
+def _with_deepspeed(step: Step, config_json: str, *, warn: bool) -> Step:
+    """``step`` with the launch's ``af.deepspeed`` in place of its ``replicate()``; a script's
+    own ``deepspeed(...)`` or ``shard_params(...)`` wins (with a warning when ``warn``)."""
+    own = step.find(DeepSpeed) or step.find(ShardParams)
+    if own is not None:
+        if warn and not (isinstance(own, DeepSpeed) and own.config_json == config_json):
+            _overridden("accelfn launch --deepspeed", f"{own.verb}(...)")
+        return step
+    kept = tuple(t for t in step.transforms if not isinstance(t, Replicate))
+    return DeepSpeed(config_json)(attrs.evolve(step, transforms=kept))
 
 
 def _overridden(asked: str, script: str) -> None:

@@ -32,7 +32,7 @@ from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
 from accelfn.collectives import is_dtensor
 from accelfn.errors import CheckpointError
-from accelfn.state import Stopped, TrainState, require_state
+from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 
 #: TrainState fields a snapshot holds in parts of their own; every other field is a counter
 _PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
@@ -102,6 +102,12 @@ def is_sharded(state: TrainState) -> bool:
     return any(is_dtensor(p) for p in unwrap(state.model).parameters())
 
 
+def optimizer_of(state: TrainState) -> Any:
+    """The optimizer as checkpoints see it: ``state.optimizer``, or, for a model an engine
+    drives (``af.deepspeed``), the engine's view of it in torch's format with whole tensors."""
+    return getattr(state.model, OPTIMIZER_VIEW, None) or state.optimizer
+
+
 def clean_name(name: str) -> str:
     """``name`` without the ``_orig_mod`` components compiled submodules add."""
     if _COMPILED not in name:
@@ -168,9 +174,9 @@ def capture(state: TrainState, *, copy: bool,
     model = unwrap(state.model)
     return Snapshot(
         model={clean_name(k): copy_tree(v, to_cpu) for k, v in model.state_dict().items()},
-        optimizer=copy_tree(state.optimizer.state_dict(), to_cpu),
+        optimizer=copy_tree(optimizer_of(state).state_dict(), to_cpu),
         optimizer_type=_type_name(state.optimizer),
-        optimizer_params=_param_names(model, state.optimizer),
+        optimizer_params=_param_names(model, optimizer_of(state)),
         scheduler=None if state.scheduler is None else copy_tree(state.scheduler.state_dict(), to_cpu),
         scheduler_type=None if state.scheduler is None else _type_name(state.scheduler),
         extra={name: copy_tree(obj.state_dict(), to_cpu) for name, obj in state.extra.items()},
@@ -237,7 +243,7 @@ def _check_tensors(what: str, ours: Mapping[str, Any], theirs: Mapping[str, Any]
 def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) -> list[str]:
     if snap.optimizer_type != _type_name(state.optimizer):
         return [f"optimizer: {snap.optimizer_type} in the checkpoint, {_type_name(state.optimizer)} here"]
-    ours = _param_names(model, state.optimizer)
+    ours = _param_names(model, optimizer_of(state))
     theirs = snap.optimizer_params
     if [len(g) for g in ours] != [len(g) for g in theirs]:
         return [f"optimizer: parameter groups of sizes {[len(g) for g in theirs]} in the checkpoint, "
@@ -250,7 +256,7 @@ def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) 
 
 def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> list[str]:
     """The saved param groups' hyperparameters and per-parameter states against the live ones."""
-    live = state.optimizer.state_dict()
+    live = optimizer_of(state).state_dict()
     saved_groups, live_groups = snap.optimizer["param_groups"], live["param_groups"]
     if len(saved_groups) != len(live_groups):
         return [f"optimizer.param_groups: {len(saved_groups)} in {source}, {len(live_groups)} here"]
@@ -412,12 +418,12 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
     for name, saved in snap.model.items():
         key, target = live[name]
         values[key] = _into(target, saved, copies)
-    optimizer = _into_live(state.optimizer, snap.optimizer, own, copies)
+    optimizer = _into_live(optimizer_of(state), snap.optimizer, own, copies)
     copy_all(copies)
     # the live tensors now hold the saved values: loading them copies nothing more, and runs
     # the modules' own load hooks and torch's checks as a load of the saved tensors would
     model.load_state_dict(values)
-    state.optimizer.load_state_dict(optimizer)
+    optimizer_of(state).load_state_dict(optimizer)
     if state.scheduler is not None:
         state.scheduler.load_state_dict(copy_tree(snap.scheduler, own))
     _restore_grads(model, snap.grads, copy)

@@ -90,6 +90,17 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     add("--gpu-ids", "--gpu_ids", metavar="IDS",
         help="the GPUs the workers use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); all: every GPU (default: as the "
         "environment has it)")
+    add("--deepspeed", dest="deepspeed_config_file", metavar="FILE",
+        help="a DeepSpeed JSON/HJSON config: af.deepspeed(FILE) for scripts that set none (replacing their "
+        "af.replicate())")
+    add("--zero-stage", "--zero_stage", type=int, choices=(0, 1, 2, 3),
+        help="DeepSpeed's zero_optimization.stage (over --deepspeed's file, or alone)")
+    add("--offload-optimizer-device", "--offload_optimizer_device", choices=("none", "cpu", "nvme"),
+        help="DeepSpeed's zero_optimization.offload_optimizer.device")
+    add("--offload-param-device", "--offload_param_device", choices=("none", "cpu", "nvme"),
+        help="DeepSpeed's zero_optimization.offload_param.device")
+    add("--gradient-accumulation-steps", "--gradient_accumulation_steps", type=int, metavar="N",
+        help="DeepSpeed's gradient_accumulation_steps")
     add("--timeout-s", "--timeout_s", type=float, metavar="SECONDS",
         help=f"how long a collective may wait for a rank before failing (default {d.timeout_s:g})")
 

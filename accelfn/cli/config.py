@@ -23,6 +23,7 @@ import yaml
 
 from accelfn.backends.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S, parse_shard_params
 from accelfn.errors import LaunchError
+from accelfn.transforms.deepspeed import OFFLOAD_DEVICES, STAGES, launch_config
 from accelfn.transforms.precision import POLICY_NAMES
 
 #: the file ``accelfn config`` writes and ``accelfn launch`` reads when no ``--config`` is given
@@ -112,6 +113,12 @@ class LaunchConfig:
         shard_params: ``af.shard_params`` for scripts that set none, replacing their
             ``replicate()``: ``"defaults"``, or options such as ``"shard_size=node,offload=false"``
             (see ``accelfn.backends.env.parse_shard_params``); None: the script's.
+        deepspeed_config_file: a DeepSpeed JSON/HJSON config: ``af.deepspeed(file)`` is added
+            to scripts that set none (it replaces their ``replicate()``).
+        zero_stage, offload_optimizer_device, offload_param_device, gradient_accumulation_steps:
+            Accelerate's DeepSpeed plugin keys; set in that config (``zero_optimization.stage``,
+            ``...offload_optimizer.device``, ``...offload_param.device``,
+            ``gradient_accumulation_steps``) over the file's values, or in an empty config.
     """
 
     nproc_per_node: int = attrs.field(default=1, validator=_at_least(1))
@@ -130,6 +137,12 @@ class LaunchConfig:
     gpu_ids: str | None = attrs.field(default=None, validator=_gpu_ids)
     timeout_s: float = attrs.field(default=DEFAULT_TIMEOUT_S, validator=_positive_seconds)
     shard_params: str | None = attrs.field(default=None, validator=_shard_spec)
+    deepspeed_config_file: str | None = None
+    zero_stage: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(STAGES)))
+    offload_optimizer_device: str | None = attrs.field(default=None, validator=_one_of(OFFLOAD_DEVICES))
+    offload_param_device: str | None = attrs.field(default=None, validator=_one_of(OFFLOAD_DEVICES))
+    gradient_accumulation_steps: int | None = attrs.field(default=None,
+                                                          validator=attrs.validators.optional(_at_least(1)))
 
     def check(self) -> None:
         """Checks that the fields make a launchable job together.
@@ -187,6 +200,20 @@ class LaunchConfig:
         return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),
                 "--node-rank", str(self.node_rank), "--rdzv-conf", f"timeout={seconds}"]
 
+    def deepspeed_config(self) -> str | None:
+        """The DeepSpeed config the workers add (JSON), or None when no DeepSpeed key is set.
+
+        Raises:
+            LaunchError: ``deepspeed_config_file`` is not a readable JSON/HJSON config.
+        """
+        try:
+            return launch_config(self.deepspeed_config_file, zero_stage=self.zero_stage,
+                                 offload_optimizer_device=self.offload_optimizer_device,
+                                 offload_param_device=self.offload_param_device,
+                                 gradient_accumulation_steps=self.gradient_accumulation_steps)
+        except (TypeError, ValueError) as e:
+            raise LaunchError(f"the DeepSpeed launch config: {e}") from e
+
     def worker_env(self) -> dict[str, str | None]:
         """The variables ``accelfn launch`` (and ``af.launch``) set for the workers (names in
         ``WORKER_ENV``, and ``LAUNCHER_SET_ENV`` listing the ``ACCELFN_*`` ones among them):
@@ -198,6 +225,9 @@ class LaunchConfig:
             value = getattr(self, name)
             if value is not None:
                 env[WORKER_ENV[name]] = str(value)
+        deepspeed = self.deepspeed_config()
+        if deepspeed is not None:
+            env[DEEPSPEED_ENV] = deepspeed
         if self.gpu_ids is not None:
             env[WORKER_ENV["gpu_ids"]] = None if self.gpu_ids == "all" else self.gpu_ids
         # told apart from the user's settings by a launch started inside a worker
@@ -215,6 +245,8 @@ WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "p
 #: read as launch options below the variables of ``WORKER_ENV`` (not passed to workers)
 ENGINE_ENV = {"nproc_per_node": "PET_NPROC_PER_NODE", "nnodes": "PET_NNODES", "node_rank": "PET_NODE_RANK",
               "master_addr": "PET_MASTER_ADDR", "master_port": "PET_MASTER_PORT"}
+#: the DeepSpeed config (JSON) ``accelfn launch --deepspeed`` gives its workers
+DEEPSPEED_ENV = "ACCELFN_DEEPSPEED"
 #: set by ``accelfn launch`` for its workers: the ``ACCELFN_*`` variables of ``WORKER_ENV`` it
 #: set itself, as ``NAME=value`` lines. A launch started inside a worker (a sweep driver, an
 #: evaluation job) does not take a variable that still holds the value listed here as a

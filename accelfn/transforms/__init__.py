@@ -12,6 +12,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
     update    skip_nonfinite  skip updates whose gradients are not finite
+    model     deepspeed       a DeepSpeed engine (ZeRO 0-3, offload) from the user's config
 
 One module per transform holds its record, its verb and the state record it keeps in
 ``TrainState.transforms_state`` (the loss scale, the accumulation window, the skip count).
@@ -39,6 +40,7 @@ from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
+from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
     "POLICY_NAMES",
@@ -77,4 +79,6 @@ __all__ = [
     "Node",
     "TreeWindow",
     "invariant",
+    "DeepSpeed",
+    "deepspeed",
 ]

@@ -12,6 +12,7 @@ from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.compile import Compile
 from accelfn.transforms.data import ShardData
+from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
 from accelfn.transforms.precision import WithPrecision
 from accelfn.transforms.replicate import Replicate
@@ -23,10 +24,10 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite, TensorParallel, Invariant]
+                  SkipNonfinite, TensorParallel, Invariant, DeepSpeed]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
-    TensorParallel, Invariant,
+    TensorParallel, Invariant, DeepSpeed,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 
