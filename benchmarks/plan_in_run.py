@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import accelfn as af
-from accelfn.loop.plan import check_before_run
+from accelfn.loop.planning.report import check_before_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ from accelfn.loop.epochs import run
 from accelfn.loop.hooks import Hook, Stop
 from accelfn.loop.profile import Profile
 from accelfn.loop.updates import UpdateCount, count_updates
-from accelfn.loop.plan import Collective, EpochCounts, Memory, Plan, Problem, plan
+from accelfn.loop.planning import Collective, EpochCounts, Memory, Plan, Problem, plan
 
 __all__ = ["Hook", "Profile", "Stop", "UpdateCount", "count_updates", "find_batch_size", "run",
            "Collective", "EpochCounts", "Memory", "Plan", "Problem", "plan"]

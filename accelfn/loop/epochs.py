@@ -19,7 +19,7 @@ from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
 from accelfn.loop.profile import Profile, profiling
-from accelfn.loop.plan import check_before_run, show_plan
+from accelfn.loop.planning.report import check_before_run, show_plan
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
 from accelfn.step import Step

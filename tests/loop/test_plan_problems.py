@@ -78,10 +78,10 @@ def test_docs_07_lists_every_problem_the_plan_knows():
     """docs/07's table has a row for every code of the catalogue's checks."""
     import re
 
-    from accelfn.loop import _plan_problems
+    from accelfn.loop.planning import _problems as _plan_problems
     from tests.helpers import launch as _launch
 
-    source = (_launch.ROOT / "accelfn" / "loop" / "_plan_problems.py").read_text()
+    source = (_launch.ROOT / "accelfn" / "loop" / "planning" / "_problems.py").read_text()
     codes = set(re.findall(r'Problem\("([a-z0-9-]+)"', source))
     assert len(_plan_problems.CHECKS) >= 20 and len(codes) >= 25
     page = (_launch.ROOT / "docs" / "07-troubleshooting.md").read_text()

@@ -1,11 +1,12 @@
-"""``plan``: what a run will do, hold and break on, known before it starts.
+"""The plan record, ``af.plan`` and the check ``run`` makes before its first forward:
+what a run will do, hold and break on, known before it starts.
 
 A plan is computed in one process for any world size, without training and without
 allocating gradients, optimizer state or activations: the counts are arithmetic over the
-data's length and the program's transforms (``_plan_counts``), the persistent bytes come from
+data's length and the program's transforms (``_counts``), the persistent bytes come from
 shapes and dtypes and the optimizer's own step on meta tensors, the activation peak from one
-micro-batch traced on fake tensors (``_plan_memory``), the collectives from the bucket and
-unit layout (``_plan_comms``), and the misconfigurations from the catalogue (``_plan_problems``).
+micro-batch traced on fake tensors (``_memory``), the collectives from the bucket and
+unit layout (``_comms``), and the misconfigurations from the catalogue (``_problems``).
 ``run`` checks the plan's problems before the first forward and refuses one with errors.
 """
 
@@ -24,11 +25,11 @@ from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
-from accelfn.loop._plan_comms import Collective, collectives_per_update, metric_count
-from accelfn.loop._plan_counts import EpochCounts, epoch_counts
-from accelfn.loop._plan_memory import Memory, persistent_memory, trace_micro_batch
-from accelfn.loop._plan_problems import Facts, Problem, find_problems
-from accelfn.loop._plan_table import render
+from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
+from accelfn.loop.planning._counts import EpochCounts, epoch_counts
+from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro_batch
+from accelfn.loop.planning._problems import Facts, Problem, find_problems
+from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import Step, unpack
 from accelfn.transforms import Replicate, ShardParams

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from accelfn.backends.base import Backend
 from accelfn.data import num_batches
-from accelfn.loop._plan_counts import EpochCounts
-from accelfn.loop._plan_memory import Memory
+from accelfn.loop.planning._counts import EpochCounts
+from accelfn.loop.planning._memory import Memory
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, Compile, Replicate, ShardData, ShardParams
