@@ -102,8 +102,13 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
     transformer blocks step as one).
 
     Raises:
-        RuntimeError: the optimizer cannot step on meta tensors (one reading values on the host).
+        RuntimeError: the optimizer cannot step on meta tensors (one reading values on the host),
+            or its class has a finalizer (``__del__``: state held outside Python, such as
+            DeepSpeed's CPU Adam, which a copy would release for the real one).
     """
+    if any("__del__" in vars(c) for c in type(optimizer).__mro__[:-1]):
+        raise RuntimeError(f"{type(optimizer).__qualname__} has a finalizer (__del__): it holds state outside "
+                           "Python, which a copy stepped on meta tensors would release for the real optimizer")
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     keys = [(tuple(p.shape), _storage_dtype(p, policy), p.requires_grad, group_of.get(id(p))) for p in params]
     stand_ins: dict[tuple[Any, ...], torch.nn.Parameter] = {}

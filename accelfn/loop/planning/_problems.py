@@ -22,7 +22,16 @@ from accelfn.loop.planning._counts import EpochCounts
 from accelfn.loop.planning._memory import Memory
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, Compile, Replicate, ShardData, ShardParams
+from accelfn.transforms import (
+    Accumulate,
+    Compile,
+    DeepSpeed,
+    Invariant,
+    Replicate,
+    ShardData,
+    ShardParams,
+    TensorParallel,
+)
 from accelfn.transforms.precision import Policy
 
 
@@ -96,8 +105,9 @@ def _map_size(f: Facts) -> int | None:
     return None
 
 
-def _parallel(f: Facts) -> Replicate | ShardParams | None:
-    return f.step.find(Replicate) or f.step.find(ShardParams)
+def _parallel(f: Facts) -> Replicate | ShardParams | DeepSpeed | Invariant | None:
+    """The data-parallel transform that makes the processes train one model, if any."""
+    return f.step.find(Replicate) or f.step.find(ShardParams) or f.step.find(DeepSpeed) or f.step.find(Invariant)
 
 
 @_check
@@ -393,7 +403,7 @@ def _data_parallel(f: Facts) -> Iterable[Problem]:
                       f"{_parallel(f).verb}() over {f.world_size} processes without shard_data(): every rank "  # type: ignore[union-attr]
                       "reads the DataLoader as it is (the same batches, unless each rank built its own)",
                       "add af.shard_data() so each process reads its own shard of one dataset")
-    if shard is not None and _parallel(f) is None:
+    if shard is not None and _parallel(f) is None and f.step.find(TensorParallel) is None:
         yield Problem("shard-data-alone", False,
                       f"shard_data() over {f.world_size} processes without replicate() or shard_params(): each "
                       "process trains its own model on its own shard",
