@@ -411,7 +411,7 @@ def _extra_targets(state: TrainState, tables: ShardedTables, sharded: list[torch
         elif sharded:
             from torch.distributed.tensor import Replicate, Shard, empty  # imported: the model holds DTensors
 
-            like = sharded[0]
+            like: Any = sharded[0]  # a DTensor
             placements = [Replicate() if isinstance(p, Shard) and p.dim >= len(meta.shape) else p
                           for p in like.placements]
             targets[key] = empty(meta.shape, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
