@@ -47,6 +47,10 @@ FORMAT_VERSION = 4
 #: 5: a sharded checkpoint (a ``sharded`` table, DCP files in ``dcp/``); unsharded ones stay at
 #: FORMAT_VERSION, so that an older accelfn refuses only what it cannot read
 SHARDED_FORMAT_VERSION = 5
+#: 6: a sharded checkpoint whose ``sharded.extra`` table places DTensors of ``extra`` states in
+#: its DCP files (written only when there are some, so that an older accelfn, which would
+#: load None in their place, refuses it instead)
+EXTRA_DTENSORS_FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 CHECKSUM = "manifest.sha256"
 _SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
@@ -76,6 +80,18 @@ class ShardedTensor:
 
 
 @attrs.frozen
+class ExtraTensor:
+    """A DTensor of an ``extra`` state in a sharded checkpoint's DCP files: the ``extra``
+    entry's name, where in its ``state_dict`` it is (mapping keys and list indices, from
+    the root), its global shape and dtype name."""
+
+    name: str
+    path: Any
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@attrs.frozen
 class ShardedTables:
     """Where the tensors in a sharded checkpoint's ``dcp/`` files belong (``_sharded``).
 
@@ -85,12 +101,16 @@ class ShardedTables:
         optimizer: parameter name -> optimizer state key (``"exp_avg"``) -> its tensor,
             stored as ``optimizer/<parameter>/<key>``.
         grads: parameter name -> its open-window gradient, stored as ``grad/<parameter>``.
+        extra: DCP key (``extra/<name>/<path>``) -> a DTensor of an ``extra`` state, which the
+            manifest's tree holds as None (empty, and no key, in checkpoints without any:
+            older manifests read the same).
     """
 
     model: dict[str, ShardedTensor]
     aliases: dict[str, str]
     optimizer: dict[str, dict[str, ShardedTensor]]
     grads: dict[str, ShardedTensor]
+    extra: dict[str, ExtraTensor] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -131,6 +151,8 @@ _converter.register_unstructure_hook(types.FunctionType, lambda f: f"{f.__module
 # a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
 # ``sharded`` key (it reads as None)
 _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
+_converter.register_unstructure_hook(
+    ShardedTables, make_dict_unstructure_fn(ShardedTables, _converter, extra=override(omit_if_default=True)))
 _converter.register_unstructure_hook(
     RankEntry, make_dict_unstructure_fn(RankEntry, _converter, extra=override(omit_if_default=True)))
 _converter.register_unstructure_hook(
@@ -231,10 +253,10 @@ def read(directory: Path) -> Manifest:
         version = orjson.loads(data).get("format_version")
     except (orjson.JSONDecodeError, AttributeError):
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
-    if isinstance(version, bool) or not isinstance(version, int) or version > SHARDED_FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > EXTRA_DTENSORS_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
-            f"{SHARDED_FORMAT_VERSION} (upgrade accelfn to load it)"
+            f"{EXTRA_DTENSORS_FORMAT_VERSION} (upgrade accelfn to load it)"
         )
     if expected is None and version >= 2:
         raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "
@@ -358,7 +380,8 @@ def write_snapshot(directory: Path, snap: Snapshot, parts: list[RankPart], trans
         groups[_rank_group(rank)] = (tensors, rank)
     written = _tensorfiles.write(directory, groups)
     write(directory, Manifest(
-        format_version=FORMAT_VERSION if sharded is None else SHARDED_FORMAT_VERSION,
+        format_version=(FORMAT_VERSION if sharded is None else EXTRA_DTENSORS_FORMAT_VERSION if sharded.extra
+                        else SHARDED_FORMAT_VERSION),
         accelfn_version=__version__,
         torch_version=torch.__version__,
         world_size=len(parts),

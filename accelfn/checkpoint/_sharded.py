@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from accelfn import collectives
 from accelfn.checkpoint import _tensorfiles
-from accelfn.checkpoint._format import MANIFEST, ShardedTables, ShardedTensor
+from accelfn.checkpoint._format import MANIFEST, ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
 from accelfn.collectives import ProcessContext, is_dtensor
@@ -84,10 +84,68 @@ def _flat_names(snap: Snapshot) -> list[str]:
     return [name for group in snap.optimizer_params for name in group]
 
 
+def _dtensors(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """``(path, DTensor)`` for each DTensor in ``tree`` (mappings, lists and tuples), in order."""
+    if is_dtensor(tree):
+        yield path, tree
+        return
+    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        yield from _dtensors(value, (*path, key))
+
+
+def _at(tree: Any, path: Any) -> Any:
+    """The value at ``path`` in ``tree``, or None where there is none."""
+    for key in path:
+        if isinstance(tree, Mapping) and key in tree:
+            tree = tree[key]
+        elif isinstance(tree, (list, tuple)) and isinstance(key, int) and 0 <= key < len(tree):
+            tree = tree[key]
+        else:
+            return None
+    return tree
+
+
+def _with(tree: Any, path: Any, value: Any, where: str) -> Any:
+    """``tree`` with ``value`` at ``path`` (the containers on the way copied).
+
+    Raises:
+        CheckpointError: ``path`` does not lead to a value of ``tree`` (``where`` names it).
+    """
+    if not path:
+        return value
+    key, rest = path[0], path[1:]
+    if isinstance(tree, Mapping) and key in tree:
+        return {**tree, key: _with(tree[key], rest, value, where)}
+    if isinstance(tree, (list, tuple)) and isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(tree):
+        items = [*tree[:key], _with(tree[key], rest, value, where), *tree[key + 1:]]
+        return items if isinstance(tree, list) else type(tree)(*items) if hasattr(tree, "_fields") else tuple(items)
+    raise CheckpointError(f"{MANIFEST}: {where} places a tensor at {list(path)!r}, which the saved state "
+                          "does not have; the manifest is inconsistent")
+
+
+def _split_extra(snap: Snapshot, flat: dict[str, torch.Tensor], tables: ShardedTables) -> dict[str, Any]:
+    """``snap``'s ``extra`` trees with None for each DTensor, which goes into ``flat`` under
+    ``extra/<name>/<path>`` and into ``tables.extra``."""
+    extra = {}
+    for name, tree in snap.extra.items():
+        for path, t in list(_dtensors(tree)):
+            key = "/".join(["extra", name, *map(str, path)])
+            while key in flat:  # keys that join to the same string ("a/b" and "a", "b")
+                key += "'"
+            flat[key] = t
+            tables.extra[key] = ExtraTensor(name=name, path=list(path), shape=tuple(t.shape),
+                                            dtype=str(t.dtype).removeprefix("torch."))
+            tree = _with(tree, path, None, key)
+        extra[name] = tree
+    return extra
+
+
 def split(snap: Snapshot, model: torch.nn.Module) -> tuple[Snapshot, dict[str, torch.Tensor], ShardedTables]:
     """``snap`` without the tensors DCP writes, those tensors by DCP key, and where they belong.
 
-    Tied weights are written once, under their first name; the others are aliases.
+    Tied weights are written once, under their first name; the others are aliases. DTensors
+    in ``extra`` states are DCP's too (None in their place in the shell).
     """
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -117,7 +175,8 @@ def split(snap: Snapshot, model: torch.nn.Module) -> tuple[Snapshot, dict[str, t
     for name, grad in snap.grads.items():
         flat[f"grad/{name}"] = grad
         tables.grads[name] = _meta(grad)
-    shell = attrs.evolve(snap, model={}, optimizer={**snap.optimizer, "state": state}, grads={})
+    extra = _split_extra(snap, flat, tables)
+    shell = attrs.evolve(snap, model={}, optimizer={**snap.optimizer, "state": state}, grads={}, extra=extra)
     return shell, flat, tables
 
 
@@ -279,7 +338,7 @@ def _unexpected_files(directory: Path, files: Mapping[str, FileEntry]) -> list[s
     return sorted(present - listed)
 
 
-def _placeholder(meta: ShardedTensor, key: str) -> torch.Tensor:
+def _placeholder(meta: ShardedTensor | ExtraTensor, key: str) -> torch.Tensor:
     return torch.empty(meta.shape, dtype=_dtype(meta.dtype, key), device="meta")
 
 
@@ -298,7 +357,15 @@ def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
         state.setdefault(index[name], {}).update(
             {key: tensor(f"optimizer/{name}/{key}", meta) for key, meta in entries.items()})
     grads = {**shell.grads, **{name: tensor(f"grad/{name}", meta) for name, meta in tables.grads.items()}}
-    return attrs.evolve(shell, model=model, optimizer={**shell.optimizer, "state": state}, grads=grads)
+    extra = dict(shell.extra)
+    for key, entry in tables.extra.items():
+        where = f"sharded.extra[{key!r}]"
+        if entry.name not in extra or not isinstance(entry.path, list) or not all(
+                isinstance(k, (str, int)) and not isinstance(k, bool) for k in entry.path):
+            raise CheckpointError(f"{MANIFEST}: {where} names {entry.name!r} at {entry.path!r}: not an extra "
+                                  f"entry of the checkpoint ({sorted(extra)}) and a list of keys and indices")
+        extra[entry.name] = _with(extra[entry.name], entry.path, tensor(key, entry), where)
+    return attrs.evolve(shell, model=model, optimizer={**shell.optimizer, "state": state}, grads=grads, extra=extra)
 
 
 def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor]:
@@ -323,6 +390,34 @@ def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor
             targets[f"optimizer/{name}/{key}"] = like_param(name, meta, f"optimizer/{name}/{key}")
     for name, meta in tables.grads.items():
         targets[f"grad/{name}"] = like_param(name, meta, f"grad/{name}")
+    targets |= _extra_targets(state, tables, [p for p in params.values() if is_dtensor(p)])
+    return targets
+
+
+def _extra_targets(state: TrainState, tables: ShardedTables, sharded: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty tensors for the DTensors of ``extra`` states: laid out as the receiving ``extra``
+    object's own DTensor at that place where it has one of the same global shape; else, in a
+    sharded state, as the model's DTensor parameters are (their mesh and placements, a
+    placement sharding a dimension the tensor lacks replicated); else a full tensor, on the
+    device of the receiving object's tensor at that place (the CPU where it has none)."""
+    live = {name: state.extra[name].state_dict() for name in {e.name for e in tables.extra.values()}
+            if name in state.extra}
+    targets = {}
+    for key, meta in tables.extra.items():
+        dtype = _dtype(meta.dtype, f"extra[{key!r}]")
+        own = _at(live.get(meta.name), meta.path)
+        if is_dtensor(own) and tuple(own.shape) == tuple(meta.shape):
+            targets[key] = torch.empty_like(own, dtype=dtype)
+        elif sharded:
+            from torch.distributed.tensor import Replicate, Shard, empty  # imported: the model holds DTensors
+
+            like: Any = sharded[0]  # a DTensor
+            placements = [Replicate() if isinstance(p, Shard) and p.dim >= len(meta.shape) else p
+                          for p in like.placements]
+            targets[key] = empty(meta.shape, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
+        else:
+            device = own.device if isinstance(own, torch.Tensor) else torch.device("cpu")
+            targets[key] = torch.empty(meta.shape, dtype=dtype, device=device)
     return targets
 
 

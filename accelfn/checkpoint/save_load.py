@@ -52,7 +52,8 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     A state whose model holds DTensor parameters (FSDP2, ``af.shard_params``) is saved
     sharded: every rank writes its own shards of the model, optimizer state and open-window
     gradients through ``torch.distributed.checkpoint``'s safetensors storage into
-    ``path/dcp/``, and rank 0 the rest and the manifest. The directory's layout is described
+    ``path/dcp/``, and rank 0 the rest and the manifest; DTensors in ``extra`` states (an EMA
+    of the sharded parameters) are written with them. The directory's layout is described
     in ``accelfn.checkpoint``'s docstring and docs/06.
 
     Args:
@@ -68,8 +69,9 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
         TypeError: ``state`` is not a TrainState, or ``path`` not a path.
         CheckpointError: ``path`` exists and is neither a checkpoint nor an empty directory
             (nothing is ever deleted that accelfn did not write), rank 0 (or, sharded, any
-            rank) failed to write, some rank did not call ``save`` (rank 0 names it), or
-            another process is writing in ``path``'s parent directory (its write lock).
+            rank) failed to write, some rank did not call ``save`` (rank 0 names it),
+            another process is writing in ``path``'s parent directory (its write lock), or an
+            ``extra`` state holds a DTensor while the model is not sharded.
         ValueError: the optimizer updates a tensor that is not a parameter of the model;
             ``path`` is a file or lies under one (checked before anything is gathered).
         PermissionError: ``path`` cannot be created by this process.
@@ -110,7 +112,9 @@ def _sharded_in_extra(tree: Any, path: str) -> str | None:
 
 
 def _check_extra(state: TrainState) -> None:
-    """Raises before any collective if an ``extra`` state holds a DTensor (not supported yet).
+    """Raises before any collective if an ``extra`` state of an unsharded state holds a
+    DTensor: only the sharded path (DCP) writes DTensors, and gathering them here would be a
+    collective the ranks' ``extra`` trees need not agree on.
 
     Raises:
         CheckpointError: naming where the DTensor is and what to keep instead.
@@ -119,10 +123,11 @@ def _check_extra(state: TrainState) -> None:
         where = _sharded_in_extra(obj.state_dict(), f"extra[{name!r}].state_dict()")
         if where is not None:
             raise CheckpointError(
-                f"{where} is a DTensor (a tensor sharded over ranks): checkpoints do not carry sharded tensors "
-                "in TrainState.extra yet. Keep this rank's shard as a plain tensor instead (p.to_local().clone(), "
-                "as an EMA of a sharded model's shards): an extra state that differs between ranks is saved for "
-                "every rank and comes back on each rank as its own; or keep full tensors (p.full_tensor())"
+                f"{where} is a DTensor (a tensor sharded over ranks), but the model is not sharded: checkpoints "
+                "carry DTensors in TrainState.extra only when the model's parameters are DTensors too "
+                "(af.shard_params), through the sharded checkpoint's files. Keep full tensors instead "
+                "(t.full_tensor()), or this rank's shard as a plain tensor (t.to_local().clone()): an extra state "
+                "that differs between ranks is saved for every rank and comes back on each rank as its own"
             )
 
 
@@ -217,7 +222,6 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
             except BaseException as e:  # re-raised below, after telling the other ranks
                 failure = e
     else:
-        _check_extra(state)
         _arrived(backend, what, path)
         collectives.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
@@ -461,7 +465,10 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
     A sharded checkpoint (saved from DTensor parameters) loads at any world size into a
     sharded or an unsharded state, each rank reading only the parts of the files its
     tensors need; an unsharded checkpoint loads into a sharded state too (each rank cuts
-    its shards out of the full tensors).
+    its shards out of the full tensors). DTensors a sharded checkpoint holds of ``extra``
+    states are read into tensors laid out like ``into``'s (its ``extra`` object's own
+    DTensor there, else the model parameters' mesh and placements, or full tensors when
+    ``into`` is not sharded) before the object's ``load_state_dict`` gets them.
 
     Args:
         path: a checkpoint directory written by ``af.save`` or ``af.Checkpoints``.

@@ -5,7 +5,7 @@ One launch checks every claim: forwards outside training run in the parameters' 
 under ``shard_params`` + bf16 (``af.evaluate``, an ``eval_batches`` loop, a plain forward,
 ``backend.autocast``, hooks); replicas whose buffers drifted apart are one model to
 ``evaluate``, ``save``, ``save_model`` and hooks (``replicate`` and ``shard_params``); and
-per-rank ``extra`` state comes back per rank from a checkpoint (plain tensors, DTensors).
+per-rank ``extra`` state comes back per rank from a checkpoint (plain tensors).
 Each rank writes DIR/rank{r}.json and DIR/rank{r}.safetensors; the test compares them with
 references written by hand in PyTorch.
 """
@@ -121,7 +121,7 @@ class Offset:
 
 class Shards:
     """An EMA of this rank's parameter shards (``to_local()`` clones), or of the DTensors
-    themselves with ``local=False``."""
+    themselves with ``local=False`` (tests/workers/extra_dtensors.py checks those)."""
 
     def __init__(self, model: torch.nn.Module, local: bool = True) -> None:
         self.model, self.local, self.shadow = model, local, []
@@ -160,7 +160,7 @@ def per_rank_extra(backend: af.backends.Backend, results: dict[str, Any], tensor
                    out: Path) -> None:
     """Item 1: extra states that differ between ranks come back per rank from a checkpoint
     (replicate with background checkpoints, shard_params with shard EMAs); a shared one stays
-    shared; a DTensor in extra is refused before anything is written, on every rank."""
+    shared."""
     r = backend.rank
 
     def replicate_state() -> af.TrainState:
@@ -200,12 +200,6 @@ def per_rank_extra(backend: af.backends.Backend, results: dict[str, Any], tensor
     for i, (a, b) in enumerate(zip(first.extra["ema"].shadow, resumed.extra["ema"].shadow)):
         tensors[f"extra.sharded.before.{i}"], tensors[f"extra.sharded.after.{i}"] = a, b
     results["extra.sharded"] = {"resumed_step": resumed.step, "num": len(first.extra["ema"].shadow)}
-    dtensors = af.run(program, sharded_state(local=False), local[:1], backend=backend, progress=False, hooks=ema_hook)
-    try:
-        af.save(dtensors, out / "extra_dtensor", backend=backend)
-        results["extra.dtensor"] = "saved"
-    except af.CheckpointError as e:
-        results["extra.dtensor"] = str(e)
 
 
 def main() -> None:
