@@ -10,6 +10,7 @@ the same log points and checkpoints, with the same values (reduced over the rank
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ class RayTrain:
     Preemption: Ray runs ``train_loop_per_worker`` off the main thread, where signal
     handlers cannot be installed, so ``run``'s SIGTERM checkpoint does not happen under Ray.
     Instead, after each log point every rank asks ``ray.train.get_preemption_info()`` (Ray
-    Train V2, the default since Ray 2.50; a collective); at the first notice that a node of
+    Train V2, Ray 2.60's default; a collective); at the first notice that a node of
     the worker group is being preempted, ``save_requested`` turns True and ``run`` writes
     (and this tracker reports) a checkpoint after that update, then trains on until Ray
     restarts the group from it (``FailureConfig(max_preemption_failures=...)``). The notice
@@ -71,6 +72,7 @@ class RayTrain:
         self._last: dict[str, float] = {}
         self._last_step: int | None = None
         self._notice = getattr(ray.train, "get_preemption_info", None)  # Ray Train V2 only
+        self._v2 = "delete_local_checkpoint_after_upload" in inspect.signature(ray.train.report).parameters
         self._noticed = False
         #: True from a preemption notice until the checkpoint ``run`` then writes is reported
         self.save_requested = False
@@ -91,8 +93,9 @@ class RayTrain:
         metrics = self._last if step == self._last_step else {}
         rank = self._train.get_context().get_world_rank()
         checkpoint = self._train.Checkpoint.from_directory(str(path)) if rank == 0 else None
+        keep = {"delete_local_checkpoint_after_upload": False} if self._v2 else {}  # Checkpoints(keep=...) owns it
         self._train.report({**metrics, "step": step}, checkpoint=checkpoint, checkpoint_dir_name=Path(path).name,
-                           delete_local_checkpoint_after_upload=False)  # run's Checkpoints(keep=...) owns it
+                           **keep)
         self.save_requested = False
 
     def close(self) -> None:

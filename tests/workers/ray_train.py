@@ -1,13 +1,15 @@
 """Worker for tests/tracking/test_ray.py: accelfn under Ray Train's ``TorchTrainer``, on one
 local Ray cluster started here (2 CPUs, 2 workers, gloo).
 
-Usage: python tests/workers/ray_train.py OUT [SCENARIO ...]
-Scenarios (``replicate``, ``shard_params``): for each, an uninterrupted ``TorchTrainer`` run,
-then one whose rank 1 raises once at step 10 (a marker file says it did), restarted by
-``FailureConfig(max_failures=1)`` from the checkpoint Ray holds. Each run exports its final
-weights (``af.save_model``) to OUT/<scenario>-<run>/weights and writes what Ray's ``Result``
-holds to OUT/<scenario>-<run>.json; every attempt of every rank appends the step it started
-from to OUT/<scenario>-<run>.starts.
+Usage: python tests/workers/ray_train.py OUT [RUN ...]
+Runs ``<scenario>-whole`` (uninterrupted) and ``<scenario>-failed`` (rank 1 raises once at
+step 10, a marker file says it did, and ``FailureConfig(max_failures=1)`` restarts the group
+from the checkpoint Ray holds), with scenario ``replicate`` or ``shard_params``; by default
+``replicate-whole``, ``replicate-failed`` and ``shard_params-failed`` (each TorchTrainer run
+costs a worker group's start, so the uninterrupted reference is run once). Each run exports
+its final weights (``af.save_model``) to OUT/<run>/weights and writes what Ray's ``Result``
+holds to OUT/<run>.json; every attempt of every rank appends where it started to
+OUT/<run>.starts.
 """
 
 from __future__ import annotations
@@ -83,9 +85,9 @@ def main() -> None:
     out = Path(sys.argv[1]).resolve()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        for scenario in sys.argv[2:] or ["replicate", "shard_params"]:
-            fit(out, scenario, fail=False)
-            fit(out, scenario, fail=True)
+        for run in sys.argv[2:] or ["replicate-whole", "replicate-failed", "shard_params-failed"]:
+            scenario, kind = run.split("-")
+            fit(out, scenario, fail=kind == "failed")
     finally:
         ray.shutdown()
 
