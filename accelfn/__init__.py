@@ -29,6 +29,7 @@ from accelfn.seed import set_seed
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
 from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
+from accelfn.tracking import RayTrain
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -72,6 +73,7 @@ __all__ = [
     "MLflow",
     "NonFiniteError",
     "Profile",
+    "RayTrain",
     "Replicate",
     "ShardData",
     "ShardParams",

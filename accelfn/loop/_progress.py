@@ -11,6 +11,7 @@ import time
 import types
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 import attrs
@@ -39,7 +40,8 @@ _MIB = 2.0**20
 
 
 class Progress:
-    """The progress bar (main process only) and the trackers of one ``run``.
+    """The progress bar (main process only) and the trackers of one ``run`` (main process
+    only, except those with ``every_rank = True``, called on every process).
 
     Every update counts its samples (and an ``af.Loss``'s items) and ticks the bar. Every
     ``log_every``-th update, if a tracker or the bar reads them, the metrics are reduced
@@ -53,7 +55,9 @@ class Progress:
                  total: int | None, initial: int, copies: int = 1):
         self._backend = backend
         self._copies = copies  # ranks reading each sample (a tensor-parallel group's): counted once
-        self._trackers = trackers if backend.is_main_process else ()
+        # a tracker with `every_rank = True` (af.RayTrain) is called on every process, with the same values
+        self._trackers = (trackers if backend.is_main_process
+                          else tuple(t for t in trackers if getattr(t, "every_rank", False) is True))
         self._log_every = log_every
         # the same on every rank (trackers and show are arguments of run), as the reduction is a collective
         self._read = bool(trackers) or show
@@ -173,6 +177,21 @@ class Progress:
         for tracker in self._trackers:
             if isinstance(tracker, ConfigTracker):
                 tracker.log_config(config)
+
+    def saved(self, step: int, path: Path) -> None:
+        """Hands the checkpoint just written at ``step`` (complete on disk) to the trackers that
+        take one (an optional ``saved(path, step)``), then flushes them."""
+        for tracker in self._trackers:
+            saved = getattr(tracker, "saved", None)
+            if callable(saved):
+                saved(path, step)
+        self.flush()
+
+    def save_requested(self) -> bool:
+        """True when a tracker called on every rank asks for a checkpoint now (its
+        ``save_requested`` attribute, the same on every rank: af.RayTrain on a preemption notice)."""
+        return any(getattr(t, "every_rank", False) is True and getattr(t, "save_requested", False) is True
+                   for t in self._trackers)
 
     def flush(self) -> None:
         """Has the trackers that can (an optional ``flush()``) write their points to disk."""

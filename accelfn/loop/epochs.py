@@ -276,14 +276,16 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
             if not metrics:
                 continue
             if schedule is not None:
-                if schedule.maybe_save(state) is not None:
-                    bar.flush()  # the points up to a checkpoint survive a kill after it
+                saved = schedule.maybe_save(state)
+                if saved is None and bar.save_requested() and schedule.last_step != state.step:
+                    saved = schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
+                if saved is not None:
+                    bar.saved(state.step, saved)  # the points up to a checkpoint survive a kill after it
             if max_steps is not None and state.step >= max_steps:
                 break
             if state.stopped is not None:
                 if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
-                    schedule.save(state)
-                    bar.flush()
+                    bar.saved(state.step, schedule.save(state))
                 backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
                 return state
         if max_steps is not None and state.step >= max_steps:

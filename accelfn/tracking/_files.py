@@ -29,8 +29,14 @@ class Tracker(Protocol):
     tracker can hide what an interrupted run logged after that step (``TensorBoard`` does),
     and tell a second ``run`` through it that continues the same run from one that restarts
     from an earlier step (accelfn's trackers do, see ``accelfn.tracking._runs``); and
-    ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
-    checkpoint are on disk when the process is killed after it.
+    and ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
+    checkpoint are on disk when the process is killed after it; and ``saved(path, step)``:
+    ``run`` calls it after each checkpoint it writes, before ``flush()``, with the checkpoint's
+    directory (still being written with ``Checkpoints(asynchronous=True)``). ``run`` calls a
+    tracker on the main process only, unless it has ``every_rank = True``: then on every
+    process, at the same points with the same values (``af.RayTrain``, whose reports are
+    collectives); such a tracker may set ``save_requested = True`` in ``log``, and ``run``
+    then writes a checkpoint after that update (``af.RayTrain`` on a preemption notice).
     """
 
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...

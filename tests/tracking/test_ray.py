@@ -1,0 +1,65 @@
+"""af.RayTrain under a real local Ray cluster: Ray's Result holds accelfn's metrics and
+checkpoints, and a worker failure restarts and resumes bitwise (tests/workers/ray_train.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNS = ("replicate-whole", "replicate-failed", "shard_params-failed")
+
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Ray cluster (one subprocess) running the three TorchTrainer runs of RUNS."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+        pytest.skip('Ray Train is not installed (pip install "accelfn[ray]"; .ci/run installs it where it can)')
+    out = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "ray_train.py"), str(out), *RUNS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return out
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(path / "weights" / "model.safetensors")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario", ["replicate", "shard_params"])
+def test_ray_result_holds_metrics_and_checkpoints_and_a_failure_resumes_bitwise(ray_runs: Path, scenario: str) -> None:
+    """Under TorchTrainer (2 gloo workers), af.RayTrain reports the run's metrics and each
+    checkpoint to Ray from every rank, and a failure of rank 1 at step 10 restarts from Ray's
+    step-8 checkpoint and ends bitwise equal to the uninterrupted replicate run (with 2 ranks
+    in fp32, shard_params' reduce-scatter and replicate's all-reduce average the same two
+    gradients, so an uninterrupted shard_params run ends there too)."""
+    whole = json.loads((ray_runs / "replicate-whole.json").read_text())
+    failed = json.loads((ray_runs / f"{scenario}-failed.json").read_text())
+    for result in (whole, failed):
+        assert result["error"] is None
+        assert result["metrics"]["step"] == 16  # 2 epochs of 8 updates; the last report is the step-16 checkpoint
+        assert {"loss", "samples_per_s"} <= set(result["metrics"])
+        assert Path(result["checkpoint"]).name == "step_00000016"
+        assert (Path(result["checkpoint"]) / "manifest.json").is_file()
+        assert sorted(Path(p).name for p in result["checkpoints"]) == [
+            "step_00000004", "step_00000008", "step_00000012", "step_00000016"]
+    assert whole["metrics"]["loss"] == failed["metrics"]["loss"]
+    # every rank of the first attempt started fresh, of the second from Ray's step-8 checkpoint
+    assert sorted((ray_runs / "replicate-whole.starts").read_text().splitlines()) == ["0 start", "1 start"]
+    assert (ray_runs / f"{scenario}-failed.failed").exists()
+    assert sorted((ray_runs / f"{scenario}-failed.starts").read_text().splitlines()) == [
+        "0 start", "0 step_00000008", "1 start", "1 step_00000008"]
+    reference, resumed = _weights(ray_runs / "replicate-whole"), _weights(ray_runs / f"{scenario}-failed")
+    assert reference.keys() == resumed.keys() and len(reference) == 4
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
