@@ -62,16 +62,23 @@ def test_evaluate_of_a_tp_model_gives_each_sample_once_in_order_on_every_rank(ru
 
 def test_each_rank_holds_half_of_every_split_layer_and_reads_the_whole_batch(run: dict[str, Any]) -> None:
     """The plan's column-wise layers keep half of the rows, row-wise ones half of the columns
-    (DTensors), the rest stays whole; the optimizer holds the model's parameters, and each
+    (DTensors; in the byte LM each block's qkv, proj and MLP: one of the 2 heads per rank), the
+    rest (embedding, positions, norms) stays whole; the optimizer holds the model's parameters, and each
     update counts its 4 samples once (the 2 ranks of the group read the same batch)."""
     for rank in range(2):
         mlp = run["json"][rank]["mlp"]
         assert mlp["local_shapes"] == {"0.weight": [16, 4], "0.bias": [16], "2.weight": [1, 16], "2.bias": [1]}
         assert set(mlp["types"].values()) == {"DTensor"}
         lm = run["json"][rank]["lm"]
-        assert lm["local_shapes"]["blocks.0.mlp.0.weight"] == [32, 16]
-        assert lm["local_shapes"]["blocks.1.mlp.2.weight"] == [16, 32]
-        assert lm["types"]["blocks.0.qkv.weight"] == "Tensor" and lm["types"]["blocks.0.mlp.0.weight"] == "DTensor"
+        for block in ("blocks.0", "blocks.1"):  # the whole block: attention by heads (1 of 2 each), and MLP
+            assert {k: v for k, v in lm["local_shapes"].items() if k.startswith(block + ".") and "norm" not in k} == {
+                f"{block}.qkv.weight": [24, 16], f"{block}.qkv.bias": [24], f"{block}.proj.weight": [16, 8],
+                f"{block}.proj.bias": [16], f"{block}.mlp.0.weight": [32, 16], f"{block}.mlp.0.bias": [32],
+                f"{block}.mlp.2.weight": [16, 32], f"{block}.mlp.2.bias": [16]}
+        split = {k for k, v in lm["types"].items() if v == "DTensor"}
+        assert split == {f"blocks.{i}.{p}" for i in (0, 1) for p in (
+            "qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight",
+            "mlp.2.bias")}
         for kind in ("mlp", "lm"):
             assert run["json"][rank][kind]["optimizer_params_are_model_params"] is True
             assert all(abs(n - T.BATCH) < 1e-9 for n in run["json"][rank][kind]["samples_per_update"])

@@ -47,7 +47,7 @@ def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_spli
         record = run["json"][rank]
         assert record["model_type"] == "FSDPByteLM"
         for name, full in record["full_numel"].items():
-            split = ".mlp.0." in name or ".mlp.2.weight" in name
+            split = any(f".{layer}" in name for layer in ("qkv.", "proj.weight", "mlp.0.", "mlp.2.weight"))
             assert record["local_numel"][name] * (4 if split else 2) == full, name
     logged = run["json"][0]["grad_norms"]  # the trackers are rank 0's
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)

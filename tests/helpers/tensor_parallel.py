@@ -24,7 +24,6 @@ CLIP = 1.0
 CLIP_2D = 0.3  # windows of 16 samples have smaller gradients: a bound they pass
 LR = 1e-2
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
-LM_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 CONTEXT = 8
 
 
@@ -76,7 +75,11 @@ def loader(kind: str) -> DataLoader:
 
 
 def plan(kind: str) -> dict[str, str]:
-    return MLP_PLAN if kind == "mlp" else LM_PLAN
+    """The MLP's plan, or the byte LM example's own ``--tp`` plan (attention and MLP of every block)."""
+    if kind == "mlp":
+        return MLP_PLAN
+    lm = byte_lm()
+    return lm.tp_plan(lm.Config(heads=2), 2)
 
 
 def hand_written(kind: str, *, data_world: int = 1, accumulate: int = 1,

@@ -110,7 +110,7 @@ def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: i
     Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
     backend = af.backends.auto()
     extra = (af.shard_params(),) if shard else ()
-    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.LM_PLAN, size=2), af.accumulate(2),
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.plan("lm"), size=2), af.accumulate(2),
                       af.clip(max_norm), *extra)(af.train_step(T.loss("lm")))
     recorder = Recorder()
     whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False,
