@@ -60,6 +60,81 @@ def test_evaluate_of_a_tp_model_gives_each_sample_once_in_order_on_every_rank(ru
         torch.testing.assert_close(run["tensors"][rank]["evaluated"], expected, rtol=1e-5, atol=1e-5)
 
 
+def _numerics(run: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [run["json"][rank]["numerics"][name] for rank in range(2)]
+
+
+def _max_diff(run: dict[str, Any], name: str, model: torch.nn.Module) -> float:
+    """The largest difference of run ``name``'s gathered parameters from ``model``'s (the same on both ranks)."""
+    diffs = []
+    for rank in range(2):
+        got = _part(run["tensors"][rank], f"{name}.")
+        assert got.keys() == model.state_dict().keys()
+        diffs += [float((got[k] - v).abs().max()) for k, v in model.state_dict().items()]
+    return max(diffs)
+
+
+def test_an_af_loss_with_ragged_item_counts_under_tp_is_the_items_mean_of_each_window(run: dict[str, Any]) -> None:
+    """TP=2 with accumulate(2) and an af.Loss whose micro-batches hold ragged item counts ends,
+    after 10 updates, equal (1e-5) to a 1-process loop over each window's summed loss divided by
+    its items; the logged loss is that window loss and the logged items count each item once."""
+    losses: list[float] = []
+    model, _ = T.hand_written("mlp", accumulate=2, weighted=True, losses=losses)
+    assert _max_diff(run, "items", model) < 1e-5
+    records = _numerics(run, "items")
+    assert [r["step"] for r in records] == [T.NUM_SAMPLES * T.EPOCHS // (2 * T.BATCH)] * 2
+    points = records[0]["points"]  # rank 0's trackers
+    torch.testing.assert_close(torch.tensor([p["loss"] for p in points]), torch.tensor(losses), rtol=1e-5, atol=0)
+    x, _ = T.data("mlp").tensors
+    counts = T.item_counts(x)
+    expected_items = []
+    for epoch in range(T.EPOCHS):  # the items of each window of 8 samples, in shard_data's order
+        sampler = torch.utils.data.DistributedSampler(T.data("mlp"), num_replicas=1, rank=0, shuffle=True,
+                                                      seed=P.SHARD_SEED)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        expected_items += [float(counts[order[i:i + 8]].sum()) for i in range(0, len(order), 8)]
+        micro = [float(counts[order[i:i + 4]].sum()) for i in range(0, len(order), 4)]
+        assert any(a != b for a, b in zip(micro[::2], micro[1::2]))  # ragged: a mean of means would differ
+    assert [p["items_per_update"] for p in points] == pytest.approx(expected_items, rel=1e-9)
+
+
+def test_an_inf_gradient_on_one_tp_rank_skips_the_update_on_every_rank(run: dict[str, Any]) -> None:
+    """Under TP=2 with fp16 loss scaling and with skip_nonfinite, an inf in rank 1's shard of one
+    gradient at update 5 skips that update on both ranks: both apply 19 of 20 and count one skip,
+    their copies of the replicated bias stay equal, the fp16 loss scale halves once (256 -> 128)
+    on both, grad_norm is not logged for it; the runs equal 1-process loops without update 5
+    (skip_nonfinite to 1e-5, fp16 to the fp16 autocast loop's 1e-4)."""
+    for name in ("fp16", "skip"):
+        records = _numerics(run, name)
+        assert [r["step"] for r in records] == [T.UPDATES - 1] * 2
+        assert [r["num_skipped"] for r in records] == [1, 1]
+        assert records[0]["bias"] == records[1]["bias"]
+        points = records[0]["points"]
+        assert [p["skipped"] for p in points] == [float(i == T.POISONED_UPDATE - 1) for i in range(T.UPDATES)]
+        assert ["grad_norm" in p for p in points] == [i != T.POISONED_UPDATE - 1 for i in range(T.UPDATES)]
+    fp16 = _numerics(run, "fp16")
+    assert [r["loss_scale"] for r in fp16] == [128.0, 128.0]
+    assert [p["loss_scale"] for p in fp16[0]["points"]] == [256.0] * T.POISONED_UPDATE + [128.0] * (
+        T.UPDATES - T.POISONED_UPDATE)
+    skipped, _ = T.hand_written("mlp", skip=T.POISONED_UPDATE - 1)
+    whole, _ = T.hand_written("mlp")
+    assert _max_diff(run, "skip", skipped) < 1e-5 and _max_diff(run, "skip", whole) > 1e-2
+    fp16_loop, _ = T.hand_written("mlp", skip=T.POISONED_UPDATE - 1, autocast=torch.float16)
+    assert _max_diff(run, "fp16", fp16_loop) < 1e-4
+
+
+def test_bf16_under_tp_trains_as_the_one_process_bf16_autocast_loop(run: dict[str, Any]) -> None:
+    """with_precision("bf16") under TP=2 runs the forward in bf16: after 20 updates its fp32
+    parameters are within bf16's rounding (1e-3) of a 1-process torch.autocast(bfloat16) loop and
+    further than 1e-4 from the fp32 loop (which the fp32 TP run matches to 1e-5)."""
+    bf16, _ = T.hand_written("mlp", autocast=torch.bfloat16)
+    fp32, _ = T.hand_written("mlp")
+    assert _max_diff(run, "bf16", bf16) < 1e-3 < _max_diff(run, "bf16", fp32) * 10
+    assert all(v.dtype == torch.float32 for v in _part(run["tensors"][0], "bf16.").values())
+    assert [r["step"] for r in _numerics(run, "bf16")] == [T.UPDATES] * 2
+
+
 def test_each_rank_holds_half_of_every_split_layer_and_reads_the_whole_batch(run: dict[str, Any]) -> None:
     """The plan's column-wise layers keep half of the rows, row-wise ones half of the columns
     (DTensors; in the byte LM each block's qkv, proj and MLP: one of the 2 heads per rank), the
@@ -216,3 +291,4 @@ def test_a_tp_checkpoint_resumes_mid_epoch_in_one_unsharded_process(saved: dict[
     assert state.step == 10
     for name, value in model.state_dict().items():
         torch.testing.assert_close(state.model.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
