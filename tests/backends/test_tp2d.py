@@ -58,12 +58,13 @@ def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_spli
 def test_2d_metrics_are_reduced_over_the_data_dimension_only(run: dict[str, Any]) -> None:
     """On the (data 2, tensor 2) mesh the logged loss of each update is the loss of its whole
     window of 16 samples (the mean over the 2 data shards, 1e-5), and each update counts its 16
-    samples once, not once per rank of a tensor-parallel group (32)."""
+    samples (8 at an epoch's end) once, not once per rank of a tensor-parallel group."""
     losses: list[float] = []
     T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
     logged = run["json"][0]
     torch.testing.assert_close(torch.tensor(logged["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
-    assert logged["samples_per_update"] == pytest.approx([16.0] * len(losses), rel=1e-9)
+    windows = [float(min(16, T.NUM_SAMPLES - start)) for start in range(0, T.NUM_SAMPLES, 16)] * T.EPOCHS
+    assert logged["samples_per_update"] == pytest.approx(windows, rel=1e-9)  # 16, 16, then the epoch's last 8
 
 
 def test_evaluate_on_the_2d_mesh_gives_each_sample_once_in_order_on_every_rank(run: dict[str, Any]) -> None:
