@@ -239,11 +239,32 @@ def test_save_model_from_a_tp_state_loads_strictly_into_a_fresh_model(saved: dic
 
 
 def test_auto_takes_a_transformers_models_own_plan(pool: Pools) -> None:
-    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan: each rank
-    keeps half of q_proj's rows and the logits equal the unsplit model's (1e-5)."""
+    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan (its four
+    Hugging Face style names): each rank keeps half of q_proj's rows, of the embedding's rows
+    (embedding_rowwise) and of lm_head's (colwise_gather_output), and the logits equal the
+    unsplit model's (1e-5). The other documented plan forms, in the same launch: a dict with
+    "sequence_parallel" and ParallelStyle objects trains 3 updates equal to the unsplit model
+    (1e-5); a plan function gets the group's 1-D mesh and splits the model as it says."""
     for result in pool.call(*LAUNCH, function="tp_checks:auto", timeout_s=300):
         assert result["q_local"] == [16, 32] and result["q_full"] == [32, 32]
+        assert result["embed_local"] == [32, 32] and result["lm_head_local"] == [32, 32]
         assert result["max_diff"] < 1e-5
+        assert result["sp_step"] == 3 and result["sp_diff"] < 1e-5
+        assert result["sp_local"] == {"0.weight": [8, 8], "0.bias": [8], "2.weight": [8, 8], "2.bias": [8],
+                                      "3.weight": [8], "3.bias": [8]}
+        assert result["fn_meshes"] == [[1, 2, ["tensor"]]] and result["fn_local"] == [8, 8]
+        assert result["fn_diff"] < 1e-5
+
+
+def test_auto_refuses_a_style_it_does_not_map_by_name() -> None:
+    """"auto" with a model whose own plan names a style accelfn does not map (transformers'
+    "local_colwise") raises NotImplementedError naming the module and the style, before any change."""
+    state = T.make_state("mlp")
+    state.model._tp_plan = {"0": "colwise", "2": "local_colwise"}  # type: ignore[assignment]
+    before = [p for p in state.model.parameters()]
+    with pytest.raises(NotImplementedError, match="gives '2' the style 'local_colwise'"):
+        af.backends.CPU().prepare(af.tensor_parallel("auto", size=1)(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == before and not any(hasattr(p, "to_local") for p in before)
 
 
 def test_auto_without_a_plan_and_a_pattern_matching_nothing_are_refused_before_any_change() -> None:

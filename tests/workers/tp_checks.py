@@ -218,4 +218,58 @@ def auto() -> dict[str, Any]:
         logits = state.model(tokens).logits
     q = state.model.model.layers[0].self_attn.q_proj.weight
     return {"max_diff": float((logits - expected).abs().max()), "q_local": list(q.to_local().shape),
-            "q_full": list(q.shape)}
+            "q_full": list(q.shape), "embed_local": list(state.model.model.embed_tokens.weight.to_local().shape),
+            "lm_head_local": list(state.model.lm_head.weight.to_local().shape)} | _other_plans(backend)
+
+
+def _other_plans(backend: af.backends.Backend) -> dict[str, Any]:
+    """The other documented plan forms on 2 ranks, each against the unsplit model: a dict with
+    the ``"sequence_parallel"`` style and ParallelStyle objects (Megatron's sequence parallelism:
+    the row-wise layer reduce-scatters along the sequence, the LayerNorm runs on sequence
+    shards), trained 3 SGD updates through ``af.run``; and a plan function
+    ``parallelize(model, mesh)``, given the group's 1-D mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                   torch.nn.LayerNorm(8))
+
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(2, 4, 8, generator=g) for _ in range(3)]  # (batch, seq 4 = 2 shards of 2, width)
+
+    def full(out: torch.Tensor) -> torch.Tensor:  # the LayerNorm's output is a DTensor sharded along seq
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def sp_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return full(model(batch)).pow(3).mean()
+
+    reference = make()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in batches:
+        sp_loss(reference, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = {"0": "colwise", "2": RowwiseParallel(output_layouts=Shard(1)), "3": "sequence_parallel"}
+    sp_model = make()
+    sp = af.run(af.tensor_parallel(plan, size=2)(af.train_step(sp_loss)),
+                af.TrainState.create(sp_model, torch.optim.SGD(sp_model.parameters(), lr=0.1)), batches,
+                backend=backend, progress=False)
+    sp_diff = max(float((full(sp.model.state_dict()[k]) - v).abs().max()) for k, v in reference.state_dict().items())
+
+    meshes = []
+
+    def parallelize(module: torch.nn.Module, mesh: Any) -> None:
+        meshes.append((mesh.ndim, mesh.size(), mesh.mesh_dim_names))
+        parallelize_module(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    model, unsplit = make(), make()
+    state, _ = backend.prepare(af.tensor_parallel(parallelize, size=2)(af.train_step(sp_loss)),
+                               af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    with torch.no_grad():
+        fn_diff = float((state.model(batches[0]) - unsplit(batches[0])).abs().max())
+    return {"sp_step": sp.step, "sp_diff": sp_diff, "sp_local": {k: list(v.to_local().shape) for k, v in
+                                                                 sp.model.state_dict().items()},
+            "fn_diff": fn_diff, "fn_meshes": [list(m[:2]) + [list(m[2])] for m in meshes],
+            "fn_local": list(model[0].weight.to_local().shape)}
