@@ -313,3 +313,17 @@ def test_a_tp_checkpoint_resumes_mid_epoch_in_one_unsharded_process(saved: dict[
     for name, value in model.state_dict().items():
         torch.testing.assert_close(state.model.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
+
+
+def test_byte_lm_refuses_a_tp_size_that_does_not_divide_its_heads(tmp_path: Any) -> None:
+    """examples/byte_lm.py's --tp splits the attention by heads: tp_plan and main(tp=3) with 4
+    heads raise ValueError naming both and the sizes that divide, before anything runs."""
+    lm = T.byte_lm()
+    message = (r"--tp 3: tensor parallelism splits the attention by heads, and the 4 heads \(--heads\) cannot be "
+               r"divided over 3 ranks; use a --tp that divides --heads \(one of 1, 2, 4\)")
+    with pytest.raises(ValueError, match=message):
+        lm.tp_plan(lm.Config(heads=4), 3)
+    with pytest.raises(ValueError, match=message):
+        lm.main(lm.Config(heads=4), run_dir=str(tmp_path / "run"), tp=3, progress=False)
+    assert not (tmp_path / "run").exists()
+    assert lm.tp_plan(lm.Config(heads=4), 2) == lm.TP_PLAN
