@@ -5,7 +5,7 @@
     python examples/byte_lm.py                                # again: resumes from the latest checkpoint
     python examples/byte_lm.py --width 64 --depth 2 --max-steps 300   # every Config field is a flag
     accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard     # shard_params() instead of replicate()
-    accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # each block's attention and MLP split over 2 ranks
+    accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # attention and MLP split over 2 ranks
     accelfn launch --nproc-per-node 4 examples/byte_lm.py --tp 2      # 2-D: FSDP2 over 2 x TP over 2
 
 The text is real and on every machine: the ``.py`` files next to the ``os`` module, read as
