@@ -5,7 +5,7 @@
     python examples/byte_lm.py                                # again: resumes from the latest checkpoint
     python examples/byte_lm.py --width 64 --depth 2 --max-steps 300   # every Config field is a flag
     accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard     # shard_params() instead of replicate()
-    accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # each block's MLP split over 2 ranks
+    accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # attention and MLP split over 2 ranks
     accelfn launch --nproc-per-node 4 examples/byte_lm.py --tp 2      # 2-D: FSDP2 over 2 x TP over 2
 
 The text is real and on every machine: the ``.py`` files next to the ``os`` module, read as
@@ -101,11 +101,20 @@ def datasets(config: Config) -> tuple[Blocks, Blocks]:
 
 
 class Block(torch.nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP, each residual."""
+    """Pre-norm transformer block: causal self-attention, then a 4x MLP, each residual.
+
+    The fused ``qkv`` projection's outputs are laid out head by head (``(heads, 3, head
+    width)``, as Megatron-LM lays out its ``query_key_value``), so a column-wise split of
+    ``qkv`` over ``t`` ranks gives each rank the queries, keys and values of ``heads / t``
+    whole heads; the forward reads how many heads it holds from the projection's output, so
+    the same code runs whole or split (``TP_PLAN``).
+    """
 
     def __init__(self, width: int, heads: int):
         super().__init__()
-        self.heads = heads
+        if width % heads:
+            raise ValueError(f"Block(width={width}, heads={heads}): the width must divide by the number of heads")
+        self.head_width = width // heads
         self.norm1 = torch.nn.LayerNorm(width)
         self.qkv = torch.nn.Linear(width, 3 * width)
         self.proj = torch.nn.Linear(width, width)
@@ -115,11 +124,12 @@ class Block(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, seq, width)
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        b, t, _ = x.shape
+        # (batch, seq, heads here, 3, head width): every head when whole, heads / tp of them when split
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, -1, 3, self.head_width).unbind(3)
         attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)  # (batch, heads, seq, head width)
-        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
+                                                  is_causal=True)  # (batch, heads here, seq, head width)
+        x = x + self.proj(attended.transpose(1, 2).flatten(2))  # split: a row-wise proj sums the ranks' heads
         return x + self.mlp(self.norm2(x))
 
 
@@ -200,9 +210,30 @@ def held_out_loss(state: af.TrainState, held_out: Blocks, backend: af.backends.B
     return af.evaluate(per_sequence_loss, state, loader, backend=backend).mean().item()
 
 
-#: the tensor-parallel plan of ``--tp``: each block's MLP split Megatron-style (the attention's
-#: fused qkv projection is reshaped by heads in ``Block.forward``, so it stays whole)
-TP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+#: the tensor-parallel plan of ``--tp`` (Megatron-LM's): in each block the attention's fused
+#: ``qkv`` projection column-wise (each rank computes ``heads / tp`` whole heads, see ``Block``) and
+#: its output projection row-wise (the heads' outputs summed over the ranks); the MLP's first
+#: layer column-wise and its second row-wise. One all-reduce per row-wise layer in the forward.
+#: The embedding (tied to the output layer), positions and norms stay whole on every rank.
+TP_PLAN = {"blocks.*.qkv": "colwise", "blocks.*.proj": "rowwise",
+           "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+def tp_plan(config: Config, tp: int) -> dict[str, str]:
+    """``TP_PLAN``, after checking that ``config``'s heads divide over ``tp`` ranks.
+
+    Raises:
+        ValueError: ``config.heads`` is not a multiple of ``tp`` (a rank would hold part of a
+            head, whose attention cannot be computed from part of its width).
+    """
+    if config.heads % tp:
+        raise ValueError(
+            f"--tp {tp}: tensor parallelism splits the attention by heads, and the {config.heads} heads "
+            f"(--heads) cannot be divided over {tp} ranks; use a --tp that divides --heads "
+            f"(one of {', '.join(str(d) for d in range(1, config.heads + 1) if config.heads % d == 0)}), "
+            f"or a --heads that is a multiple of {tp}"
+        )
+    return dict(TP_PLAN)
 
 
 def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_steps: int = 100,
@@ -211,10 +242,12 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     """Trains (or resumes) and returns the final state and the held-out losses before/after.
 
     ``shard=True`` trains with ``shard_params()`` instead of ``replicate()``; ``tp > 1`` splits
-    each block's MLP over groups of ``tp`` ranks (``tensor_parallel``), with ``shard_params()``
+    each block's attention (by heads) and MLP over groups of ``tp`` ranks (``tensor_parallel``,
+    ``TP_PLAN``; ``config.heads`` must divide by ``tp``), with ``shard_params()``
     over the data dimension when there are more processes than ``tp`` (2-D); ``every_steps=0``
     saves no checkpoints (and so resumes from none).
     """
+    plan = tp_plan(config, tp) if tp > 1 else None  # before anything runs
     backend = af.backends.auto()
     torch.manual_seed(config.seed)
     train, held_out = datasets(config)
@@ -225,8 +258,8 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
 
-    if tp > 1:  # replicate() does not take DTensors: data parallel over the data dimension is FSDP2
-        parallel = [af.tensor_parallel(TP_PLAN, size=tp)] + ([af.shard_params()] if backend.world_size > tp else [])
+    if plan is not None:  # replicate() does not take DTensors: data parallel over the data dimension is FSDP2
+        parallel = [af.tensor_parallel(plan, size=tp)] + ([af.shard_params()] if backend.world_size > tp else [])
     else:
         parallel = [af.shard_params() if shard else af.replicate()]
     step = af.compose(
@@ -262,7 +295,8 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
                             metavar=field.name.upper(), help=f"(default {field.default})")
     parser.add_argument("--every-steps", type=int, default=100, help="checkpoint every this many updates (0: never)")
     parser.add_argument("--shard", action="store_true", help="shard_params() (FSDP2) instead of replicate()")
-    parser.add_argument("--tp", type=int, default=1, help="split each block's MLP over this many ranks")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="split each block's attention (by heads) and MLP over this many ranks")
     parser.add_argument("--run-dir", default="runs/byte_lm", help="checkpoints and TensorBoard logs")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
     args = parser.parse_args()

@@ -122,10 +122,10 @@ class StepFn:
         # some parameters are DTensors (shard_params, tensor_parallel): gradients are taken shard by shard
         self._distributed_params = any(collectives.is_dtensor(p) for p in self._params)
         self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
-        # every rank skips the same updates (one rank, all-reduced gradients, or a sharded
-        # model's inf check summed over ranks), so a skipped update's metrics can leave
+        # every rank skips the same updates (one rank, all-reduced gradients, or a sharded or
+        # split model's inf check summed over ranks), so a skipped update's metrics can leave
         # grad_norm out without the ranks reducing different names
-        self._skips_agree = data_parallel or backend.world_size == 1
+        self._skips_agree = data_parallel or backend.world_size == 1 or self._distributed_params
         self._world_size = backend.world_size if data_parallel else 1
         self._loss_kind_agreed = not data_parallel  # checked at the first micro-batch (_agree_loss_kind)
         sync_every = shard is not None and sharded and shard.reduce_every_micro_batch

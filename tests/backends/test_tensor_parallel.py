@@ -60,18 +60,100 @@ def test_evaluate_of_a_tp_model_gives_each_sample_once_in_order_on_every_rank(ru
         torch.testing.assert_close(run["tensors"][rank]["evaluated"], expected, rtol=1e-5, atol=1e-5)
 
 
+def _numerics(run: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [run["json"][rank]["numerics"][name] for rank in range(2)]
+
+
+def _max_diff(run: dict[str, Any], name: str, model: torch.nn.Module) -> float:
+    """The largest difference of run ``name``'s gathered parameters from ``model``'s (the same on both ranks)."""
+    diffs = []
+    for rank in range(2):
+        got = _part(run["tensors"][rank], f"{name}.")
+        assert got.keys() == model.state_dict().keys()
+        diffs += [float((got[k] - v).abs().max()) for k, v in model.state_dict().items()]
+    return max(diffs)
+
+
+def test_an_af_loss_with_ragged_item_counts_under_tp_is_the_items_mean_of_each_window(run: dict[str, Any]) -> None:
+    """TP=2 with accumulate(2) and an af.Loss whose micro-batches hold ragged item counts ends,
+    after 10 updates, equal (1e-5) to a 1-process loop over each window's summed loss divided by
+    its items; the logged loss is that window loss and the logged items count each item once."""
+    losses: list[float] = []
+    model, _ = T.hand_written("mlp", accumulate=2, weighted=True, losses=losses)
+    assert _max_diff(run, "items", model) < 1e-5
+    records = _numerics(run, "items")
+    assert [r["step"] for r in records] == [T.NUM_SAMPLES * T.EPOCHS // (2 * T.BATCH)] * 2
+    points = records[0]["points"]  # rank 0's trackers
+    torch.testing.assert_close(torch.tensor([p["loss"] for p in points]), torch.tensor(losses), rtol=1e-5, atol=0)
+    x, _ = T.data("mlp").tensors
+    counts = T.item_counts(x)
+    expected_items = []
+    for epoch in range(T.EPOCHS):  # the items of each window of 8 samples, in shard_data's order
+        sampler = torch.utils.data.DistributedSampler(T.data("mlp"), num_replicas=1, rank=0, shuffle=True,
+                                                      seed=P.SHARD_SEED)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        expected_items += [float(counts[order[i:i + 8]].sum()) for i in range(0, len(order), 8)]
+        micro = [float(counts[order[i:i + 4]].sum()) for i in range(0, len(order), 4)]
+        assert any(a != b for a, b in zip(micro[::2], micro[1::2]))  # ragged: a mean of means would differ
+    assert [p["items_per_update"] for p in points] == pytest.approx(expected_items, rel=1e-9)
+
+
+def test_an_inf_gradient_on_one_tp_rank_skips_the_update_on_every_rank(run: dict[str, Any]) -> None:
+    """Under TP=2 with fp16 loss scaling and with skip_nonfinite, an inf in rank 1's shard of one
+    gradient at update 5 skips that update on both ranks: both apply 19 of 20 and count one skip,
+    their copies of the replicated bias stay equal, the fp16 loss scale halves once (256 -> 128)
+    on both, grad_norm is not logged for it; the runs equal 1-process loops without update 5
+    (skip_nonfinite to 1e-5, fp16 to the fp16 autocast loop's 1e-4)."""
+    for name in ("fp16", "skip"):
+        records = _numerics(run, name)
+        assert [r["step"] for r in records] == [T.UPDATES - 1] * 2
+        assert [r["num_skipped"] for r in records] == [1, 1]
+        assert records[0]["bias"] == records[1]["bias"]
+        points = records[0]["points"]
+        assert [p["skipped"] for p in points] == [float(i == T.POISONED_UPDATE - 1) for i in range(T.UPDATES)]
+        assert ["grad_norm" in p for p in points] == [i != T.POISONED_UPDATE - 1 for i in range(T.UPDATES)]
+    fp16 = _numerics(run, "fp16")
+    assert [r["loss_scale"] for r in fp16] == [128.0, 128.0]
+    assert [p["loss_scale"] for p in fp16[0]["points"]] == [256.0] * T.POISONED_UPDATE + [128.0] * (
+        T.UPDATES - T.POISONED_UPDATE)
+    skipped, _ = T.hand_written("mlp", skip=T.POISONED_UPDATE - 1)
+    whole, _ = T.hand_written("mlp")
+    assert _max_diff(run, "skip", skipped) < 1e-5 and _max_diff(run, "skip", whole) > 1e-2
+    fp16_loop, _ = T.hand_written("mlp", skip=T.POISONED_UPDATE - 1, autocast=torch.float16)
+    assert _max_diff(run, "fp16", fp16_loop) < 1e-4
+
+
+def test_bf16_under_tp_trains_as_the_one_process_bf16_autocast_loop(run: dict[str, Any]) -> None:
+    """with_precision("bf16") under TP=2 runs the forward in bf16: after 20 updates its fp32
+    parameters are within bf16's rounding (1e-3) of a 1-process torch.autocast(bfloat16) loop and
+    further than 1e-4 from the fp32 loop (which the fp32 TP run matches to 1e-5)."""
+    bf16, _ = T.hand_written("mlp", autocast=torch.bfloat16)
+    fp32, _ = T.hand_written("mlp")
+    assert _max_diff(run, "bf16", bf16) < 1e-3 < _max_diff(run, "bf16", fp32) * 10
+    assert all(v.dtype == torch.float32 for v in _part(run["tensors"][0], "bf16.").values())
+    assert [r["step"] for r in _numerics(run, "bf16")] == [T.UPDATES] * 2
+
+
 def test_each_rank_holds_half_of_every_split_layer_and_reads_the_whole_batch(run: dict[str, Any]) -> None:
     """The plan's column-wise layers keep half of the rows, row-wise ones half of the columns
-    (DTensors), the rest stays whole; the optimizer holds the model's parameters, and each
+    (DTensors; in the byte LM each block's qkv, proj and MLP: one of the 2 heads per rank), the
+    rest (embedding, positions, norms) stays whole; the optimizer holds the model's parameters, and each
     update counts its 4 samples once (the 2 ranks of the group read the same batch)."""
     for rank in range(2):
         mlp = run["json"][rank]["mlp"]
         assert mlp["local_shapes"] == {"0.weight": [16, 4], "0.bias": [16], "2.weight": [1, 16], "2.bias": [1]}
         assert set(mlp["types"].values()) == {"DTensor"}
         lm = run["json"][rank]["lm"]
-        assert lm["local_shapes"]["blocks.0.mlp.0.weight"] == [32, 16]
-        assert lm["local_shapes"]["blocks.1.mlp.2.weight"] == [16, 32]
-        assert lm["types"]["blocks.0.qkv.weight"] == "Tensor" and lm["types"]["blocks.0.mlp.0.weight"] == "DTensor"
+        for block in ("blocks.0", "blocks.1"):  # the whole block: attention by heads (1 of 2 each), and MLP
+            assert {k: v for k, v in lm["local_shapes"].items() if k.startswith(block + ".") and "norm" not in k} == {
+                f"{block}.qkv.weight": [24, 16], f"{block}.qkv.bias": [24], f"{block}.proj.weight": [16, 8],
+                f"{block}.proj.bias": [16], f"{block}.mlp.0.weight": [32, 16], f"{block}.mlp.0.bias": [32],
+                f"{block}.mlp.2.weight": [16, 32], f"{block}.mlp.2.bias": [16]}
+        split = {k for k, v in lm["types"].items() if v == "DTensor"}
+        assert split == {f"blocks.{i}.{p}" for i in (0, 1) for p in (
+            "qkv.weight", "qkv.bias", "proj.weight", "proj.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight",
+            "mlp.2.bias")}
         for kind in ("mlp", "lm"):
             assert run["json"][rank][kind]["optimizer_params_are_model_params"] is True
             assert all(abs(n - T.BATCH) < 1e-9 for n in run["json"][rank][kind]["samples_per_update"])
@@ -157,11 +239,32 @@ def test_save_model_from_a_tp_state_loads_strictly_into_a_fresh_model(saved: dic
 
 
 def test_auto_takes_a_transformers_models_own_plan(pool: Pools) -> None:
-    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan: each rank
-    keeps half of q_proj's rows and the logits equal the unsplit model's (1e-5)."""
+    """tensor_parallel("auto", size=2) splits a tiny transformers Llama by its _tp_plan (its four
+    Hugging Face style names): each rank keeps half of q_proj's rows, of the embedding's rows
+    (embedding_rowwise) and of lm_head's (colwise_gather_output), and the logits equal the
+    unsplit model's (1e-5). The other documented plan forms, in the same launch: a dict with
+    "sequence_parallel" and ParallelStyle objects trains 3 updates equal to the unsplit model
+    (1e-5); a plan function gets the group's 1-D mesh and splits the model as it says."""
     for result in pool.call(*LAUNCH, function="tp_checks:auto", timeout_s=300):
         assert result["q_local"] == [16, 32] and result["q_full"] == [32, 32]
+        assert result["embed_local"] == [32, 32] and result["lm_head_local"] == [32, 32]
         assert result["max_diff"] < 1e-5
+        assert result["sp_step"] == 3 and result["sp_diff"] < 1e-5
+        assert result["sp_local"] == {"0.weight": [8, 8], "0.bias": [8], "2.weight": [8, 8], "2.bias": [8],
+                                      "3.weight": [8], "3.bias": [8]}
+        assert result["fn_meshes"] == [[1, 2, ["tensor"]]] and result["fn_local"] == [8, 8]
+        assert result["fn_diff"] < 1e-5
+
+
+def test_auto_refuses_a_style_it_does_not_map_by_name() -> None:
+    """"auto" with a model whose own plan names a style accelfn does not map (transformers'
+    "local_colwise") raises NotImplementedError naming the module and the style, before any change."""
+    state = T.make_state("mlp")
+    state.model._tp_plan = {"0": "colwise", "2": "local_colwise"}  # type: ignore[assignment]
+    before = [p for p in state.model.parameters()]
+    with pytest.raises(NotImplementedError, match="gives '2' the style 'local_colwise'"):
+        af.backends.CPU().prepare(af.tensor_parallel("auto", size=1)(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == before and not any(hasattr(p, "to_local") for p in before)
 
 
 def test_auto_without_a_plan_and_a_pattern_matching_nothing_are_refused_before_any_change() -> None:
@@ -209,3 +312,18 @@ def test_a_tp_checkpoint_resumes_mid_epoch_in_one_unsharded_process(saved: dict[
     assert state.step == 10
     for name, value in model.state_dict().items():
         torch.testing.assert_close(state.model.state_dict()[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+
+
+def test_byte_lm_refuses_a_tp_size_that_does_not_divide_its_heads(tmp_path: Any) -> None:
+    """examples/byte_lm.py's --tp splits the attention by heads: tp_plan and main(tp=3) with 4
+    heads raise ValueError naming both and the sizes that divide, before anything runs."""
+    lm = T.byte_lm()
+    message = (r"--tp 3: tensor parallelism splits the attention by heads, and the 4 heads \(--heads\) cannot be "
+               r"divided over 3 ranks; use a --tp that divides --heads \(one of 1, 2, 4\)")
+    with pytest.raises(ValueError, match=message):
+        lm.tp_plan(lm.Config(heads=4), 3)
+    with pytest.raises(ValueError, match=message):
+        lm.main(lm.Config(heads=4), run_dir=str(tmp_path / "run"), tp=3, progress=False)
+    assert not (tmp_path / "run").exists()
+    assert lm.tp_plan(lm.Config(heads=4), 2) == lm.TP_PLAN

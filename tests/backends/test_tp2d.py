@@ -1,7 +1,7 @@
 """2-D FSDP2 x TP (``shard_params()`` with ``tensor_parallel(size=2)``) on 4 real gloo processes.
 
 One launch of tests/workers/tp2d_checks.py records everything: the byte LM trained whole,
-stopped after 2 updates with a checkpoint and resumed from it, and exported.
+stopped after 2 updates with a checkpoint and resumed from it, exported, and evaluated.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_spli
     """On a (data 2, tensor 2) mesh with accumulate(2) + clip(0.3) the gathered parameters and
     logged grad norms equal a 1-process loop over windows of 16 samples (1e-5) on every rank;
     each rank holds 1/4 of every split weight matrix and 1/2 of every other parameter."""
-    model, norms = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D)
+    losses: list[float] = []
+    model, norms = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
     reference = model.state_dict()
     for rank in range(WORLD):
         whole = _part(run["tensors"][rank], "whole.")
@@ -47,11 +48,35 @@ def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_spli
         record = run["json"][rank]
         assert record["model_type"] == "FSDPByteLM"
         for name, full in record["full_numel"].items():
-            split = ".mlp.0." in name or ".mlp.2.weight" in name
+            split = any(f".{layer}" in name for layer in ("qkv.", "proj.weight", "mlp.0.", "mlp.2.weight"))
             assert record["local_numel"][name] * (4 if split else 2) == full, name
     logged = run["json"][0]["grad_norms"]  # the trackers are rank 0's
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
     assert max(norms) > T.CLIP_2D  # some updates were clipped
+
+
+def test_2d_metrics_are_reduced_over_the_data_dimension_only(run: dict[str, Any]) -> None:
+    """On the (data 2, tensor 2) mesh the logged loss of each update is the loss of its whole
+    window of 16 samples (the mean over the 2 data shards, 1e-5), and each update counts its 16
+    samples (8 at an epoch's end) once, not once per rank of a tensor-parallel group."""
+    losses: list[float] = []
+    T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
+    logged = run["json"][0]
+    torch.testing.assert_close(torch.tensor(logged["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    windows = [float(min(16, T.NUM_SAMPLES - start)) for start in range(0, T.NUM_SAMPLES, 16)] * T.EPOCHS
+    assert logged["samples_per_update"] == pytest.approx(windows, rel=1e-9)  # 16, 16, then the epoch's last 8
+
+
+def test_evaluate_on_the_2d_mesh_gives_each_sample_once_in_order_on_every_rank(run: dict[str, Any]) -> None:
+    """af.evaluate of the 2-D model's per-sequence loss over the 40 sequences (batches of 3, the
+    last ones ragged) returns, on all 4 ranks, 40 values in dataset order equal to the
+    hand-written model's (1e-5): each tensor-parallel group reads one data shard, reported once."""
+    model, _ = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D)
+    x, y = T.data("lm").tensors
+    with torch.no_grad():
+        expected = T.byte_lm().per_sequence_loss(model, (x, y))
+    for rank in range(WORLD):
+        torch.testing.assert_close(run["tensors"][rank]["evaluated"], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_2d_run_resumed_from_its_checkpoint_is_bitwise_the_whole_run(run: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ examples/byte_lm.py (tiny) on random bytes, each with the hand-written loop it m
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from types import ModuleType
@@ -24,8 +25,9 @@ CLIP = 1.0
 CLIP_2D = 0.3  # windows of 16 samples have smaller gradients: a bound they pass
 LR = 1e-2
 MLP_PLAN = {"0": "colwise", "2": "rowwise"}
-LM_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 CONTEXT = 8
+#: the update (from 1) whose gradient gets an inf on rank 1 only, in the fp16 and skip_nonfinite runs
+POISONED_UPDATE = 5
 
 
 def byte_lm() -> ModuleType:
@@ -76,14 +78,38 @@ def loader(kind: str) -> DataLoader:
 
 
 def plan(kind: str) -> dict[str, str]:
-    return MLP_PLAN if kind == "mlp" else LM_PLAN
+    """The MLP's plan, or the byte LM example's own ``--tp`` plan (attention and MLP of every block)."""
+    if kind == "mlp":
+        return MLP_PLAN
+    lm = byte_lm()
+    return lm.tp_plan(lm.Config(heads=2), 2)
 
 
-def hand_written(kind: str, *, data_world: int = 1, accumulate: int = 1,
-                 max_norm: float = CLIP) -> tuple[torch.nn.Module, list[float]]:
+def item_counts(x: torch.Tensor) -> torch.Tensor:
+    """``(batch, 4) -> (batch,)``: how many items each regression sample stands for (1, 2 or 3,
+    from its first feature), so micro-batches hold ragged numbers of items."""
+    return 1 + (x[:, 0].abs() * 2).floor().clamp(max=2)
+
+
+def weighted_mse(model: torch.nn.Module, batch: Any) -> af.Loss:
+    """The MLP's squared error summed over items (each sample counted ``item_counts`` times)."""
+    x, y = batch
+    counts = item_counts(x)
+    return af.Loss(total=((model(x) - y).pow(2).squeeze(-1) * counts).sum(), count=counts.sum())
+
+
+def hand_written(kind: str, *, data_world: int = 1, accumulate: int = 1, max_norm: float = CLIP,
+                 weighted: bool = False, skip: int | None = None, autocast: torch.dtype | None = None,
+                 losses: list[float] | None = None) -> tuple[torch.nn.Module, list[float]]:
     """One process, no accelfn: AdamW over windows of ``BATCH * data_world * accumulate``
     samples in the ``shard_data`` order of each epoch (the last window of an epoch what is
     left), clip_grad_norm_(max_norm) before every update.
+
+    Args:
+        weighted: the window's loss is ``weighted_mse``'s total over its item count (the MLP).
+        skip: the index (from 0, over both epochs) of an update not applied.
+        autocast: the forward under ``torch.autocast("cpu", dtype=autocast)``.
+        losses: gets each window's loss appended.
 
     Returns:
         The trained model and the gradient norm before clipping of every update.
@@ -99,10 +125,19 @@ def hand_written(kind: str, *, data_world: int = 1, accumulate: int = 1,
         order = list(sampler)
         size = BATCH * data_world * accumulate
         for start in range(0, len(order), size):
-            batch = order[start:start + size]
-            loss(kind)(model, (x[batch], y[batch])).backward()
+            batch = (x[order[start:start + size]], y[order[start:start + size]])
+            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                if weighted:
+                    out = weighted_mse(model, batch)
+                    value = out.total / out.count
+                else:
+                    value = loss(kind)(model, batch)
+            value.backward()
+            if losses is not None:
+                losses.append(float(value.detach()))
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-            opt.step()
+            if len(norms) - 1 != skip:
+                opt.step()
             opt.zero_grad()
     return model, norms
 

@@ -4,7 +4,7 @@ Usage: accelfn launch --nproc-per-node 4 tp2d_checks.py --out DIR
 
 Runs ``tp_checks.checkpoints(DIR, shard=True)`` (the byte LM under shard_data +
 tensor_parallel(size=2) + shard_params() + accumulate(2) + clip(0.3): whole, stopped after 2
-updates with a checkpoint, resumed, exported) and writes DIR/rank{r}.json.
+updates with a checkpoint, resumed, exported, evaluated) and writes DIR/rank{r}.json.
 """
 
 from __future__ import annotations

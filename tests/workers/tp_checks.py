@@ -50,8 +50,63 @@ def train(out: str) -> dict[str, Any]:
             evaluated = af.evaluate(lambda m, b: m(b[0]), state, DataLoader(T.data(kind), batch_size=3),
                                     backend=backend)
             tensors["evaluated"] = evaluated.contiguous()
-    save_file(tensors, Path(out) / f"rank{backend.rank}.safetensors")
+    numerics, numeric_tensors = _numerics(backend)
+    result["numerics"] = numerics
+    save_file(tensors | numeric_tensors, Path(out) / f"rank{backend.rank}.safetensors")
     return result
+
+
+def _poisoned(loss_fn: Any, rank: int) -> Any:
+    """``loss_fn``, except that its ``T.POISONED_UPDATE``-th call on rank 1 leaves an inf in that
+    rank's shard of the first layer's weight gradient (rank 0's shard stays finite)."""
+    calls = [0]
+
+    def poisoned(model: torch.nn.Module, batch: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == T.POISONED_UPDATE and rank == 1:
+            def poison(param: Any) -> None:
+                param.grad._local_tensor[0, 0] = float("inf")
+                handle.remove()
+
+            handle = model[0].weight.register_post_accumulate_grad_hook(poison)
+        return loss_fn(model, batch)
+
+    return poisoned
+
+
+def _numerics(backend: af.backends.Backend) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The MLP under TP=2 + clip(1.0) with the transforms that must keep their meaning: an
+    af.Loss of ragged item counts over accumulate(2) windows ("items"), fp16 loss scaling and
+    skip_nonfinite with an inf gradient on rank 1 only ("fp16", "skip"), and bf16 autocast
+    ("bf16"). Returns, per run, what this rank saw (step, loss scale, skips, its copy of the
+    replicated bias, rank 0's logged points) and the gathered parameters by ``run.name``."""
+    cases: dict[str, tuple[tuple[Any, ...], Any]] = {
+        "items": ((af.accumulate(2),), T.weighted_mse),
+        "fp16": ((af.with_precision("fp16", init_scale=2.0**8),), _poisoned(P.mse, backend.rank)),
+        "skip": ((af.skip_nonfinite(),), _poisoned(P.mse, backend.rank)),
+        "bf16": ((af.with_precision("bf16"),), P.mse),
+    }
+    result: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (extra, loss_fn) in cases.items():
+        step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.MLP_PLAN, size=2),
+                          af.clip(T.CLIP), *extra)(af.train_step(loss_fn))
+        recorder = Recorder()
+        state = af.run(step, T.make_state("mlp"), T.loader("mlp"), backend=backend, epochs=T.EPOCHS,
+                       progress=False, trackers=[recorder])
+        points = [point for _, point in recorder.points]
+        scale, skips = state.transforms_state.get("loss_scale"), state.transforms_state.get("skips")
+        result[name] = {
+            "step": state.step,
+            "loss_scale": None if scale is None else scale.scale,
+            "num_skipped": None if skips is None else skips.num_skipped,
+            "bias": state.model[2].bias.to_local().tolist(),  # Replicate: each rank updates its own copy
+            "points": [{k: v for k, v in point.items() if k in ("loss", "skipped", "loss_scale", "grad_norm")}
+                       | {"items_per_update": point.get("items_per_s", 0.0) / point["updates_per_s"]}
+                       for point in points],
+        }
+        tensors |= {f"{name}.{k}": v for k, v in T.full_state_dict(state.model).items()}
+    return result, tensors
 
 
 def clip_mixed() -> dict[str, Any]:
@@ -106,11 +161,11 @@ def _optimizer_full(state: af.TrainState, prefix: str) -> dict[str, torch.Tensor
 def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: int = 3) -> dict[str, Any]:
     """The byte LM under TP=2 (with ``shard``: and shard_params(), 2-D FSDP x TP) with
     accumulate(2) + clip(max_norm): a whole run of 2 epochs; a run stopped after ``stop`` updates (mid-epoch)
-    with a DCP checkpoint; a fresh state resumed from it; and af.save_model of the whole run.
-    Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
+    with a DCP checkpoint; a fresh state resumed from it; af.save_model of the whole run; and
+    af.evaluate of its per-sequence loss. Gathered tensors to ``OUT/ckpt_rank{r}.safetensors``."""
     backend = af.backends.auto()
     extra = (af.shard_params(),) if shard else ()
-    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.LM_PLAN, size=2), af.accumulate(2),
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.tensor_parallel(T.plan("lm"), size=2), af.accumulate(2),
                       af.clip(max_norm), *extra)(af.train_step(T.loss("lm")))
     recorder = Recorder()
     whole = af.run(step, T.make_state("lm"), T.loader("lm"), backend=backend, epochs=T.EPOCHS, progress=False,
@@ -128,9 +183,14 @@ def checkpoints(out: str, shard: bool = False, max_norm: float = T.CLIP, stop: i
     tensors |= {f"resumed.{k}": v for k, v in T.full_state_dict(resumed.model).items()}
     tensors |= _optimizer_full(resumed, "resumed_optimizer.")
     af.save_model(whole, Path(out) / "export", backend=backend)
+    # each sequence's loss once, in order, on every rank (a group reads one data shard; ragged last batches)
+    tensors["evaluated"] = af.evaluate(T.byte_lm().per_sequence_loss, whole, DataLoader(T.data("lm"), batch_size=3),
+                                       backend=backend).contiguous()
     save_file(tensors, Path(out) / f"ckpt_rank{backend.rank}.safetensors")
     return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
             "grad_norms": [point["grad_norm"] for _, point in recorder.points],
+            "losses": [point["loss"] for _, point in recorder.points],
+            "samples_per_update": [point["samples_per_s"] / point["updates_per_s"] for _, point in recorder.points],
             "local_numel": {name: p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                             for name, p in params.items()},
             "full_numel": {name: p.numel() for name, p in params.items()},
@@ -158,4 +218,58 @@ def auto() -> dict[str, Any]:
         logits = state.model(tokens).logits
     q = state.model.model.layers[0].self_attn.q_proj.weight
     return {"max_diff": float((logits - expected).abs().max()), "q_local": list(q.to_local().shape),
-            "q_full": list(q.shape)}
+            "q_full": list(q.shape), "embed_local": list(state.model.model.embed_tokens.weight.to_local().shape),
+            "lm_head_local": list(state.model.lm_head.weight.to_local().shape)} | _other_plans(backend)
+
+
+def _other_plans(backend: af.backends.Backend) -> dict[str, Any]:
+    """The other documented plan forms on 2 ranks, each against the unsplit model: a dict with
+    the ``"sequence_parallel"`` style and ParallelStyle objects (Megatron's sequence parallelism:
+    the row-wise layer reduce-scatters along the sequence, the LayerNorm runs on sequence
+    shards), trained 3 SGD updates through ``af.run``; and a plan function
+    ``parallelize(model, mesh)``, given the group's 1-D mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8),
+                                   torch.nn.LayerNorm(8))
+
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(2, 4, 8, generator=g) for _ in range(3)]  # (batch, seq 4 = 2 shards of 2, width)
+
+    def full(out: torch.Tensor) -> torch.Tensor:  # the LayerNorm's output is a DTensor sharded along seq
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    def sp_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return full(model(batch)).pow(3).mean()
+
+    reference = make()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in batches:
+        sp_loss(reference, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = {"0": "colwise", "2": RowwiseParallel(output_layouts=Shard(1)), "3": "sequence_parallel"}
+    sp_model = make()
+    sp = af.run(af.tensor_parallel(plan, size=2)(af.train_step(sp_loss)),
+                af.TrainState.create(sp_model, torch.optim.SGD(sp_model.parameters(), lr=0.1)), batches,
+                backend=backend, progress=False)
+    sp_diff = max(float((full(sp.model.state_dict()[k]) - v).abs().max()) for k, v in reference.state_dict().items())
+
+    meshes = []
+
+    def parallelize(module: torch.nn.Module, mesh: Any) -> None:
+        meshes.append((mesh.ndim, mesh.size(), mesh.mesh_dim_names))
+        parallelize_module(module, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    model, unsplit = make(), make()
+    state, _ = backend.prepare(af.tensor_parallel(parallelize, size=2)(af.train_step(sp_loss)),
+                               af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    with torch.no_grad():
+        fn_diff = float((state.model(batches[0]) - unsplit(batches[0])).abs().max())
+    return {"sp_step": sp.step, "sp_diff": sp_diff, "sp_local": {k: list(v.to_local().shape) for k, v in
+                                                                 sp.model.state_dict().items()},
+            "fn_diff": fn_diff, "fn_meshes": [list(m[:2]) + [list(m[2])] for m in meshes],
+            "fn_local": list(model[0].weight.to_local().shape)}
