@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from accelfn import collectives
-from accelfn.backends._interpreter import StepFn, foreign_state
+from accelfn.backends import _fsdp, _fsdp_grads
+from accelfn.backends._interpreter import _NULL, StepFn, foreign_state
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.errors import TransformError
 from accelfn.state import TrainState
@@ -106,6 +107,11 @@ class InvariantStepFn(StepFn):
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
         self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
+        # shard_params(): FSDP2's reduce-scatter off; whole gradients taken after each backward
+        # (backends._fsdp_grads), this rank's pieces of the canonical sum handed back as DTensors
+        self._whole_grads: list[torch.Tensor] | None = None
+        self._no_sync = ((lambda: _fsdp.no_gradient_sync(state.model)) if self._sharded and self._world > 1
+                         else (lambda: _NULL))
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
         if state.model is not self._owner:
@@ -132,8 +138,9 @@ class InvariantStepFn(StepFn):
         if self._cuda:
             torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
         try:
-            loss, count, user_metrics, is_sum = self._forward(batch)
-            (loss * scale if scale != 1.0 else loss).backward()
+            with self._no_sync():
+                loss, count, user_metrics, is_sum = self._forward(batch)
+                (loss * scale if scale != 1.0 else loss).backward()
         finally:
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
@@ -182,8 +189,11 @@ class InvariantStepFn(StepFn):
         if WINDOW in state.transforms_state:
             state = attrs.evolve(state, transforms_state={k: v for k, v in state.transforms_state.items()
                                                           if k != WINDOW})
-        return self._update(state, correction, total_samples, means[0], user_means,
-                            items=items if is_sum else None)
+        try:
+            return self._update(state, correction, total_samples, means[0], user_means,
+                                items=items if is_sum else None)
+        finally:
+            self._whole_grads = None
 
     def _identity(self, num_metrics: int) -> Node:
         """A rank's subtree when another rank holds all of its leaves: ``-0.0`` everywhere,
@@ -194,18 +204,60 @@ class InvariantStepFn(StepFn):
 
     def _take_grads(self) -> torch.Tensor:
         """The parameters' gradients flattened into one new buffer (zeros where none); the
-        parameters' ``.grad`` set to None, so the next backward writes fresh ones."""
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self._params])
-        for p in self._params:
-            p.grad = None
-        return flat
+        parameters' ``.grad`` (under ``shard_params()``, FSDP2's whole gradients) set to None,
+        so the next backward writes fresh ones."""
+        if self._sharded and self._world > 1:
+            grads = _fsdp_grads.take_unsharded_grads(self._owner, self._params)
+        else:
+            grads = [p.grad for p in self._params]
+            for p in self._params:
+                p.grad = None
+        return torch.cat([(g if g is not None else self._zeros(p)).reshape(-1) for g, p in zip(grads, self._params)])
+
+    def _zeros(self, param: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(param.shape, dtype=param.dtype, device=self._params[0].device)
 
     def _put_grads(self, flat: torch.Tensor) -> None:
-        offset = 0
+        """Each parameter's gradient: its part of ``flat`` (a view where the dtypes agree);
+        under ``shard_params()`` this rank's piece of it, and the whole parts kept for
+        scaling and clipping (``_grads``, ``_clip_grad_norm``)."""
+        offset, wholes = 0, []
         for p in self._params:
             numel = p.numel()
-            p.grad = flat[offset:offset + numel].view_as(p).to(p.dtype)
+            wholes.append(flat[offset:offset + numel].view(p.shape).to(p.dtype))
             offset += numel
+        if self._sharded and self._world > 1:
+            for p, whole in zip(self._params, wholes):
+                p.grad = _fsdp_grads.local_piece(whole, p)
+            self._whole_grads = wholes
+        else:
+            for p, whole in zip(self._params, wholes):
+                p.grad = whole
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients to scale in place: under ``shard_params()`` the whole ones, whose
+        views the shards' gradients are (so the norm below reads scaled values)."""
+        if self._whole_grads is not None:
+            return self._whole_grads
+        return super()._grads(params)
+
+    def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Under ``shard_params()``, the norm of the whole canonical gradient, which every
+        rank holds, taken as ``clip_grad_norm_`` takes it on an unsharded model (the same
+        bits: no sum of per-shard partial norms, whose grouping would follow the world
+        size), and the whole gradients scaled by its coefficient."""
+        whole = self._whole_grads
+        if whole is None:
+            return super()._clip_grad_norm(params)
+        assert self._clip is not None
+        total = torch.nn.utils.get_total_norm(whole, self._clip.norm_type)
+        coefficient = torch.clamp(self._clip.max_norm / (total + 1e-6), max=1.0)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in whole:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), group in groups.items():
+            torch._foreach_mul_(group, coefficient.to(device))
+        return total
 
     def _check_layout(self, state: TrainState, samples: int) -> TrainState:
         """Records ``Layout(b, W * A)`` in a fresh run; raises if a resumed run's differs."""

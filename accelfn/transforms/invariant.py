@@ -77,10 +77,10 @@ class Invariant(TransformBase):
     batch_coupled: tuple[type[torch.nn.Module], ...] = attrs.field(default=(), converter=_module_types)
 
     def conflicts_with(self, other: TransformBase) -> str | None:
-        if isinstance(other, ShardParams):
-            return ("invariant() reduces whole gradients over a fixed tree, and shard_params() reduce-scatters "
-                    "them inside FSDP2's hooks in an order it does not fix; use replicate() with invariant() "
-                    "(or drop invariant())")
+        if isinstance(other, ShardParams) and (other.offload or other.shard_size is not None):
+            return ("invariant() sums the whole gradients of every rank over a fixed tree, then keeps each "
+                    "rank's shard; with shard_params(offload=True) or shard_params(shard_size=...) (HSDP) it "
+                    "does not run yet: use shard_params() without them, or replicate()")
         if isinstance(other, TensorParallel):
             return ("invariant() sums each rank's whole gradients over a fixed tree of data-parallel ranks, and "
                     "tensor_parallel() splits layers over ranks; use one of them")

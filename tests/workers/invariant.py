@@ -25,7 +25,7 @@ import accelfn as af
 
 B, L, EPOCHS = 2, 8, 2
 NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
-VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "control")
+VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "sharded", "control", "shard_control")
 CONTROL_UPDATES = 20  # the control (without invariant()) differs from the first update on
 
 
@@ -71,7 +71,7 @@ def build(variant: str, world_size: int, micro_batches: int = L,
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 3))
     scheduler = None
-    if variant in ("sgd", "control", "clip_value"):
+    if variant in ("sgd", "control", "clip_value", "shard_control"):
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
@@ -79,11 +79,13 @@ def build(variant: str, world_size: int, micro_batches: int = L,
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
     a = micro_batches // world_size
     loss_fn: Any = ItemLoss() if variant == "loss_bf16" else mean_loss
-    if variant == "control":  # the same samples per update, reduced as DDP does
-        transforms = [af.shard_data(seed=3, split_batches=True), af.replicate(), af.accumulate(a), af.clip(1.0)]
+    if variant in ("control", "shard_control"):  # the same samples per update, reduced as DDP (FSDP2) does
+        parallel = af.replicate() if variant == "control" else af.shard_params()
+        transforms = [af.shard_data(seed=3, split_batches=True), parallel, af.accumulate(a), af.clip(1.0)]
         loader = DataLoader(Samples(num_samples), batch_size=B * world_size, shuffle=True, drop_last=True)
     else:
-        transforms = [af.invariant(seed=7), af.shard_data(seed=3), af.replicate(), af.accumulate(a), af.clip(1.0)]
+        parallel = af.shard_params() if variant == "sharded" else af.replicate()
+        transforms = [af.invariant(seed=7), af.shard_data(seed=3), parallel, af.accumulate(a), af.clip(1.0)]
         if variant == "loss_bf16":
             transforms.append(af.with_precision("bf16"))
         if variant == "clip_value":  # clip_value and skip_nonfinite in place of clip
@@ -98,6 +100,8 @@ def state_hash(state: af.TrainState, world_size: int) -> str:
     h = hashlib.sha256()
 
     def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and af.collectives.is_dtensor(value):  # shard_params: the whole tensor
+            value = value.full_tensor()  # type: ignore[attr-defined]
         if isinstance(value, torch.Tensor):
             h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(value, dict):
@@ -135,13 +139,14 @@ def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
                 hashes.append(state_hash(state, backend.world_size))
 
             state = af.run(step, state, loader, backend=backend, epochs=EPOCHS, progress=False,
-                           max_steps=CONTROL_UPDATES if variant == "control" else None, trackers=[af.JSONL(log)],
+                           max_steps=CONTROL_UPDATES if "control" in variant else None, trackers=[af.JSONL(log)],
                            hooks=[af.Hook(record, every_steps=1)])
             empty = backend.reduce(torch.tensor(float(getattr(loss_fn, "empty", 0))), "sum").item()
             if backend.is_main_process:
                 points = [json.loads(line) for line in log.read_text().splitlines()]
                 results[variant] = {"hashes": hashes, "points": [[p["step"], p["loss"], p.get("grad_norm")]
-                                                                 for p in points], "empty_micro_batches": empty}
+                                                                 for p in points], "empty_micro_batches": empty,
+                                    "dtensors": all(af.collectives.is_dtensor(p) for p in state.model.parameters())}
                 (Path(out) / f"{variant}.json").write_text(json.dumps(results[variant]))
         return {"world_size": backend.world_size, "variants": sorted(results)}
     finally:
