@@ -100,9 +100,12 @@ class InvariantStepFn(StepFn):
         self._rank, self._world = backend.rank, backend.world_size
         self._reduce_gradients = None  # the canonical sum replaces it
         self._data_parallel = self._world > 1
-        # the count of either kind travels in the tree's sums, so no collective depends on it (and
-        # a rank whose leaves a resumed subtree holds runs no forward to agree on)
-        self._loss_kind_agreed = True
+        # the count of either kind travels in the tree's sums, so no collective waits on it, but the
+        # kinds must agree (a mean loss adds 1 per micro-batch, an af.Loss its count): checked when
+        # the first window closes, where every rank arrives (one whose leaves a resumed subtree
+        # holds runs no forward), before the first update
+        self._loss_kind_agreed = True  # not at the first forward (StepFn._forward)
+        self._kinds_checked = self._world == 1
         self._skips_agree = True  # every rank holds the same gradients
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
@@ -145,6 +148,9 @@ class InvariantStepFn(StepFn):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
+        if window is not None and window.nodes and is_sum != window.item_counts:
+            raise ValueError("loss_fn returned an af.Loss for a micro-batch and a plain loss for another of the same "
+                             "update; return the same kind for every micro-batch")
         weight = count if is_sum else 1.0
         names = tuple(sorted(user_metrics)) if user_metrics else ()
         if window is not None and window.nodes and names != window.metric_names:
@@ -179,6 +185,9 @@ class InvariantStepFn(StepFn):
                                   epoch_micro_step=state.epoch_micro_step + 1,
                                   transforms_state={**state.transforms_state, WINDOW: window}), NO_METRICS
         names, is_sum, items, total_samples = window.metric_names, window.item_counts, window.num_items, window.num_samples
+        if not self._kinds_checked:
+            self._kinds_checked = True
+            self._agree_loss_kind(is_sum)
         root = fold(window.nodes) if window.nodes else self._identity(len(names))
         grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
         global_count = float(totals[1])

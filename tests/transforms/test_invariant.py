@@ -95,7 +95,7 @@ def _same_run(reference: dict[str, Any], other: dict[str, Any]) -> None:
     assert other["empty_micro_batches"] == reference["empty_micro_batches"]
 
 
-VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "clip_value"])
+VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "clip_value", "sharded"])
 
 
 @pytest.mark.multiprocess
@@ -103,14 +103,17 @@ VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "cli
 def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
     """Under invariant() the whole state after each of 104 updates (SGD, or AdamW with a
     scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
-    clip_value with skip_nonfinite) and the logged loss and grad_norm are identical on
-    1 x acc(8) and 2 x acc(4)."""
+    clip_value with skip_nonfinite; AdamW and clip(0.5) under shard_params(), the state
+    compared whole) and the logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
     reference = _read(one, variant)
     assert len(reference["hashes"]) == 104 and len(set(reference["hashes"])) == 104
     assert len(reference["points"]) == 104
     assert all((p[2] is None) == (variant == "clip_value") for p in reference["points"])  # grad_norm under clip
     if variant == "loss_bf16":
         assert reference["empty_micro_batches"] > 0  # micro-batches whose af.Loss count is 0
+    if variant == "sharded":  # one process trains unsharded; two hold FSDP2 shards (DTensors)
+        assert not reference["dtensors"] and _read(two, variant)["dtensors"]
+        assert sum(p[2] > 0.5 for p in reference["points"]) > 52  # clip(0.5) scales most updates
     _same_run(reference, _read(two, variant))
 
 
@@ -118,6 +121,7 @@ def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant:
 @VARIANTS
 def test_four_processes_train_the_same_bits_as_one(one: Path, four: Path, variant: str) -> None:
     """The same on 4 x acc(2): every update's state and logged loss and grad_norm."""
+    assert _read(four, variant)["dtensors"] == (variant == "sharded")
     _same_run(_read(one, variant), _read(four, variant))
 
 
@@ -130,11 +134,11 @@ def test_eight_processes_train_the_same_bits_as_one(one: Path, eight: Path, vari
 
 @pytest.mark.multiprocess
 def test_without_invariant_the_topologies_differ(one: Path, two: Path, four: Path) -> None:
-    """The control (the same samples per update, replicate() + accumulate(A) without
-    invariant()) gives other states and logged losses on 2 and 4 processes than on 1."""
-    reference = _read(one, "control")
-    for out in (two, four):
-        other = _read(out, "control")
+    """The controls (the same samples per update, replicate() or shard_params() with
+    accumulate(A), without invariant()) give other states and logged losses on 2 and 4
+    processes than on 1."""
+    for control, out in ((c, o) for c in ("control", "shard_control") for o in (two, four)):
+        reference, other = _read(one, control), _read(out, control)
         assert len(other["hashes"]) == len(reference["hashes"]) == worker.CONTROL_UPDATES
         assert other["hashes"][0] != reference["hashes"][0]
         assert [p[1] for p in other["points"]] != [p[1] for p in reference["points"]]
@@ -195,14 +199,17 @@ def test_batch_norm_is_refused_before_any_forward(cpu: af.backends.CPU) -> None:
 
 
 def test_invariant_validates_and_conflicts() -> None:
-    """invariant() checks its arguments and refuses shard_params() and split batches."""
+    """invariant() checks its arguments and refuses shard_params() with offloading or HSDP,
+    and split batches."""
     with pytest.raises(ValueError, match="seed"):
         af.invariant(seed=-1)
     with pytest.raises(TypeError, match="batch_coupled"):
         af.invariant(batch_coupled=[torch.nn.BatchNorm1d])
     base = af.train_step(lambda m, b: m(b).sum())
-    with pytest.raises(af.TransformError, match="shard_params"):
-        af.compose(af.invariant(), af.shard_params())(base)
+    af.compose(af.invariant(), af.shard_params())(base)
+    for sharding in (af.shard_params(offload=True), af.shard_params(shard_size=2)):
+        with pytest.raises(af.TransformError, match="offload=True.*shard_size"):
+            af.compose(af.invariant(), sharding)(base)
     with pytest.raises(af.TransformError, match="split_batches"):
         af.compose(af.invariant(), af.shard_data(split_batches=True))(base)
 
