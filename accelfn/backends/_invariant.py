@@ -3,7 +3,8 @@ counter of partial gradient sums, one canonical sum over ranks, one scaling by `
 
 Per micro-batch ``k`` (its global index in the epoch, ``transforms.invariant.global_index``)::
 
-    rng       torch's generators seeded from (seed, epoch, k); restored afterwards
+    rng       torch's generators, Python's random and NumPy's global one seeded from
+              (seed, epoch, k); restored afterwards
     forward   autocast(compute dtype)            loss_fn(model, batch)
     backward  of the summed loss (af.Loss's total; a mean loss as it is: every micro-batch
               holds b samples), times the loss scale
@@ -21,11 +22,13 @@ The model is not wrapped in DDP: ``prepare`` broadcasts rank 0's parameters and 
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -134,10 +137,12 @@ class InvariantStepFn(StepFn):
         if window is not None and (window.pending and window.pending[0].start == index or index < window.skip_until):
             return self._resumed_leaf(state, window, index, last)
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
-        cpu_rng = torch.get_rng_state()
+        cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
         cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
         seed = micro_batch_seed(self._seed, state.epoch, index)
         torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every lazy device: 0.8 ms
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
         if self._cuda:
             torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
         try:
@@ -146,6 +151,8 @@ class InvariantStepFn(StepFn):
                 (loss * scale if scale != 1.0 else loss).backward()
         finally:
             torch.set_rng_state(cpu_rng)
+            random.setstate(py_rng)
+            np.random.set_state(np_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng)
         if window is not None and window.nodes and is_sum != window.item_counts:

@@ -101,7 +101,8 @@ VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "cli
 @pytest.mark.multiprocess
 @VARIANTS
 def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
-    """Under invariant() the whole state after each of 104 updates (SGD, or AdamW with a
+    """Under invariant() the whole state after each of 104 updates (SGD with a loss_fn drawing
+    from Python's random and NumPy, or AdamW with a
     scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
     clip_value with skip_nonfinite; AdamW and clip(0.5) under shard_params(), the state
     compared whole) and the logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
@@ -109,6 +110,7 @@ def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant:
     assert len(reference["hashes"]) == 104 and len(set(reference["hashes"])) == 104
     assert len(reference["points"]) == 104
     assert all((p[2] is None) == (variant == "clip_value") for p in reference["points"])  # grad_norm under clip
+    assert reference["outer_rng_untouched"]  # random and NumPy: keyed per micro-batch inside, put back after
     if variant == "loss_bf16":
         assert reference["empty_micro_batches"] > 0  # micro-batches whose af.Loss count is 0
     if variant == "sharded":  # one process trains unsharded; two hold FSDP2 shards (DTensors)

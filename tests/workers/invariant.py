@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -50,6 +52,12 @@ def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
+def noisy_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The mean loss times a factor drawn from Python's ``random`` and NumPy (keyed per
+    global micro-batch under invariant(), as torch's generator is)."""
+    return mean_loss(model, batch) * (1.0 + 0.5 * random.random() + 0.5 * float(np.random.rand()))
+
+
 class ItemLoss:
     """An ``af.Loss`` over items weighted 0..3; counts the micro-batches whose count is 0."""
 
@@ -78,7 +86,7 @@ def build(variant: str, world_size: int, micro_batches: int = L,
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.02 * s))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
     a = micro_batches // world_size
-    loss_fn: Any = ItemLoss() if variant == "loss_bf16" else mean_loss
+    loss_fn: Any = ItemLoss() if variant == "loss_bf16" else noisy_loss if variant == "sgd" else mean_loss
     if variant in ("control", "shard_control"):  # the same samples per update, reduced as DDP (FSDP2) does
         parallel = af.replicate() if variant == "control" else af.shard_params()
         transforms = [af.shard_data(seed=3, split_batches=True), parallel, af.accumulate(a), af.clip(1.0)]
@@ -140,15 +148,21 @@ def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
             def record(state: af.TrainState, backend: Any, hashes: list[str] = hashes) -> None:
                 hashes.append(state_hash(state, backend.world_size))
 
+            random.seed(5)  # the draws of loss_fn under invariant() leave these generators as they were
+            np.random.seed(5)
             state = af.run(step, state, loader, backend=backend, epochs=EPOCHS, progress=False,
                            max_steps=CONTROL_UPDATES if "control" in variant else None, trackers=[af.JSONL(log)],
                            hooks=[af.Hook(record, every_steps=1)])
+            outer = [random.random(), float(np.random.rand())]
+            random.seed(5)
+            np.random.seed(5)
+            untouched = outer == [random.random(), float(np.random.rand())]
             empty = backend.reduce(torch.tensor(float(getattr(loss_fn, "empty", 0))), "sum").item()
             if backend.is_main_process:
                 points = [json.loads(line) for line in log.read_text().splitlines()]
                 results[variant] = {"hashes": hashes, "points": [[p["step"], p["loss"], p.get("grad_norm")]
                                                                  for p in points], "empty_micro_batches": empty,
-                                    "dtensors": all(af.collectives.is_dtensor(p) for p in state.model.parameters())}
+                                    "outer_rng_untouched": untouched, "dtensors": all(af.collectives.is_dtensor(p) for p in state.model.parameters())}
                 (Path(out) / f"{variant}.json").write_text(json.dumps(results[variant]))
         return {"world_size": backend.world_size, "variants": sorted(results)}
     finally:
