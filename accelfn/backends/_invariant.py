@@ -113,6 +113,8 @@ class InvariantStepFn(StepFn):
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
         self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
+        # A not a power of two on several ranks: blocks straddle subtrees; gathered (_gathered)
+        self._gather = self._world > 1 and self._n & (self._n - 1) != 0
         # shard_params(): FSDP2's reduce-scatter off; whole gradients taken after each backward
         # (backends._fsdp_grads), this rank's pieces of the canonical sum handed back as DTensors
         self._whole_grads: list[torch.Tensor] | None = None
@@ -166,7 +168,7 @@ class InvariantStepFn(StepFn):
         sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=loss.device).reshape(())
                             for v in (loss.detach(), weight, *(detach(user_metrics[k]) * weight for k in names))])
         leaf = Node(index, 0, self._take_grads(), sums)
-        nodes = push(window.nodes if window is not None else (), leaf)
+        nodes = push(window.nodes if window is not None else (), leaf, self._origin(index))
         items = (window.num_items if window is not None else 0.0) + (float(count) if is_sum else 0.0)
         total_samples = samples + (window.num_samples if window is not None else 0)
         resumed = (window.pending, window.skip_until) if window is not None else ((), 0)
@@ -180,7 +182,7 @@ class InvariantStepFn(StepFn):
         nodes, pending, skip_until = window.nodes, window.pending, window.skip_until
         if pending and pending[0].start == index:
             node, pending = pending[0], pending[1:]
-            nodes, skip_until = push(nodes, node), node.start + 2**node.height
+            nodes, skip_until = push(nodes, node, self._origin(index)), node.start + 2**node.height
         return self._close_or_keep(state, attrs.evolve(window, nodes=nodes, pending=pending, skip_until=skip_until),
                                    last)
 
@@ -195,8 +197,12 @@ class InvariantStepFn(StepFn):
         if not self._kinds_checked:
             self._kinds_checked = True
             self._agree_loss_kind(is_sum)
-        root = fold(window.nodes) if window.nodes else self._identity(len(names))
-        grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
+        if self._gather:  # A not a power of two: the ranks' subtrees finished together
+            root = fold(self._gathered(window.nodes, len(names)))
+            grads, totals = root.grads, root.sums
+        else:
+            root = fold(window.nodes) if window.nodes else self._identity(len(names))
+            grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
         global_count = float(totals[1])
         correction = 1.0 / global_count if global_count > 0 else 0.0
         self._put_grads(grads)
@@ -210,6 +216,39 @@ class InvariantStepFn(StepFn):
                                 items=items if is_sum else None)
         finally:
             self._whole_grads = None
+
+    def _origin(self, index: int) -> int:
+        """The first global micro-batch of the update that holds micro-batch ``index``."""
+        per_update = self._world * self._n
+        return index // per_update * per_update
+
+    def _gathered(self, nodes: tuple[Node, ...], num_metrics: int) -> tuple[Node, ...]:
+        """Every rank's subtrees (an all-gather, padded to the longest stack), pushed in order
+        of their first leaf: the update's stack, the same bits on every rank and as one rank
+        pushing every leaf (``push`` adds siblings only)."""
+        device = self._params[0].device
+        numel = sum(p.numel() for p in self._params)
+        count = torch.tensor([len(nodes)], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(count) for _ in range(self._world)]
+        dist.all_gather(counts, count)
+        most = max(int(c) for c in counts)
+        meta = torch.zeros((most, 2), dtype=torch.int64, device=device)
+        grads = torch.zeros((most, numel), dtype=self._flat_dtype, device=device)
+        sums = torch.zeros((most, 2 + num_metrics), dtype=torch.float64, device=device)
+        for i, node in enumerate(nodes):
+            meta[i, 0], meta[i, 1] = node.start, node.height
+            grads[i], sums[i] = node.grads, node.sums
+        parts = []
+        for local in (meta, grads, sums):
+            received = [torch.empty_like(local) for _ in range(self._world)]
+            dist.all_gather(received, local)
+            parts.append(received)
+        found = sorted(((int(m[i, 0]), int(m[i, 1]), g[i], s[i])
+                        for m, g, s, c in zip(*parts, counts) for i in range(int(c))), key=lambda n: n[0])
+        stack: tuple[Node, ...] = ()
+        for start, height, g, s in found:
+            stack = push(stack, Node(start, height, g, s), self._origin(start))
+        return stack
 
     def _identity(self, num_metrics: int) -> Node:
         """A rank's subtree when another rank holds all of its leaves: ``-0.0`` everywhere,

@@ -6,13 +6,16 @@ rank's micro-batch is, the RNG key of a micro-batch, and the canonical reduction
 the global micro-batch index (a binary counter, as in pairwise summation).
 
 The tree: the micro-batches of an update are the leaves ``0 .. L-1`` in global order. Leaves
-are pushed on a stack of complete nodes; whenever the two top nodes have the same height,
-they are replaced by their sum (the lower-index node's tensor plus the higher's), so the
-stack holds at most ``log2(L) + 1`` nodes. At the end the stack is folded from its top:
-``T_0 + (T_1 + (... + T_m))``. A rank that holds ``A = 2^a`` consecutive leaves builds a
-complete node of height ``a``; the ranks' nodes are then leaves of the same rule one level
-up (``collectives.canonical_all_reduce``), so the sum is the same tree, hence the same bits,
-for every ``(W, A)`` with ``W * A = L`` and ``A`` a power of two (or ``W = 1``).
+are pushed on a stack of complete nodes; whenever the two top nodes are siblings (the same
+height, the lower one aligned to twice its size), they are replaced by their sum (the
+lower-index node's tensor plus the higher's), so the stack holds at most ``log2(L) + 1``
+nodes. At the end the stack is folded from its top: ``T_0 + (T_1 + (... + T_m))``. A rank
+that holds ``A = 2^a`` consecutive leaves builds a complete node of height ``a``; the ranks'
+nodes are then leaves of the same rule one level up (``collectives.canonical_all_reduce``),
+so the sum is the same tree, hence the same bits, for every ``(W, A)`` with ``W * A = L``
+and ``A`` a power of two (or ``W = 1``). For any other ``A`` each rank's stack holds the
+complete subtrees inside its block; the ranks gather them all and push them in order, which
+builds the same tree (``backends._invariant``): exact too, at the cost of an all-gather.
 
 References:
     Higham, "The accuracy of floating point summation", SIAM J. Sci. Comput. 14(4), 1993
@@ -221,10 +224,19 @@ def combine(low: Node, high: Node) -> Node:
     return Node(low.start, low.height + 1, low.grads.add_(high.grads), low.sums.add_(high.sums))
 
 
-def push(nodes: tuple[Node, ...], node: Node) -> tuple[Node, ...]:
-    """The stack after adding ``node`` (the next leaf, or a complete subtree): the binary counter."""
+def push(nodes: tuple[Node, ...], node: Node, origin: int = 0) -> tuple[Node, ...]:
+    """The stack after adding ``node`` (the next leaf, or a complete subtree): the binary counter.
+
+    Two nodes are added only when they are siblings in the tree of the update whose first
+    leaf is ``origin``: the same height ``h`` and the lower one starting at a multiple of
+    ``2**(h+1)`` leaves from ``origin``. On a rank whose block starts there (or at any
+    multiple of its size) that is every pair of equal height; a block of ``A`` leaves, ``A``
+    not a power of two, keeps the nodes that straddle its edges apart, for the ranks to
+    finish together (``backends._invariant``).
+    """
     stack = [*nodes, node]
-    while len(stack) > 1 and stack[-2].height == stack[-1].height:
+    while (len(stack) > 1 and stack[-2].height == stack[-1].height
+           and (stack[-2].start - origin) % (2 ** (stack[-2].height + 1)) == 0):
         high = stack.pop()
         stack[-1] = combine(stack[-1], high)
     return tuple(stack)

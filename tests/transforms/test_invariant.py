@@ -174,14 +174,18 @@ def test_resume_with_another_global_batch_is_refused(second: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_three_processes_match_one_over_1000_updates(tmp_path: Path) -> None:
-    """1 x acc(6) and 3 x acc(2) (not powers of two) train the same bits for 1000 updates:
-    the ranks' subtrees are complete and the blocks of W are folded as one rank folds."""
+def test_three_and_two_processes_match_one_over_1000_updates(pool: Pools, tmp_path: Path) -> None:
+    """1 x acc(6), 3 x acc(2) (W not a power of two: the ranks' subtrees are complete and the
+    blocks of W are folded as one rank folds) and 2 x acc(3) (A not a power of two: the
+    subtrees inside each block are gathered and pushed in order) train the same bits, for
+    1000 updates on 3 processes and the first 300 on 2."""
     reference = worker.long_run(str(tmp_path))
     done = _launch.launch("--backend", "cpu", "--nproc-per-node", "3", "--timeout-s", "120",
                           script="invariant.py", script_args=("--out", tmp_path, "--long"), timeout_s=400)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert len(reference) == 10 and json.loads((tmp_path / "long.json").read_text()) == reference
+    assert len(reference) == 10 and json.loads((tmp_path / "long3.json").read_text()) == reference
+    pool.call(*POOL, function="invariant:long_run", out=str(tmp_path), updates=300, timeout_s=200)
+    assert json.loads((tmp_path / "long2.json").read_text()) == reference[:3]
 
 
 def test_batch_norm_is_refused_before_any_forward(cpu: af.backends.CPU) -> None:

@@ -207,17 +207,25 @@ def segment(out: str, name: str, variant: str = "adamw", resume: str | None = No
 
 def long_run(out: str, updates: int = 1000) -> list[str]:
     """1000 updates of 6 micro-batches (``accumulate(6 // W)``: W = 1 or 3, not powers of two)
-    of the SGD variant; rank 0 writes the hashes after every 100th update to OUT/long.json."""
+    of the SGD variant; rank 0 writes the hashes after every 100th update to OUT/long{W}.json,
+    and the parameters then to OUT/long{W}.params.json."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         backend = af.backends.CPU()
         step, state, loader, _ = build("sgd", backend.world_size, micro_batches=6, num_samples=B * 6 * 250 + 7)
         hashes: list[str] = []
-        hook = af.Hook(lambda s, b: hashes.append(state_hash(s, b.world_size)), every_steps=100)
-        af.run(step, state, loader, backend=backend, epochs=None, max_steps=updates, progress=False, hooks=[hook])
+        params: list[list[list[float]]] = []
+
+        def record(state: af.TrainState, backend: Any) -> None:
+            hashes.append(state_hash(state, backend.world_size))
+            params.append([p.detach().reshape(-1).tolist() for p in state.model.parameters()])
+
+        af.run(step, state, loader, backend=backend, epochs=None, max_steps=updates, progress=False,
+               hooks=[af.Hook(record, every_steps=100)])
         if backend.is_main_process:
-            (Path(out) / "long.json").write_text(json.dumps(hashes))
+            (Path(out) / f"long{backend.world_size}.json").write_text(json.dumps(hashes))
+            (Path(out) / f"long{backend.world_size}.params.json").write_text(json.dumps(params))
         return hashes
     finally:
         torch.set_num_threads(threads)
