@@ -1,4 +1,4 @@
-"""``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3).
+"""``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3 vs 2).
 
 Module fixtures train every variant once per topology (in this process, in the pool's two
 workers, and in one real launch each of 4 and 8 processes) and the tests compare the hashes
@@ -222,8 +222,9 @@ def test_invariant_validates_and_conflicts() -> None:
 
 
 def test_binary_counter_is_the_pairwise_tree() -> None:
-    """Pushing leaves one by one and folding gives ((0+1)+(2+3))+(4+5) for six leaves,
-    and for a rank's two subtrees of four the tree of eight, bit for bit."""
+    """Pushing leaves one by one and folding gives ((0+1)+(2+3))+(4+5) for six leaves; a
+    rank's two subtrees of four give the tree of eight, and two blocks of three leaves
+    pushed node by node the tree of six, bit for bit."""
     values = torch.randn(8, 1000, dtype=torch.float32) * torch.logspace(-3, 3, 1000)
 
     def leaf(i: int) -> Node:
@@ -245,6 +246,19 @@ def test_binary_counter_is_the_pairwise_tree() -> None:
     assert torch.equal(halves[0].grads + halves[1].grads, eight)
     assert not torch.equal(sum(v[i] for i in range(8)), eight)  # the order matters at all
     assert blocks(8) == [(0, 8)] and blocks(6) == [(0, 4), (4, 2)] and blocks(3) == [(0, 2), (2, 1)]
+    # a block of three leaves (3, 4, 5) keeps 3 apart from 4 (not siblings); its nodes and the
+    # other block's, pushed in order, give the tree of six
+    block: tuple[Node, ...] = ()
+    for i in (3, 4, 5):
+        block = push(block, leaf(i))
+    assert [(n.start, n.height) for n in block] == [(3, 0), (4, 1)]
+    first: tuple[Node, ...] = ()
+    for i in (0, 1, 2):
+        first = push(first, leaf(i))
+    merged: tuple[Node, ...] = ()
+    for node in (*first, *block):
+        merged = push(merged, node)
+    assert torch.equal(fold(merged).grads, ((v[0] + v[1]) + (v[2] + v[3])) + (v[4] + v[5]))
 
 
 def test_blocks_are_the_same_micro_batches_on_every_world_size() -> None:
