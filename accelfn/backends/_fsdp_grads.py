@@ -32,7 +32,7 @@ def _fsdp_params(model: torch.nn.Module) -> dict[int, Any]:
     for module in model.modules():
         if not isinstance(module, fsdp.FSDPModule):
             continue
-        state = module._get_fsdp_state()  # type: ignore[operator]  # noqa: SLF001  # torch's own
+        state = module._get_fsdp_state()  # noqa: SLF001  # torch's own
         groups = getattr(state, "_fsdp_param_groups", None)
         if groups is None:
             single = getattr(state, "_fsdp_param_group", None)

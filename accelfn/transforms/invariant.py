@@ -60,12 +60,14 @@ class Invariant(TransformBase):
 
     For a fixed micro-batch size ``b`` (the DataLoader's ``batch_size``) and a fixed number
     ``L = W * A`` of micro-batches per update, every TrainState after every update is
-    byte-identical for every ``(W, A)`` with ``A`` a power of two (or ``W = 1``), and so are
-    the logged ``loss`` and ``grad_norm``. See docs/14-invariant.md for the conditions.
+    byte-identical for every ``(W, A)`` with ``W * A = L``, and so are
+    the logged ``loss`` and ``grad_norm``, under ``replicate()`` or ``shard_params()`` (FSDP2,
+    without offloading or HSDP). See docs/14-invariant.md for the conditions.
 
     Attributes:
         seed: keys the random draws of each micro-batch (dropout, ``loss_fn``'s use of
-            torch's default generator) by ``(seed, epoch, global micro-batch index)``.
+            torch's default generator, Python's ``random`` and NumPy's global generator) by
+            ``(seed, epoch, global micro-batch index)``.
         batch_coupled: module types to refuse besides BatchNorm, SyncBatchNorm and
             InstanceNorm with running statistics: layers whose state or output depends on
             which micro-batches one process sees in which order (BatchNorm's running
@@ -155,7 +157,7 @@ class Layout:
 
 
 def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...] = ()) -> Invariant:
-    """The same training run, bit for bit, on any power-of-two number of processes.
+    """The same training run, bit for bit, on any number of processes.
 
     Under ``invariant()`` the data order, the random draws of each micro-batch and the
     summation order of the gradients depend only on the global micro-batch index, not on
@@ -257,8 +259,9 @@ def redistribute(windows: Sequence[TreeWindow | None], *, layout: Layout, saved_
     ``world_size`` processes, and the position in the epoch it resumes at (the window's start).
 
     Every saved node is a complete subtree aligned to its size within the update (``A`` is a
-    power of two), so it lies inside one new rank's block or covers whole blocks: it goes to
-    the rank whose block holds its first leaf; the ranks whose blocks it also covers skip
+    power of two), so it lies inside one new rank's block or covers whole blocks (for other
+    ``A`` it may cover part of the next block: that block's rank skips those leaves): it goes
+    to the rank whose block holds its first leaf; the ranks whose blocks it also covers skip
     them and add nothing (the tree then adds ``-0.0``, the exact identity of IEEE addition).
 
     Args:
