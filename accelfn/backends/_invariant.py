@@ -136,27 +136,13 @@ class InvariantStepFn(StepFn):
             dtype = self._policy.param_dtype
             batch = map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
         index = global_index(state.epoch_micro_step, rank=self._rank, world_size=self._world, num_micro_batches=n)
-        if window is not None and (window.pending and window.pending[0].start == index or index < window.skip_until):
-            return self._resumed_leaf(state, window, index, last)
         scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
-        cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-        cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
-        seed = micro_batch_seed(self._seed, state.epoch, index)
-        torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every lazy device: 0.8 ms
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        if self._cuda:
-            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
-        try:
-            with self._no_sync():
-                loss, count, user_metrics, is_sum = self._forward(batch)
-                (loss * scale if scale != 1.0 else loss).backward()
-        finally:
-            torch.set_rng_state(cpu_rng)
-            random.setstate(py_rng)
-            np.random.set_state(np_rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng)
+        if window is not None and (window.pending and window.pending[0].start == index or index < window.skip_until):
+            if self._sharded and self._world > 1:  # FSDP2's all-gathers pair up only if every rank runs them
+                self._forward_backward(batch, state.epoch, index, scale)
+                self._take_grads()  # in a resumed subtree already: dropped
+            return self._resumed_leaf(state, window, index, last)
+        loss, count, user_metrics, is_sum = self._forward_backward(batch, state.epoch, index, scale)
         if window is not None and window.nodes and is_sum != window.item_counts:
             raise ValueError("loss_fn returned an af.Loss for a micro-batch and a plain loss for another of the same "
                              "update; return the same kind for every micro-batch")
@@ -174,6 +160,29 @@ class InvariantStepFn(StepFn):
         resumed = (window.pending, window.skip_until) if window is not None else ((), 0)
         return self._close_or_keep(state, TreeWindow(nodes, total_samples, names, items, *resumed, item_counts=is_sum),
                                    last)
+
+    def _forward_backward(self, batch: Any, epoch: int, index: int,
+                          scale: float) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
+        """The forward and backward of global micro-batch ``index``, its random draws keyed."""
+        cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        cuda_rng = torch.cuda.get_rng_state() if self._cuda else None
+        seed = micro_batch_seed(self._seed, epoch, index)
+        torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every lazy device: 0.8 ms
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        if self._cuda:
+            torch.cuda.default_generators[torch.cuda.current_device()].manual_seed(seed)
+        try:
+            with self._no_sync():
+                loss, count, user_metrics, is_sum = self._forward(batch)
+                (loss * scale if scale != 1.0 else loss).backward()
+        finally:
+            torch.set_rng_state(cpu_rng)
+            random.setstate(py_rng)
+            np.random.set_state(np_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng)
+        return loss, count, user_metrics, is_sum
 
     def _resumed_leaf(self, state: TrainState, window: TreeWindow, index: int,
                       last: bool) -> tuple[TrainState, Mapping[str, Any]]:

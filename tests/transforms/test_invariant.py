@@ -52,19 +52,23 @@ def one(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def two(pool: Pools, root: Path) -> Path:
-    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW variant killed at
-    update 37, micro-batch 2 of its window (saved to w2/first)."""
+    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW and sharded variants
+    killed at update 37, micro-batch 2 of its window (saved to w2/first and w2/sharded_first)."""
     out = _out(root, "w2")
     pool.call(*POOL, function="invariant:train", out=str(out), timeout_s=280)
     pool.call(*POOL, function="invariant:segment", out=str(out), name="first", stop=[37, 2], timeout_s=120)
+    pool.call(*POOL, function="invariant:segment", out=str(out), name="sharded_first", variant="sharded",
+              stop=[37, 2], timeout_s=120)
     return out
 
 
 @pytest.fixture(scope="module")
 def second(root: Path, two: Path) -> Path:
-    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second)."""
+    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second);
+    w2/sharded_first at update 70, micro-batch 1 (chain/sharded_second)."""
     out = _out(root, "chain")
     worker.segment(str(out), "second", resume=str(two / "first"), stop=[70, 5])
+    worker.segment(str(out), "sharded_second", "sharded", resume=str(two / "sharded_first"), stop=[70, 1])
     return out
 
 
@@ -78,7 +82,8 @@ def _launch_job(w: int, out: Path, *args: Any) -> None:
 def four(root: Path, second: Path) -> Path:
     """Every variant on 4 x acc(2) (one launch), which also resumes chain/second to the end."""
     out = _out(root, "w4")
-    _launch_job(4, out, "--segment", f"third:{second / 'second'}")
+    _launch_job(4, out, "--segment", f"third:adamw:{second / 'second'}",
+                "--segment", f"sharded_third:sharded:{second / 'sharded_second'}")
     return out
 
 
@@ -152,11 +157,15 @@ def test_a_job_killed_mid_window_resumes_on_other_topologies(one: Path, two: Pat
                                                               four: Path) -> None:
     """2 x acc(4) saved at update 37, micro-batch 2 of its window, resumed on 1 x acc(8),
     saved at update 70, micro-batch 5, resumed on 4 x acc(2): every update's state equals
-    the uninterrupted run's."""
-    full = _read(one, "adamw")["hashes"]
-    first, middle, third = _read(two, "first"), _read(second, "second"), _read(four, "third")
-    assert (len(first), len(middle), len(third)) == (37, 33, 34)
-    assert first + middle + third == full
+    the uninterrupted run's. The same under shard_params() (sharded on 2 and 4, saved on 1 at
+    micro-batch 1: on 4, rank 0 pushes the saved leaf and still runs that micro-batch's
+    forward and backward, whose FSDP2 all-gathers the other ranks run too)."""
+    for variant, prefix in (("adamw", ""), ("sharded", "sharded_")):
+        full = _read(one, variant)["hashes"]
+        first, middle = _read(two, f"{prefix}first"), _read(second, f"{prefix}second")
+        third = _read(four, f"{prefix}third")
+        assert (len(first), len(middle), len(third)) == (37, 33, 34)
+        assert first + middle + third == full
 
 
 @pytest.mark.multiprocess

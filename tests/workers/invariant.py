@@ -235,13 +235,14 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--segment", help="NAME:CHECKPOINT: also train a segment resumed from CHECKPOINT")
+    parser.add_argument("--segment", action="append", default=[],
+                        help="NAME:VARIANT:CHECKPOINT: also train a segment of VARIANT resumed from CHECKPOINT")
     parser.add_argument("--long", action="store_true", help="only long_run")
     args = parser.parse_args()
     if args.long:
         long_run(args.out)
         raise SystemExit
     train(args.out, args.variants.split(","))
-    if args.segment:
-        name, checkpoint = args.segment.split(":", 1)
-        segment(args.out, name, resume=checkpoint)
+    for spec in args.segment:
+        name, variant, checkpoint = spec.split(":", 2)
+        segment(args.out, name, variant, resume=checkpoint)
