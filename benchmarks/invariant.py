@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python benchmarks/invariant.py --processes 2 # starts the processes itself
     PYTHONPATH=$PWD python benchmarks/invariant.py --processes 4
+    PYTHONPATH=$PWD python benchmarks/invariant.py --processes 2 --shard  # shard_params() in both
 
 Both contestants train their own copy of the same MLP (AdamW, ``clip(1.0)``) on the same
 DataLoader (micro-batch ``b = 16``, ``L = 8`` micro-batches per update, so ``accumulate(8 // W)``):
@@ -45,8 +46,9 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     return F.cross_entropy(model(x), y)
 
 
-def program(invariant: bool, a: int) -> af.Step:
-    transforms = [af.shard_data(), af.replicate(), af.accumulate(a), af.clip(1.0)]
+def program(invariant: bool, a: int, shard: bool = False) -> af.Step:
+    parallel = af.shard_params() if shard else af.replicate()
+    transforms = [af.shard_data(), parallel, af.accumulate(a), af.clip(1.0)]
     if invariant:
         transforms.append(af.invariant())
     return af.compose(*transforms)(af.train_step(loss_fn))
@@ -57,9 +59,9 @@ def fresh() -> af.TrainState:
     return af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
-def stack_peak(backend: af.backends.Backend, loader: DataLoader, a: int) -> float:
-    """The most bytes of partial sums held between micro-batches of one epoch, in gradients."""
-    state, step_fn = backend.prepare(program(True, a), fresh())
+def stack_peak(backend: af.backends.Backend, loader: DataLoader, a: int, shard: bool) -> float:
+    """The most bytes of partial sums held between micro-batches of one epoch, in (whole) gradients."""
+    state, step_fn = backend.prepare(program(True, a, shard), fresh())
     grad_bytes = sum(p.numel() * p.element_size() for p in state.model.parameters())
     peak = 0
     for batch, last in backend.batches(loader, step_fn.step, 0):
@@ -71,7 +73,7 @@ def stack_peak(backend: af.backends.Backend, loader: DataLoader, a: int) -> floa
     return peak / grad_bytes
 
 
-def worker(rounds: int, updates: int) -> None:
+def worker(rounds: int, updates: int, shard: bool) -> None:
     torch.set_num_threads(1)
     backend = af.backends.CPU()
     w = backend.world_size
@@ -81,7 +83,7 @@ def worker(rounds: int, updates: int) -> None:
                          torch.randint(0, WIDTHS[-1], (updates * L * B,), generator=g))
     loader = DataLoader(data, batch_size=B)
     states = {"default": fresh(), "invariant": fresh()}
-    steps = {"default": program(False, a), "invariant": program(True, a)}
+    steps = {"default": program(False, a, shard), "invariant": program(True, a, shard)}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in states}
     names = list(states)
     for r in range(rounds + 1):
@@ -96,13 +98,14 @@ def worker(rounds: int, updates: int) -> None:
     everyone = backend.gather_object(times)
     slowest = {name: [tuple(max(t[name][i][k] for t in everyone) for k in (0, 1)) for i in range(rounds)]
                for name in names}
-    peak = stack_peak(backend, loader, a)
+    peak = stack_peak(backend, loader, a, shard)
     if backend.is_main_process:
         cpu_ratio = [i[0] / d[0] for i, d in zip(slowest["invariant"], slowest["default"])]
         wall_ratio = [i[1] / d[1] for i, d in zip(slowest["invariant"], slowest["default"])]
         per_update = {name: statistics.median(c for c, _ in slowest[name]) / updates * 1e6 for name in names}
         print(f"torch {torch.__version__}, accelfn {af.__version__}, {w} processes (gloo), 1 thread each; "
-              f"MLP {'-'.join(map(str, WIDTHS))}, b={B}, {w} x accumulate({a}), {updates} updates x {rounds} rounds")
+              f"MLP {'-'.join(map(str, WIDTHS))}, b={B}, {w} x accumulate({a}), {updates} updates x {rounds} rounds, "
+              f"{'shard_params()' if shard else 'replicate()'}")
         print(f"default   {per_update['default']:9.1f} us/update (CPU, slower rank)")
         print(f"invariant {per_update['invariant']:9.1f} us/update; x default {statistics.median(cpu_ratio):.3f} "
               f"(p25-p75 {quantile(cpu_ratio, 0.25):.3f}-{quantile(cpu_ratio, 0.75):.3f}), "
@@ -115,12 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--updates", type=int, default=20, help="optimizer updates per round (default 20)")
+    parser.add_argument("--shard", action="store_true", help="shard_params() in place of replicate() in both")
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:  # started by hand: become the launcher
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                    str(args.processes), os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
         sys.exit(subprocess.call(command))
-    worker(args.rounds, args.updates)
+    worker(args.rounds, args.updates, args.shard)
 
 
 if __name__ == "__main__":

@@ -316,12 +316,7 @@ class StepFn:
         for name, value in metric_means.items():
             metrics[name] = detach(value)
         if self._clip is not None:
-            if self._distributed_params:
-                metrics["grad_norm"] = _clip.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
-                                                            self._backend.collective_device)
-            else:
-                metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm,
-                                                                      self._clip.norm_type)
+            metrics["grad_norm"] = self._clip_grad_norm(params)
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
 
@@ -358,6 +353,14 @@ class StepFn:
         if found_inf is not None:
             self._check_skips(new_state)
         return new_state, metrics
+
+    def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """``clip``: the gradients' total norm (returned), and each gradient scaled to it."""
+        assert self._clip is not None
+        if self._distributed_params:
+            return _clip.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+                                        self._backend.collective_device)
+        return torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
 
     def _load_comm_state(self, state: TrainState) -> None:
         memory = state.transforms_state.get("comm_hook")

@@ -321,7 +321,8 @@ class Backend(ProcessContext, abc.ABC):
         if invariant is not None:  # no DDP: the canonical sum replaces its all-reduce
             check_conditions(self)
             if self.world_size > 1:
-                broadcast_model(state.model)
+                if not _fsdp.is_sharded(state.model):  # shard_model broadcast before sharding
+                    broadcast_model(state.model)
                 collectives.mark_replicas(state.model)
             model = state.model
         else:

@@ -408,8 +408,9 @@ def opens_window(manifest: Manifest) -> bool:
 
 def only_tree_windows(manifest: Manifest) -> bool:
     """True if every open window of the checkpoint is ``invariant()``'s tree of subtrees
-    (no per-process gradients): such a window can be redistributed over another world size."""
-    return manifest.sharded is None and not any(
+    (no per-process gradients, sharded or not): such a window can be redistributed over
+    another world size."""
+    return (manifest.sharded is None or not manifest.sharded.grads) and not any(
         bool(entry.grads) or isinstance(entry.transforms_state, dict)
         and any(key in TRANSIENT and key != "tree_window" for key in entry.transforms_state) for entry in manifest.ranks)
 

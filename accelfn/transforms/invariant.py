@@ -6,13 +6,16 @@ rank's micro-batch is, the RNG key of a micro-batch, and the canonical reduction
 the global micro-batch index (a binary counter, as in pairwise summation).
 
 The tree: the micro-batches of an update are the leaves ``0 .. L-1`` in global order. Leaves
-are pushed on a stack of complete nodes; whenever the two top nodes have the same height,
-they are replaced by their sum (the lower-index node's tensor plus the higher's), so the
-stack holds at most ``log2(L) + 1`` nodes. At the end the stack is folded from its top:
-``T_0 + (T_1 + (... + T_m))``. A rank that holds ``A = 2^a`` consecutive leaves builds a
-complete node of height ``a``; the ranks' nodes are then leaves of the same rule one level
-up (``collectives.canonical_all_reduce``), so the sum is the same tree, hence the same bits,
-for every ``(W, A)`` with ``W * A = L`` and ``A`` a power of two (or ``W = 1``).
+are pushed on a stack of complete nodes; whenever the two top nodes are siblings (the same
+height, the lower one aligned to twice its size), they are replaced by their sum (the
+lower-index node's tensor plus the higher's), so the stack holds at most ``log2(L) + 1``
+nodes. At the end the stack is folded from its top: ``T_0 + (T_1 + (... + T_m))``. A rank
+that holds ``A = 2^a`` consecutive leaves builds a complete node of height ``a``; the ranks'
+nodes are then leaves of the same rule one level up (``collectives.canonical_all_reduce``),
+so the sum is the same tree, hence the same bits, for every ``(W, A)`` with ``W * A = L``
+and ``A`` a power of two (or ``W = 1``). For any other ``A`` each rank's stack holds the
+complete subtrees inside its block; the ranks gather them all and push them in order, which
+builds the same tree (``backends._invariant``): exact too, at the cost of an all-gather.
 
 References:
     Higham, "The accuracy of floating point summation", SIAM J. Sci. Comput. 14(4), 1993
@@ -57,12 +60,14 @@ class Invariant(TransformBase):
 
     For a fixed micro-batch size ``b`` (the DataLoader's ``batch_size``) and a fixed number
     ``L = W * A`` of micro-batches per update, every TrainState after every update is
-    byte-identical for every ``(W, A)`` with ``A`` a power of two (or ``W = 1``), and so are
-    the logged ``loss`` and ``grad_norm``. See docs/14-invariant.md for the conditions.
+    byte-identical for every ``(W, A)`` with ``W * A = L``, and so are
+    the logged ``loss`` and ``grad_norm``, under ``replicate()`` or ``shard_params()`` (FSDP2,
+    without offloading or HSDP). See docs/14-invariant.md for the conditions.
 
     Attributes:
         seed: keys the random draws of each micro-batch (dropout, ``loss_fn``'s use of
-            torch's default generator) by ``(seed, epoch, global micro-batch index)``.
+            torch's default generator, Python's ``random`` and NumPy's global generator) by
+            ``(seed, epoch, global micro-batch index)``.
         batch_coupled: module types to refuse besides BatchNorm, SyncBatchNorm and
             InstanceNorm with running statistics: layers whose state or output depends on
             which micro-batches one process sees in which order (BatchNorm's running
@@ -77,10 +82,10 @@ class Invariant(TransformBase):
     batch_coupled: tuple[type[torch.nn.Module], ...] = attrs.field(default=(), converter=_module_types)
 
     def conflicts_with(self, other: TransformBase) -> str | None:
-        if isinstance(other, ShardParams):
-            return ("invariant() reduces whole gradients over a fixed tree, and shard_params() reduce-scatters "
-                    "them inside FSDP2's hooks in an order it does not fix; use replicate() with invariant() "
-                    "(or drop invariant())")
+        if isinstance(other, ShardParams) and (other.offload or other.shard_size is not None):
+            return ("invariant() sums the whole gradients of every rank over a fixed tree, then keeps each "
+                    "rank's shard; with shard_params(offload=True) or shard_params(shard_size=...) (HSDP) it "
+                    "does not run yet: use shard_params() without them, or replicate()")
         if isinstance(other, TensorParallel):
             return ("invariant() sums each rank's whole gradients over a fixed tree of data-parallel ranks, and "
                     "tensor_parallel() splits layers over ranks; use one of them")
@@ -152,7 +157,7 @@ class Layout:
 
 
 def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...] = ()) -> Invariant:
-    """The same training run, bit for bit, on any power-of-two number of processes.
+    """The same training run, bit for bit, on any number of processes.
 
     Under ``invariant()`` the data order, the random draws of each micro-batch and the
     summation order of the gradients depend only on the global micro-batch index, not on
@@ -221,10 +226,19 @@ def combine(low: Node, high: Node) -> Node:
     return Node(low.start, low.height + 1, low.grads.add_(high.grads), low.sums.add_(high.sums))
 
 
-def push(nodes: tuple[Node, ...], node: Node) -> tuple[Node, ...]:
-    """The stack after adding ``node`` (the next leaf, or a complete subtree): the binary counter."""
+def push(nodes: tuple[Node, ...], node: Node, origin: int = 0) -> tuple[Node, ...]:
+    """The stack after adding ``node`` (the next leaf, or a complete subtree): the binary counter.
+
+    Two nodes are added only when they are siblings in the tree of the update whose first
+    leaf is ``origin``: the same height ``h`` and the lower one starting at a multiple of
+    ``2**(h+1)`` leaves from ``origin``. On a rank whose block starts there (or at any
+    multiple of its size) that is every pair of equal height; a block of ``A`` leaves, ``A``
+    not a power of two, keeps the nodes that straddle its edges apart, for the ranks to
+    finish together (``backends._invariant``).
+    """
     stack = [*nodes, node]
-    while len(stack) > 1 and stack[-2].height == stack[-1].height:
+    while (len(stack) > 1 and stack[-2].height == stack[-1].height
+           and (stack[-2].start - origin) % (2 ** (stack[-2].height + 1)) == 0):
         high = stack.pop()
         stack[-1] = combine(stack[-1], high)
     return tuple(stack)
@@ -245,8 +259,9 @@ def redistribute(windows: Sequence[TreeWindow | None], *, layout: Layout, saved_
     ``world_size`` processes, and the position in the epoch it resumes at (the window's start).
 
     Every saved node is a complete subtree aligned to its size within the update (``A`` is a
-    power of two), so it lies inside one new rank's block or covers whole blocks: it goes to
-    the rank whose block holds its first leaf; the ranks whose blocks it also covers skip
+    power of two), so it lies inside one new rank's block or covers whole blocks (for other
+    ``A`` it may cover part of the next block: that block's rank skips those leaves): it goes
+    to the rank whose block holds its first leaf; the ranks whose blocks it also covers skip
     them and add nothing (the tree then adds ``-0.0``, the exact identity of IEEE addition).
 
     Args:

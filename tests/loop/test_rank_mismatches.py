@@ -34,12 +34,17 @@ def test_metric_names_that_differ_across_ranks_fail_on_every_rank(mismatches) ->
 def test_an_af_loss_on_one_rank_and_a_mean_loss_on_the_other_fail_on_every_rank(mismatches) -> None:
     """loss_fn returning af.Loss on rank 0 and a mean loss on rank 1 raises a ValueError on both
     ranks, naming each rank's kind, before any backward (no hang; nothing logged), under
-    replicate() and under shard_params() alone (the plain step function)."""
-    assert [r["kinds"] for r in mismatches["ranks"]] == [r["kinds_sharded"] for r in mismatches["ranks"]] == [
+    replicate() and under shard_params() alone (the plain step function); under invariant()
+    (with replicate() or shard_params()) where the first window closes, before any update."""
+    ranks = mismatches["ranks"]
+    assert ([r["kinds"] for r in ranks] == [r["kinds_sharded"] for r in ranks]
+            == [r["kinds_invariant_replicate"] for r in ranks] == [r["kinds_invariant_shard_params"] for r in ranks]
+            == [
         f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank {rank}: {kind}); "
         "the ranks reduce an af.Loss's counts together, so loss_fn must return the same kind on every rank"
-        for rank, kind in ((0, "an af.Loss"), (1, "a plain loss"))]
-    assert not (mismatches["out"] / "kinds.jsonl").exists() and not (mismatches["out"] / "kinds_sharded.jsonl").exists()
+        for rank, kind in ((0, "an af.Loss"), (1, "a plain loss"))])
+    for name in ("kinds", "kinds_sharded", "kinds_invariant_replicate", "kinds_invariant_shard_params"):
+        assert not (mismatches["out"] / f"{name}.jsonl").exists()
 
 
 def test_the_same_metric_names_in_another_order_are_averaged_name_by_name(mismatches) -> None:

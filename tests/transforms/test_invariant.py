@@ -1,4 +1,4 @@
-"""``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3).
+"""``af.invariant()``: the same run, bit for bit, on 1, 2, 4 and 8 processes (and 1 vs 3 vs 2).
 
 Module fixtures train every variant once per topology (in this process, in the pool's two
 workers, and in one real launch each of 4 and 8 processes) and the tests compare the hashes
@@ -8,6 +8,7 @@ of the whole state after every update (tests/workers/invariant.py).
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,23 @@ def one(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def two(pool: Pools, root: Path) -> Path:
-    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW variant killed at
-    update 37, micro-batch 2 of its window (saved to w2/first)."""
+    """Every variant on 2 x acc(4) (the pool's workers), and the AdamW and sharded variants
+    killed at update 37, micro-batch 2 of its window (saved to w2/first and w2/sharded_first)."""
     out = _out(root, "w2")
     pool.call(*POOL, function="invariant:train", out=str(out), timeout_s=280)
     pool.call(*POOL, function="invariant:segment", out=str(out), name="first", stop=[37, 2], timeout_s=120)
+    pool.call(*POOL, function="invariant:segment", out=str(out), name="sharded_first", variant="sharded",
+              stop=[37, 2], timeout_s=120)
     return out
 
 
 @pytest.fixture(scope="module")
 def second(root: Path, two: Path) -> Path:
-    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second)."""
+    """w2/first resumed on 1 x acc(8), killed at update 70, micro-batch 5 (saved to chain/second);
+    w2/sharded_first at update 70, micro-batch 1 (chain/sharded_second)."""
     out = _out(root, "chain")
     worker.segment(str(out), "second", resume=str(two / "first"), stop=[70, 5])
+    worker.segment(str(out), "sharded_second", "sharded", resume=str(two / "sharded_first"), stop=[70, 1])
     return out
 
 
@@ -77,7 +82,8 @@ def _launch_job(w: int, out: Path, *args: Any) -> None:
 def four(root: Path, second: Path) -> Path:
     """Every variant on 4 x acc(2) (one launch), which also resumes chain/second to the end."""
     out = _out(root, "w4")
-    _launch_job(4, out, "--segment", f"third:{second / 'second'}")
+    _launch_job(4, out, "--segment", f"third:adamw:{second / 'second'}",
+                "--segment", f"sharded_third:sharded:{second / 'sharded_second'}")
     return out
 
 
@@ -95,22 +101,27 @@ def _same_run(reference: dict[str, Any], other: dict[str, Any]) -> None:
     assert other["empty_micro_batches"] == reference["empty_micro_batches"]
 
 
-VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "clip_value"])
+VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "clip_value", "sharded"])
 
 
 @pytest.mark.multiprocess
 @VARIANTS
 def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
-    """Under invariant() the whole state after each of 104 updates (SGD, or AdamW with a
+    """Under invariant() the whole state after each of 104 updates (SGD with a loss_fn drawing
+    from Python's random and NumPy, or AdamW with a
     scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
-    clip_value with skip_nonfinite) and the logged loss and grad_norm are identical on
-    1 x acc(8) and 2 x acc(4)."""
+    clip_value with skip_nonfinite; AdamW and clip(0.5) under shard_params(), the state
+    compared whole) and the logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
     reference = _read(one, variant)
     assert len(reference["hashes"]) == 104 and len(set(reference["hashes"])) == 104
     assert len(reference["points"]) == 104
     assert all((p[2] is None) == (variant == "clip_value") for p in reference["points"])  # grad_norm under clip
+    assert reference["outer_rng_untouched"]  # random and NumPy: keyed per micro-batch inside, put back after
     if variant == "loss_bf16":
         assert reference["empty_micro_batches"] > 0  # micro-batches whose af.Loss count is 0
+    if variant == "sharded":  # one process trains unsharded; two hold FSDP2 shards (DTensors)
+        assert not reference["dtensors"] and _read(two, variant)["dtensors"]
+        assert sum(p[2] > 0.5 for p in reference["points"]) > 52  # clip(0.5) scales most updates
     _same_run(reference, _read(two, variant))
 
 
@@ -118,6 +129,7 @@ def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant:
 @VARIANTS
 def test_four_processes_train_the_same_bits_as_one(one: Path, four: Path, variant: str) -> None:
     """The same on 4 x acc(2): every update's state and logged loss and grad_norm."""
+    assert _read(four, variant)["dtensors"] == (variant == "sharded")
     _same_run(_read(one, variant), _read(four, variant))
 
 
@@ -130,11 +142,11 @@ def test_eight_processes_train_the_same_bits_as_one(one: Path, eight: Path, vari
 
 @pytest.mark.multiprocess
 def test_without_invariant_the_topologies_differ(one: Path, two: Path, four: Path) -> None:
-    """The control (the same samples per update, replicate() + accumulate(A) without
-    invariant()) gives other states and logged losses on 2 and 4 processes than on 1."""
-    reference = _read(one, "control")
-    for out in (two, four):
-        other = _read(out, "control")
+    """The controls (the same samples per update, replicate() or shard_params() with
+    accumulate(A), without invariant()) give other states and logged losses on 2 and 4
+    processes than on 1."""
+    for control, out in ((c, o) for c in ("control", "shard_control") for o in (two, four)):
+        reference, other = _read(one, control), _read(out, control)
         assert len(other["hashes"]) == len(reference["hashes"]) == worker.CONTROL_UPDATES
         assert other["hashes"][0] != reference["hashes"][0]
         assert [p[1] for p in other["points"]] != [p[1] for p in reference["points"]]
@@ -145,11 +157,15 @@ def test_a_job_killed_mid_window_resumes_on_other_topologies(one: Path, two: Pat
                                                               four: Path) -> None:
     """2 x acc(4) saved at update 37, micro-batch 2 of its window, resumed on 1 x acc(8),
     saved at update 70, micro-batch 5, resumed on 4 x acc(2): every update's state equals
-    the uninterrupted run's."""
-    full = _read(one, "adamw")["hashes"]
-    first, middle, third = _read(two, "first"), _read(second, "second"), _read(four, "third")
-    assert (len(first), len(middle), len(third)) == (37, 33, 34)
-    assert first + middle + third == full
+    the uninterrupted run's. The same under shard_params() (sharded on 2 and 4, saved on 1 at
+    micro-batch 1: on 4, rank 0 pushes the saved leaf and still runs that micro-batch's
+    forward and backward, whose FSDP2 all-gathers the other ranks run too)."""
+    for variant, prefix in (("adamw", ""), ("sharded", "sharded_")):
+        full = _read(one, variant)["hashes"]
+        first, middle = _read(two, f"{prefix}first"), _read(second, f"{prefix}second")
+        third = _read(four, f"{prefix}third")
+        assert (len(first), len(middle), len(third)) == (37, 33, 34)
+        assert first + middle + third == full
 
 
 @pytest.mark.multiprocess
@@ -167,14 +183,18 @@ def test_resume_with_another_global_batch_is_refused(second: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_three_processes_match_one_over_1000_updates(tmp_path: Path) -> None:
-    """1 x acc(6) and 3 x acc(2) (not powers of two) train the same bits for 1000 updates:
-    the ranks' subtrees are complete and the blocks of W are folded as one rank folds."""
+def test_three_and_two_processes_match_one_over_1000_updates(pool: Pools, tmp_path: Path) -> None:
+    """1 x acc(6), 3 x acc(2) (W not a power of two: the ranks' subtrees are complete and the
+    blocks of W are folded as one rank folds) and 2 x acc(3) (A not a power of two: the
+    subtrees inside each block are gathered and pushed in order) train the same bits, for
+    1000 updates on 3 processes and the first 300 on 2."""
     reference = worker.long_run(str(tmp_path))
     done = _launch.launch("--backend", "cpu", "--nproc-per-node", "3", "--timeout-s", "120",
                           script="invariant.py", script_args=("--out", tmp_path, "--long"), timeout_s=400)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert len(reference) == 10 and json.loads((tmp_path / "long.json").read_text()) == reference
+    assert len(reference) == 10 and json.loads((tmp_path / "long3.json").read_text()) == reference
+    pool.call(*POOL, function="invariant:long_run", out=str(tmp_path), updates=300, timeout_s=200)
+    assert json.loads((tmp_path / "long2.json").read_text()) == reference[:3]
 
 
 def test_batch_norm_is_refused_before_any_forward(cpu: af.backends.CPU) -> None:
@@ -195,21 +215,25 @@ def test_batch_norm_is_refused_before_any_forward(cpu: af.backends.CPU) -> None:
 
 
 def test_invariant_validates_and_conflicts() -> None:
-    """invariant() checks its arguments and refuses shard_params() and split batches."""
+    """invariant() checks its arguments and refuses shard_params() with offloading or HSDP,
+    and split batches."""
     with pytest.raises(ValueError, match="seed"):
         af.invariant(seed=-1)
     with pytest.raises(TypeError, match="batch_coupled"):
         af.invariant(batch_coupled=[torch.nn.BatchNorm1d])
     base = af.train_step(lambda m, b: m(b).sum())
-    with pytest.raises(af.TransformError, match="shard_params"):
-        af.compose(af.invariant(), af.shard_params())(base)
+    af.compose(af.invariant(), af.shard_params())(base)
+    for sharding in (af.shard_params(offload=True), af.shard_params(shard_size=2)):
+        with pytest.raises(af.TransformError, match="offload=True.*shard_size"):
+            af.compose(af.invariant(), sharding)(base)
     with pytest.raises(af.TransformError, match="split_batches"):
         af.compose(af.invariant(), af.shard_data(split_batches=True))(base)
 
 
 def test_binary_counter_is_the_pairwise_tree() -> None:
-    """Pushing leaves one by one and folding gives ((0+1)+(2+3))+(4+5) for six leaves,
-    and for a rank's two subtrees of four the tree of eight, bit for bit."""
+    """Pushing leaves one by one and folding gives ((0+1)+(2+3))+(4+5) for six leaves; a
+    rank's two subtrees of four give the tree of eight, and two blocks of three leaves
+    pushed node by node the tree of six, bit for bit."""
     values = torch.randn(8, 1000, dtype=torch.float32) * torch.logspace(-3, 3, 1000)
 
     def leaf(i: int) -> Node:
@@ -231,6 +255,19 @@ def test_binary_counter_is_the_pairwise_tree() -> None:
     assert torch.equal(halves[0].grads + halves[1].grads, eight)
     assert not torch.equal(sum(v[i] for i in range(8)), eight)  # the order matters at all
     assert blocks(8) == [(0, 8)] and blocks(6) == [(0, 4), (4, 2)] and blocks(3) == [(0, 2), (2, 1)]
+    # a block of three leaves (3, 4, 5) keeps 3 apart from 4 (not siblings); its nodes and the
+    # other block's, pushed in order, give the tree of six
+    block: tuple[Node, ...] = ()
+    for i in (3, 4, 5):
+        block = push(block, leaf(i))
+    assert [(n.start, n.height) for n in block] == [(3, 0), (4, 1)]
+    first: tuple[Node, ...] = ()
+    for i in (0, 1, 2):
+        first = push(first, leaf(i))
+    merged: tuple[Node, ...] = ()
+    for node in (*first, *block):
+        merged = push(merged, node)
+    assert torch.equal(fold(merged).grads, ((v[0] + v[1]) + (v[2] + v[3])) + (v[4] + v[5]))
 
 
 def test_blocks_are_the_same_micro_batches_on_every_world_size() -> None:
@@ -262,3 +299,20 @@ def test_tree_window_and_layout_round_trip_through_the_codec() -> None:
         (got,) = nodes
         assert (got.start, got.height) == (5, 1) and torch.equal(got.sums, node.sums)
         assert torch.equal(got.grads, node.grads) and torch.signbit(got.grads).tolist() == [False, True]
+
+
+def test_the_xla_backend_refuses_invariant_before_anything_is_placed() -> None:
+    """XLA's check_invariant raises NotImplementedError naming the cpu and cuda backends
+    (on a bare instance: a real one needs torch_xla), and prepare() asks it before it places,
+    wraps or broadcasts anything (here on the CPU backend given XLA's check)."""
+    message = r"the xla backend does not support Invariant\(seed=0, batch_coupled=\(\)\) .* use the cpu or cuda backend"
+    with pytest.raises(NotImplementedError, match=message):
+        object.__new__(af.backends.XLA).check_invariant(af.invariant())
+    model = torch.nn.Linear(2, 2)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+    cpu = af.backends.CPU(af.backends.LaunchEnv())  # its own: the check is replaced on it
+    cpu.check_invariant = types.MethodType(af.backends.XLA.check_invariant, cpu)  # type: ignore[method-assign]
+    with pytest.raises(NotImplementedError, match=message):
+        cpu.prepare(af.compose(af.invariant(), af.replicate())(af.train_step(lambda m, b: m(b).sum())), state)
+    assert list(model.parameters()) == params and "invariant" not in state.transforms_state

@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -25,7 +27,7 @@ import accelfn as af
 
 B, L, EPOCHS = 2, 8, 2
 NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
-VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "control")
+VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "sharded", "control", "shard_control")
 CONTROL_UPDATES = 20  # the control (without invariant()) differs from the first update on
 
 
@@ -50,6 +52,12 @@ def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.cross_entropy(model(x), y)
 
 
+def noisy_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The mean loss times a factor drawn from Python's ``random`` and NumPy (keyed per
+    global micro-batch under invariant(), as torch's generator is)."""
+    return mean_loss(model, batch) * (1.0 + 0.5 * random.random() + 0.5 * float(np.random.rand()))
+
+
 class ItemLoss:
     """An ``af.Loss`` over items weighted 0..3; counts the micro-batches whose count is 0."""
 
@@ -71,19 +79,23 @@ def build(variant: str, world_size: int, micro_batches: int = L,
     model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(32, 3))
     scheduler = None
-    if variant in ("sgd", "control", "clip_value"):
+    if variant in ("sgd", "control", "clip_value", "shard_control"):
         optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.02 * s))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
     a = micro_batches // world_size
-    loss_fn: Any = ItemLoss() if variant == "loss_bf16" else mean_loss
-    if variant == "control":  # the same samples per update, reduced as DDP does
-        transforms = [af.shard_data(seed=3, split_batches=True), af.replicate(), af.accumulate(a), af.clip(1.0)]
+    loss_fn: Any = ItemLoss() if variant == "loss_bf16" else noisy_loss if variant == "sgd" else mean_loss
+    if variant in ("control", "shard_control"):  # the same samples per update, reduced as DDP (FSDP2) does
+        parallel = af.replicate() if variant == "control" else af.shard_params()
+        transforms = [af.shard_data(seed=3, split_batches=True), parallel, af.accumulate(a), af.clip(1.0)]
         loader = DataLoader(Samples(num_samples), batch_size=B * world_size, shuffle=True, drop_last=True)
     else:
-        transforms = [af.invariant(seed=7), af.shard_data(seed=3), af.replicate(), af.accumulate(a), af.clip(1.0)]
+        parallel = af.shard_params() if variant == "sharded" else af.replicate()
+        # under shard_params() the clip bites at most updates: its norm is read from the whole gradient
+        transforms = [af.invariant(seed=7), af.shard_data(seed=3), parallel, af.accumulate(a),
+                      af.clip(0.5 if variant == "sharded" else 1.0)]
         if variant == "loss_bf16":
             transforms.append(af.with_precision("bf16"))
         if variant == "clip_value":  # clip_value and skip_nonfinite in place of clip
@@ -98,6 +110,8 @@ def state_hash(state: af.TrainState, world_size: int) -> str:
     h = hashlib.sha256()
 
     def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and af.collectives.is_dtensor(value):  # shard_params: the whole tensor
+            value = value.full_tensor()  # type: ignore[attr-defined]
         if isinstance(value, torch.Tensor):
             h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(value, dict):
@@ -134,14 +148,21 @@ def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
             def record(state: af.TrainState, backend: Any, hashes: list[str] = hashes) -> None:
                 hashes.append(state_hash(state, backend.world_size))
 
+            random.seed(5)  # the draws of loss_fn under invariant() leave these generators as they were
+            np.random.seed(5)
             state = af.run(step, state, loader, backend=backend, epochs=EPOCHS, progress=False,
-                           max_steps=CONTROL_UPDATES if variant == "control" else None, trackers=[af.JSONL(log)],
+                           max_steps=CONTROL_UPDATES if "control" in variant else None, trackers=[af.JSONL(log)],
                            hooks=[af.Hook(record, every_steps=1)])
+            outer = [random.random(), float(np.random.rand())]
+            random.seed(5)
+            np.random.seed(5)
+            untouched = outer == [random.random(), float(np.random.rand())]
             empty = backend.reduce(torch.tensor(float(getattr(loss_fn, "empty", 0))), "sum").item()
             if backend.is_main_process:
                 points = [json.loads(line) for line in log.read_text().splitlines()]
                 results[variant] = {"hashes": hashes, "points": [[p["step"], p["loss"], p.get("grad_norm")]
-                                                                 for p in points], "empty_micro_batches": empty}
+                                                                 for p in points], "empty_micro_batches": empty,
+                                    "outer_rng_untouched": untouched, "dtensors": all(af.collectives.is_dtensor(p) for p in state.model.parameters())}
                 (Path(out) / f"{variant}.json").write_text(json.dumps(results[variant]))
         return {"world_size": backend.world_size, "variants": sorted(results)}
     finally:
@@ -186,17 +207,25 @@ def segment(out: str, name: str, variant: str = "adamw", resume: str | None = No
 
 def long_run(out: str, updates: int = 1000) -> list[str]:
     """1000 updates of 6 micro-batches (``accumulate(6 // W)``: W = 1 or 3, not powers of two)
-    of the SGD variant; rank 0 writes the hashes after every 100th update to OUT/long.json."""
+    of the SGD variant; rank 0 writes the hashes after every 100th update to OUT/long{W}.json,
+    and the parameters then to OUT/long{W}.params.json."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         backend = af.backends.CPU()
         step, state, loader, _ = build("sgd", backend.world_size, micro_batches=6, num_samples=B * 6 * 250 + 7)
         hashes: list[str] = []
-        hook = af.Hook(lambda s, b: hashes.append(state_hash(s, b.world_size)), every_steps=100)
-        af.run(step, state, loader, backend=backend, epochs=None, max_steps=updates, progress=False, hooks=[hook])
+        params: list[list[list[float]]] = []
+
+        def record(state: af.TrainState, backend: Any) -> None:
+            hashes.append(state_hash(state, backend.world_size))
+            params.append([p.detach().reshape(-1).tolist() for p in state.model.parameters()])
+
+        af.run(step, state, loader, backend=backend, epochs=None, max_steps=updates, progress=False,
+               hooks=[af.Hook(record, every_steps=100)])
         if backend.is_main_process:
-            (Path(out) / "long.json").write_text(json.dumps(hashes))
+            (Path(out) / f"long{backend.world_size}.json").write_text(json.dumps(hashes))
+            (Path(out) / f"long{backend.world_size}.params.json").write_text(json.dumps(params))
         return hashes
     finally:
         torch.set_num_threads(threads)
@@ -206,13 +235,14 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--segment", help="NAME:CHECKPOINT: also train a segment resumed from CHECKPOINT")
+    parser.add_argument("--segment", action="append", default=[],
+                        help="NAME:VARIANT:CHECKPOINT: also train a segment of VARIANT resumed from CHECKPOINT")
     parser.add_argument("--long", action="store_true", help="only long_run")
     args = parser.parse_args()
     if args.long:
         long_run(args.out)
         raise SystemExit
     train(args.out, args.variants.split(","))
-    if args.segment:
-        name, checkpoint = args.segment.split(":", 1)
-        segment(args.out, name, resume=checkpoint)
+    for spec in args.segment:
+        name, variant, checkpoint = spec.split(":", 2)
+        segment(args.out, name, variant, resume=checkpoint)

@@ -3,7 +3,7 @@
 Usage: accelfn launch --nproc-per-node 2 --timeout-s 30 rank_mismatches.py --out DIR
 Each rank writes DIR/rank{r}.json with the error each case raised on it: metric names that
 differ across ranks, an af.Loss on rank 0 and a mean loss on rank 1 (under replicate and
-shard_params), evaluate outputs of another structure, af.save, af.evaluate, af.save_model
+shard_params, with and without invariant()), evaluate outputs of another structure, af.save, af.evaluate, af.save_model
 and af.load called on rank 0 alone, af.run on rank 0 while rank 1 calls af.save_model; and
 the files of a save on every rank afterwards. Rank 0 logs the same
 metric names in another order to DIR/reordered.jsonl.
@@ -22,13 +22,24 @@ import torch.nn.functional as F
 import accelfn as af
 
 
-def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path, parallel: Any = af.replicate) -> None:
+def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path, parallel: Any = af.replicate,
+        invariant: bool = False) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
-    step = af.compose(af.shard_data(), parallel())(af.train_step(loss_fn))
-    af.run(step, state, data, backend=backend, trackers=[af.JSONL(jsonl)], progress=False)
+    data: Any = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]
+    transforms = [af.shard_data(), parallel()]
+    if invariant:  # a DataLoader of micro-batches of 2, an update of 2 x accumulate(2)
+        data = torch.utils.data.DataLoader([(torch.randn(4), torch.randn(1)) for _ in range(16)], batch_size=2)
+        transforms = [af.invariant(), *transforms, af.accumulate(2)]
+    initial = [p.detach().clone() for p in model.parameters()]
+    try:
+        af.run(af.compose(*transforms)(af.train_step(loss_fn)), state, data, backend=backend,
+               trackers=[af.JSONL(jsonl)], progress=False)
+    finally:
+        if invariant:  # refused before the first update
+            assert all(torch.equal(a, b.full_tensor() if af.collectives.is_dtensor(b) else b)
+                       for a, b in zip(initial, model.parameters()))
 
 
 def main() -> None:
@@ -60,6 +71,11 @@ def main() -> None:
         run(backend, sum_on_rank_zero, out / "kinds_sharded.jsonl", af.shard_params)
     except ValueError as e:
         result["kinds_sharded"] = str(e)
+    for parallel in (af.replicate, af.shard_params):  # invariant(): checked where the first window closes
+        try:
+            run(backend, sum_on_rank_zero, out / f"kinds_invariant_{parallel.__name__}.jsonl", parallel, invariant=True)
+        except ValueError as e:
+            result[f"kinds_invariant_{parallel.__name__}"] = str(e)
 
     def reordered(m: torch.nn.Module, b: Any) -> Any:  # the same names, in another order on rank 1
         metrics = {"a": 1.0 + 9 * rank, "b": 2.0 + 18 * rank}
