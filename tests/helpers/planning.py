@@ -185,6 +185,8 @@ def memory_program(parallel: str | None, precision: str) -> af.Step:
         transforms.append(af.replicate())
     elif parallel == "shard_params":
         transforms.append(af.shard_params())
+    elif parallel == "hybrid":  # sharded over pairs of ranks, replicated across the pairs
+        transforms.append(af.shard_params(shard_size=2))
     return af.compose(*transforms)(af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1])))
 
 
@@ -227,6 +229,11 @@ def planned_and_measured(parallel: str | None, precision: str, optimizer: str,
 MEMORY_TWO = [(p, precision, o) for p in ("replicate", "shard_params") for precision in ("fp32", "bf16", "fp16",
                                                                                          "bf16-true")
               for o in MEMORY_OPTIMIZERS if (precision, o) != ("bf16-true", "sgd") or p == "replicate"]
+
+
+#: the 4-process memory cases (uneven shards: rows 7 and 5 cut 2+2+2+1 and 2+2+1+0)
+MEMORY_FOUR = [("shard_params", precision, "adamw") for precision in ("fp32", "bf16", "fp16")] + [
+    ("shard_params", "fp32", "sgd"), ("hybrid", "bf16", "adamw"), ("replicate", "fp16", "adamw")]
 
 
 #: the programs whose collectives are checked on 2 processes
