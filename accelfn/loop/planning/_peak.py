@@ -28,6 +28,18 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+#: the CUDA caching allocator's smallest block: each allocation takes a multiple of it
+CUDA_BLOCK_BYTES = 512
+
+
+def _allocated(st: torch.UntypedStorage) -> int:
+    """Bytes the device's allocator hands out for ``st``: on CUDA rounded up to 512-byte blocks
+    (as MemTracker and ``torch.cuda.memory_allocated`` count them), elsewhere its size."""
+    if st.device.type == "cuda":
+        return -(-st.nbytes() // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return st.nbytes()
+
+
 class PeakTracker(TorchDispatchMode):
     """Counts the bytes of the storages that operators create while it is active.
 
@@ -60,11 +72,11 @@ class PeakTracker(TorchDispatchMode):
     def _count(self, st: torch.UntypedStorage) -> None:
         entry = self._seen.get(id(st))
         if entry is not None:  # seen before: a storage an out= or resize_ operator grew counts anew
-            if entry[1][0] and entry[1][0] != st.nbytes():
-                self.current += st.nbytes() - entry[1][0]
-                entry[1][0] = st.nbytes()
+            if entry[1][0] and entry[1][0] != _allocated(st):
+                self.current += _allocated(st) - entry[1][0]
+                entry[1][0] = _allocated(st)
             return
-        counted = [st.nbytes()]
+        counted = [_allocated(st)]
         key = id(st)
         self._seen[key] = (weakref.ref(st, functools.partial(self._freed, key, counted)), counted)
         self.current += counted[0]
