@@ -55,15 +55,16 @@ class PeakTracker(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
-        # id of a storage -> (a weak reference to it, [its bytes as counted]); a storage's id is
-        # dropped by the callback that runs as it is freed, before the id can be reused
-        self._seen: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[int]]] = {}
+        # id of a storage -> (a weak reference to it, [its bytes as counted], or None for a known
+        # one); a storage's id is dropped by the callback that runs as it is freed, before the id
+        # can be reused
+        self._seen: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[int] | None]] = {}
         self._known: list[torch.UntypedStorage] = []  # kept alive: counted as there all along
         for t in known:
             st = _storage(t)
             if st is not None and id(st) not in self._seen:
                 self._known.append(st)
-                self._seen[id(st)] = (weakref.ref(st), [0])
+                self._seen[id(st)] = (weakref.ref(st), None)
 
     def _freed(self, key: int, counted: list[int], _ref: object) -> None:
         self._seen.pop(key, None)
@@ -72,14 +73,15 @@ class PeakTracker(TorchDispatchMode):
     def _count(self, st: torch.UntypedStorage) -> None:
         entry = self._seen.get(id(st))
         if entry is not None:  # seen before: a storage an out= or resize_ operator grew counts anew
-            if entry[1][0] and entry[1][0] != _allocated(st):
-                self.current += _allocated(st) - entry[1][0]
-                entry[1][0] = _allocated(st)
+            counted = entry[1]
+            if counted is not None and counted[0] != _allocated(st):
+                self.current += _allocated(st) - counted[0]
+                counted[0] = _allocated(st)
             return
-        counted = [_allocated(st)]
+        new = [_allocated(st)]
         key = id(st)
-        self._seen[key] = (weakref.ref(st, functools.partial(self._freed, key, counted)), counted)
-        self.current += counted[0]
+        self._seen[key] = (weakref.ref(st, functools.partial(self._freed, key, new)), new)
+        self.current += new[0]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
