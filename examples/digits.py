@@ -59,16 +59,16 @@ def main(*, epochs: int = 12, batch_size: int = 16, logdir: str = "runs/digits/t
 
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    updates_per_epoch = -(-len(train) // (batch_size * 2 * backend.world_size))
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * updates_per_epoch)
-    state = af.TrainState.create(model, optimizer, scheduler=scheduler)
-
     step = af.compose(
         af.shard_data(),
         af.replicate(),
         af.accumulate(2),
         af.clip(1.0),
     )(af.train_step(loss_fn))
+    # the schedule counts optimizer updates of this launch (and of the one `accelfn plan` stands for)
+    total = af.count_updates(step, loader, backend=backend, epochs=epochs).total
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    state = af.TrainState.create(model, optimizer, scheduler=scheduler)
 
     trackers = [af.TensorBoard(logdir)]
     state = af.run(step, state, loader, backend=backend, epochs=epochs, trackers=trackers,

@@ -250,6 +250,8 @@ class Backend(ProcessContext, abc.ABC):
 
         Raises:
             TypeError: ``step`` is not a Step or ``state`` not a TrainState.
+            SystemExit: status 2 under ``accelfn plan``, which plans ``af.run`` and would
+                otherwise let a loop of the script's own train.
             NotImplementedError: this backend cannot run the program's precision policy, or
                 its ``compile``, or its ``shard_params`` (XLA; offloading on the CPU backend),
                 or its ``invariant`` (XLA).
@@ -265,6 +267,12 @@ class Backend(ProcessContext, abc.ABC):
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
         require_state("backend.prepare(step, state)", state)
+        if self.env.plan_world_size is not None:  # `accelfn plan`: a loop of the script's own would train
+            print("accelfn plan: this script calls backend.prepare(step, state) and trains in a loop of its own, "
+                  "which the plan cannot follow; nothing was planned or trained. Plan each program with "
+                  f"af.plan(step, state, data, world_size={self.env.plan_world_size}) instead, or train with "
+                  "af.run", flush=True)
+            raise SystemExit(2)
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
         policy = self.precision(step)
         self.check_precision(policy)

@@ -12,7 +12,7 @@ from accelfn.backends.base import Backend
 from accelfn.data.blocks import epoch_length
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
-from accelfn.transforms import Accumulate
+from accelfn.transforms import Accumulate, TensorParallel
 
 
 @attrs.frozen
@@ -50,7 +50,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     Args:
         step: the program (its ``shard_data`` and ``accumulate`` decide the count).
         data: the DataLoader or sized iterable ``run`` will read.
-        backend: the backend ``run`` will use (its rank and world size shard the data).
+        backend: the backend ``run`` will use (its rank and world size shard the data; under
+            ``accelfn plan``, rank 0 of the planned world size, as ``af.plan`` counts).
         epochs: total epochs of the job, or None to train until ``max_steps``.
         max_steps: total optimizer updates of the job, or None for no limit.
         state: a state part-way through the job (a resumed one): ``total`` is then
@@ -86,6 +87,10 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
     data_rank, data_world = backend.data_coordinates(step)
+    if backend.env.plan_world_size is not None:  # `accelfn plan`: rank 0 of the planned world, as af.plan counts
+        tp = step.find(TensorParallel)
+        planned = backend.env.plan_world_size
+        data_rank, data_world = (0, planned) if tp is None else tp.data_coordinates(0, planned)
     micro_batches = epoch_length(data, step, rank=data_rank, world_size=data_world)
     if micro_batches is None:
         if max_steps is None:

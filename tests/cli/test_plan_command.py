@@ -43,3 +43,14 @@ def test_plan_with_errors_exits_1_naming_them(tmp_path):
     assert "plan: 8 processes" in result.stdout
     assert "error [global-batch-indivisible]" in result.stdout and "Fix: use a DataLoader batch_size" in result.stdout
     assert "TRAINED" not in result.stdout
+
+
+def test_plan_of_a_script_with_its_own_loop_refuses_and_trains_nothing(tmp_path):
+    """examples/gan_digits.py prepares its two programs itself (backend.prepare) and loops: under
+    `accelfn plan` the first prepare exits 2 saying so, before any batch: no epoch line, no checkpoint."""
+    result = _launch.run("plan", "--nproc-per-node", "2", _launch.ROOT / "examples" / "gan_digits.py",
+                         "--dir", tmp_path / "gan", "--epochs", "1", cwd=tmp_path, check=False, timeout_s=300)
+    assert result.returncode == 2, result.stderr
+    assert "calls backend.prepare(step, state) and trains in a loop of its own" in result.stdout
+    assert "af.plan(step, state, data, world_size=2)" in result.stdout
+    assert "epoch 0" not in result.stdout and not (tmp_path / "gan").exists()

@@ -100,7 +100,8 @@ def test_the_launch_default_replaces_replicate_and_trains_as_the_explicit_progra
         state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
         backend = af.backends.CPU(env)
         _, step_fn = backend.prepare(program, state)
-        return af.run(program, state, data, backend=backend, progress=False), step_fn.step
+        with pytest.warns(af.PlanWarning, match=r"^\[shard-params-one-process\]"):  # one process: said, and trained
+            return af.run(program, state, data, backend=backend, progress=False), step_fn.step
 
     launched = LaunchEnv(shard_params=af.shard_params(reshard_after_forward=False))
     defaulted, as_run = trained(af.compose(af.shard_data(), af.replicate())(af.train_step(loss_fn)), launched)

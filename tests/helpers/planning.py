@@ -8,15 +8,17 @@ LambdaLR counts the scheduler's steps.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import accelfn as af
+from tests.helpers import launch as _launch
 
 EPOCHS = 2
 
@@ -185,6 +187,8 @@ def memory_program(parallel: str | None, precision: str) -> af.Step:
         transforms.append(af.replicate())
     elif parallel == "shard_params":
         transforms.append(af.shard_params())
+    elif parallel == "hybrid":  # sharded over pairs of ranks, replicated across the pairs
+        transforms.append(af.shard_params(shard_size=2))
     return af.compose(*transforms)(af.train_step(lambda m, b: F.mse_loss(m(b[0]).float(), b[1])))
 
 
@@ -229,6 +233,11 @@ MEMORY_TWO = [(p, precision, o) for p in ("replicate", "shard_params") for preci
               for o in MEMORY_OPTIMIZERS if (precision, o) != ("bf16-true", "sgd") or p == "replicate"]
 
 
+#: the 4-process memory cases (uneven shards: rows 7 and 5 cut 2+2+2+1 and 2+2+1+0)
+MEMORY_FOUR = [("shard_params", precision, "adamw") for precision in ("fp32", "bf16", "fp16")] + [
+    ("shard_params", "fp32", "sgd"), ("hybrid", "bf16", "adamw"), ("replicate", "fp16", "adamw")]
+
+
 #: the programs whose collectives are checked on 2 processes
 COMMS = ("replicate-acc4-clip", "replicate-buckets", "shard_params-clip", "shard_params-acc2-fp16")
 
@@ -242,3 +251,45 @@ def comms_program(name: str) -> af.Step:
         "shard_params-acc2-fp16": [af.shard_params(), af.accumulate(2), af.with_precision("fp16")],
     }
     return af.compose(af.shard_data(), *transforms[name])(loss)
+
+
+def _example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"{name}_plan_example", _launch.ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Items(Dataset):
+    def __init__(self, items: list[Any]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+#: the examples whose traced micro-batch peak is checked against a real one (CPU and CUDA)
+EXAMPLES = ("digits", "byte_lm", "hf_gpt2")
+
+
+def example_case(name: str) -> tuple[torch.nn.Module, Any, DataLoader, str]:
+    """An example's model, loss function, a DataLoader of random batches of its shapes and its
+    precision: the digits CNN (16 images), the byte LM (its config's batch, bf16), the HF GPT-2."""
+    torch.manual_seed(0)
+    if name == "digits":
+        module = _example("digits")
+        items = [(torch.rand(1, 8, 8), torch.tensor(i % 10)) for i in range(64)]
+        return module.Net(), module.loss_fn, DataLoader(_Items(items), batch_size=16), "fp32"
+    if name == "byte_lm":
+        module = _example("byte_lm")
+        config = module.Config()
+        items = [(torch.randint(0, 256, (config.context,)), torch.randint(0, 256, (config.context,)))
+                 for _ in range(32)]
+        return module.ByteLM(config), module.loss_fn, DataLoader(_Items(items), batch_size=config.batch_size), "bf16"
+    module = _example("hf_gpt2")
+    items = [{"input_ids": (ids := torch.randint(0, 256, (64,))), "labels": ids} for _ in range(16)]
+    return module.gpt2(64), module.loss_fn, DataLoader(_Items(items), batch_size=8), "fp32"

@@ -95,3 +95,21 @@ def test_counted_from_a_resumed_state_the_total_is_where_the_resumed_run_stops(c
     assert counted.total == total
     resumed = af.run(step, state, loader, backend=cpu, epochs=counting.EPOCHS, progress=False)
     assert resumed.step == total
+
+
+def test_under_accelfn_plan_the_count_is_the_planned_worlds():
+    """Under ``accelfn plan --nproc-per-node 8`` (one process standing for 8), count_updates counts
+    rank 0's updates of the 8-process launch, as af.plan does: a schedule sized by it in the
+    planned script is the one the real launch sizes (101 samples of batch 4 under accumulate(3):
+    13 samples, 4 micro-batches, 2 updates per epoch on 8 ranks; 9 updates on one)."""
+    from accelfn.backends.cpu import CPU
+    from accelfn.backends.env import LaunchEnv
+
+    planning = CPU(LaunchEnv(plan_world_size=8, plan_local_world_size=8))
+    step, loader = counting.program((101, False, "pad", 3))
+    counted = af.count_updates(step, loader, backend=planning, epochs=3)
+    assert counted == af.UpdateCount(per_epoch=2, total=6, micro_batches_per_epoch=4)
+    model = torch.nn.Linear(2, 1)
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert af.plan(step, state, loader, backend=planning, epochs=3, trace=False).total_updates == counted.total
+    assert af.count_updates(step, loader, backend=af.backends.CPU(), epochs=3).per_epoch == 9

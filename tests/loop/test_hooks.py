@@ -173,9 +173,10 @@ def test_a_stop_between_checkpoints_is_saved_and_a_per_epoch_loop_stops_too(tmp_
     assert (again.step, calls) == (6, [3, 6])
     assert all(torch.equal(a, b) for a, b in zip(_weights(again), _weights(first)))
     looped = first
-    for epochs in range(3, 6):  # one epoch per call, as in a loop of the user's own
-        looped = af.run(af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])), looped,
-                        [(torch.randn(3, 2), torch.randn(3, 1))] * 4, backend=cpu, epochs=epochs, progress=False)
+    for epochs in range(3, 6):  # one epoch per call, as in a loop of the user's own; the plan says it trains nothing
+        with pytest.warns(af.PlanWarning, match=r"^\[nothing-to-train\] the state stopped at step 6 \(enough\)"):
+            looped = af.run(af.train_step(lambda m, b: F.mse_loss(m(b[0]), b[1])), looped,
+                            [(torch.randn(3, 2), torch.randn(3, 1))] * 4, backend=cpu, epochs=epochs, progress=False)
     assert looped.step == 6 and all(torch.equal(a, b) for a, b in zip(_weights(looped), _weights(first)))
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)

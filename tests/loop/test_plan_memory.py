@@ -1,6 +1,7 @@
 """``af.plan``'s persistent bytes per rank (parameters, gradients, optimizer state, buffers)
-equal the real state's after the first update: one process, and two processes under
-replicate and shard_params (uneven shards), in fp32, bf16, fp16 and bf16-true."""
+equal the real state's after the first update: one process, two processes under replicate and
+shard_params (uneven shards), in fp32, bf16, fp16 and bf16-true, and four processes under
+shard_params (a rank with an empty shard), hybrid sharding and replicate."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tests.helpers import planning
 from tests.helpers.pool import Pools
 
 TWO = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
+FOUR = ("--backend", "cpu", "--nproc-per-node", "4", "--timeout-s", "60")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "bf16-true"])
@@ -38,6 +40,28 @@ def test_planned_bytes_are_the_real_state_on_two_processes(two_processes, case):
         assert result["planned"] == result["measured"]
     if case[0] == "shard_params":  # 7 and 5 rows split 4 + 3 and 3 + 2: the ranks differ
         assert two_processes[0]["-".join(case)]["measured"]["params"] > two_processes[1]["-".join(case)]["measured"]["params"]
+
+
+@pytest.mark.multiprocess
+def test_planned_bytes_are_the_real_state_on_four_processes(pool: Pools):
+    """On each of four ranks, planned parameter, gradient, optimizer-state and buffer bytes equal
+    the real state's after the first update, for every case of ``planning.MEMORY_FOUR`` (one
+    pooled scenario): FSDP2's shards of 7 and 5 rows on 4 ranks (2+2+2+1 and 2+2+1+0), hybrid
+    shards over pairs, and DDP's whole copies."""
+    ranks = pool.call(*FOUR, function="plan_checks:memory_four", timeout_s=400)
+    assert len(ranks) == 4
+    for case in planning.MEMORY_FOUR:
+        key = "-".join(case)
+        for rank, result in enumerate(ranks):
+            assert result[key]["planned"] == result[key]["measured"], (key, rank)
+        params = [r[key]["measured"]["params"] for r in ranks]
+        print(key, "params per rank:", params, "optimizer per rank:", [r[key]["measured"]["optimizer"] for r in ranks])
+        if case[0] == "shard_params":  # rows 2+2+2+1 of 7 and 2+2+1+0 of 5
+            assert params[0] == params[1] > params[2] > params[3]
+        elif case[0] == "hybrid":  # ranks 0, 2 hold the first halves, 1, 3 the second
+            assert params[0] == params[2] > params[1] == params[3]
+        else:
+            assert len(set(params)) == 1
 
 
 def test_shards_on_four_ranks_are_torch_chunks():

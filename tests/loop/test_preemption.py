@@ -128,8 +128,8 @@ def test_a_second_sigint_interrupts_at_once(cpu, tmp_path) -> None:
         return step.loss_fn(model, batch)
 
     with pytest.raises(KeyboardInterrupt):
-        af.run(af.Step(impatient, step.transforms), state, data, backend=cpu, checkpoints=af.Checkpoints(tmp_path),
-               progress=False)
+        af.run(af.Step(impatient, step.transforms), state, data, backend=cpu, epochs=3,  # the job's epochs
+               checkpoints=af.Checkpoints(tmp_path), progress=False)
     assert af.Checkpoints(tmp_path).steps() == []
 
 

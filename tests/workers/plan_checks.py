@@ -1,4 +1,4 @@
-"""Worker for tests/loop/test_plan*.py: the 2-process checks of ``af.plan``, as pooled scenarios.
+"""Worker for tests/loop/test_plan*.py: the 2- and 4-process checks of ``af.plan``, as pooled scenarios.
 
 ``counts()``: for every case of ``planning.TWO_PROCESSES``, this rank's planned counts and what
 ``run`` did (samples read, updates per epoch, scheduler steps).
@@ -21,6 +21,12 @@ def memory() -> dict[str, Any]:
     """``planning.MEMORY_TWO``: this rank's planned and real persistent bytes per case."""
     backend = af.backends.auto()
     return {"-".join(case): planning.planned_and_measured(*case, backend) for case in planning.MEMORY_TWO}
+
+
+def memory_four() -> dict[str, Any]:
+    """``planning.MEMORY_FOUR`` on 4 processes: this rank's planned and real persistent bytes per case."""
+    backend = af.backends.auto()
+    return {"-".join(case): planning.planned_and_measured(*case, backend) for case in planning.MEMORY_FOUR}
 
 
 class _Record:

@@ -17,9 +17,10 @@ Persistent state per rank (what ``prepare`` and the first update leave behind):
 
 The activation peak of one micro-batch is traced: the loss function's forward and backward
 run on a fake copy of the model (``FakeTensorMode``: shapes, dtypes and devices without
-storage) over a fake copy of the first batch, under
-``torch.distributed._tools.mem_tracker.MemTracker``, whose peak minus parameters and buffers
-is what the micro-batch adds (activations, temporaries, gradients).
+storage) over a fake copy of the first batch, counting the bytes of every storage an operator
+creates until it is freed (``_peak.PeakTracker``: MemTracker's count, in constant time per
+operator); the peak of that count is what the micro-batch adds (activations, temporaries,
+gradients).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any
 
 import attrs
 import torch
+from torch.utils._pytree import tree_flatten
 
+from accelfn.loop.planning._peak import PeakTracker
 from accelfn.transforms import Replicate, ShardParams
 from accelfn.transforms.precision import Policy
 
@@ -215,48 +218,45 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 
 
 def trace_micro_batch(model: torch.nn.Module, batch: Any, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor],
-                      autocast: Callable[[], Any], policy: Policy, unused: list[str] | None = None) -> int:
+                      autocast: Callable[[], Any], policy: Policy, unused: list[str] | None = None,
+                      device: torch.device | None = None) -> int:
     """What one micro-batch's forward and backward add at their peak, in bytes, traced on fake
-    tensors: a fake copy of ``model`` (parameters in the policy's storage dtype) and of ``batch``.
+    tensors: a fake copy of ``model`` (parameters in the policy's storage dtype) and of ``batch``,
+    on ``device`` (None: the CPU) as the backend places them, so that the device's kernels and
+    autocast decide the activations' dtypes and sizes.
     Nothing is allocated for activations or gradients, and ``model`` is not touched. The names of
     trainable parameters that got no gradient are appended to ``unused``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     with mode:
         memo: dict[int, Any] = {}
         for name, p in model.named_parameters(remove_duplicate=True):
-            memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=_storage_dtype(p, policy)),
+            memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=_storage_dtype(p, policy), device=device),
                                              requires_grad=p.requires_grad)
         for b in model.buffers():
-            memo[id(b)] = torch.empty(b.shape, dtype=_storage_dtype(b, policy))
+            memo[id(b)] = torch.empty(b.shape, dtype=_storage_dtype(b, policy), device=device)
         fake = copy.deepcopy(model, memo)
-        fake_batch = _to_fake(batch, mode)
-        tracker = MemTracker()
-        tracker.track_external(fake)
-        with tracker:
+        fake_batch = _to_fake(batch, mode, device)
+        known = [*fake.parameters(), *fake.buffers(), *(t for t in tree_flatten(fake_batch)[0]
+                                                        if isinstance(t, torch.Tensor))]
+        with PeakTracker(known) as tracker:
             with autocast():
                 loss = loss_of(fake, fake_batch)
             loss.backward()
-        peak = tracker.get_tracker_snapshot("peak")
         if unused is not None:
             unused.extend(n for n, p in fake.named_parameters() if p.requires_grad and p.grad is None)
-    total = sum(v.get("Total", 0) for v in peak.values())
-    held = sum(_nbytes(p.numel(), _storage_dtype(p, policy)) for p in model.parameters())
-    held += sum(_nbytes(b.numel(), _storage_dtype(b, policy)) for b in model.buffers())
-    return max(total - held, 0)
+    return tracker.peak
 
 
-def _to_fake(tree: Any, mode: Any) -> Any:
+def _to_fake(tree: Any, mode: Any, device: torch.device | None) -> Any:
     if isinstance(tree, torch.Tensor):
-        if tree.device.type == "meta":
-            return torch.empty(tree.shape, dtype=tree.dtype)
-        return mode.from_tensor(tree)
+        fake = torch.empty(tree.shape, dtype=tree.dtype) if tree.device.type == "meta" else mode.from_tensor(tree)
+        return fake if device is None else fake.to(device)
     if isinstance(tree, dict):
-        return type(tree)((k, _to_fake(v, mode)) for k, v in tree.items())
+        return type(tree)((k, _to_fake(v, mode, device)) for k, v in tree.items())
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_to_fake(v, mode) for v in tree))
+        return type(tree)(*(_to_fake(v, mode, device) for v in tree))
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_fake(v, mode) for v in tree)
+        return type(tree)(_to_fake(v, mode, device) for v in tree)
     return tree

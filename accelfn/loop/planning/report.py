@@ -236,7 +236,9 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
         return backend.autocast(policy)
 
     try:
-        peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names)
+        # on the GPU the fake copy is a CUDA one (CUDA's kernels and autocast); XLA's is traced on the CPU
+        device = backend.device if backend.device.type == "cuda" else None
+        peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names, device=device)
     except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
         return f"{type(e).__name__}: {str(e)[:300]}"
     return peak, tuple(names), metrics[0]
