@@ -1,0 +1,252 @@
+"""The step function of a pipelined program: ``accumulate(n)``'s micro-batches kept until the
+window closes, then run through a ``torch.distributed.pipelining`` schedule, and the update.
+
+Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this data rank)::
+
+    schedule   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, scale_grads=False,
+               loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N
+               (one schedule run per run of equal-shaped micro-batches: its buffers are shaped once)
+    data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
+    clip       the norm over every stage: sum of |g|^p over the pipe group (one all-reduce)
+    update     optimizer.step(); scheduler.step(); zero_grad(set_to_none=True)
+    metrics    the window's mean loss, broadcast from the last stage over the pipe group
+
+The gradient is ``sum_i b_i / N * grad(loss_i)``: that of one batch of the ``N`` samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from accelfn import collectives
+from accelfn.backends import _pipeline
+from accelfn.backends._interpreter import foreign_state
+from accelfn.state import TrainState
+from accelfn.step import NO_METRICS, Loss, Step
+from accelfn.transforms import Accumulate, Clip, ClipValue, Pipeline, WithPrecision, parse_policy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from accelfn.backends.base import Backend
+
+#: the shapes and dtypes of one micro-batch's inputs and targets: one schedule per such key and count
+Key = tuple[int, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
+
+
+def _key(count: int, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> Key:
+    return count, tuple((tuple(t.shape), t.dtype) for t in (*inputs, targets))
+
+
+class PipelineStepFn:
+    """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` of a pipelined program.
+
+    Made by ``backend.prepare(step, state)``. A micro-batch that does not close the window
+    is only kept (no forward yet: the schedule needs the window's micro-batches together);
+    the one that closes it runs the schedule and the update, and returns ``loss`` (the
+    window's mean over this data rank's samples, equal on every stage), ``lr``,
+    ``num_samples``, and with ``clip`` the ``grad_norm`` over all stages.
+
+    Raises (of a call):
+        TypeError: a batch that is not ``(inputs, targets)``; a ``loss_fn`` that returns
+            an ``af.Loss``, metrics or no tensor (on every rank, at the first update).
+        ValueError: a loss that is not a scalar; ``state`` belongs to another model.
+    """
+
+    def __init__(self, backend: Backend, step: Step, state: TrainState, mesh: DeviceMesh,
+                 stages: list[tuple[int, torch.nn.Module]]):
+        pp = step.find(Pipeline)
+        assert pp is not None
+        accumulate, precision = step.find(Accumulate), step.find(WithPrecision)
+        self.step = step
+        self._backend = backend
+        self._pp = pp
+        self._owner = state.model
+        self._optimizer = state.optimizer
+        self._scheduler = state.scheduler
+        self._params = [p for g in state.optimizer.param_groups for p in g["params"]]
+        self._n = accumulate.num_micro_batches if accumulate is not None else 1
+        self._policy = precision.policy if precision is not None else parse_policy("fp32")
+        self._clip, self._clip_value = step.find(Clip), step.find(ClipValue)
+        self._user_loss = step.loss_fn
+        self._stages = stages
+        self._indices = [i for i, _ in stages]
+        self._first = 0 in self._indices
+        self._last = pp.num_stages - 1 in self._indices
+        self._pipe = mesh["pipe"].get_group()
+        self._data = mesh["data"].get_group() if mesh["data"].size() > 1 else None
+        self._data_size = mesh["data"].size()
+        self._last_rank = dist.get_global_rank(self._pipe, pp.size - 1)
+        self._schedules: dict[Key, Any] = {}
+        self._pending: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+        self._window_samples = 1
+        self._failure: str | None = None
+        self._checked = False
+
+    # -- one micro-batch ---------------------------------------------------------------
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        if state.model is not self._owner:
+            raise foreign_state()
+        position = state.epoch_micro_step % self._n
+        if position == 0:
+            self._pending = []
+        elif len(self._pending) != position:
+            raise ValueError(
+                f"this pipelined step function holds {len(self._pending)} micro-batches of the open window, and "
+                f"the state is at its micro-batch {position}: a pipelined window is run by the step function "
+                "that began it; close windows before saving (checkpoints save between updates)")
+        inputs, targets = _pipeline.split_batch(batch)
+        if self._policy.casts_inputs:
+            inputs = tuple(t.to(self._policy.param_dtype) if t.is_floating_point() else t for t in inputs)
+        self._pending.append((inputs, targets))
+        if not (flush or position == self._n - 1):
+            return state._advance(step=state.step, micro_step=state.micro_step + 1,
+                                  epoch_micro_step=state.epoch_micro_step + 1,
+                                  transforms_state=state.transforms_state), NO_METRICS
+        pending, self._pending = self._pending, []
+        samples = sum(int(t.shape[0]) for _, t in pending)
+        loss = self._run(pending, samples)
+        return self._update(state, loss, samples)
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: the user's, weighted by its share of the window."""
+        out = self._user_loss(output, targets)  # type: ignore[call-arg, arg-type]  # (output, targets) under pipeline
+        if self._failure is None:
+            self._failure = _wrong_loss(out)
+        if self._failure is not None:  # the schedule goes on (every stage waits for it); raised after
+            return output.float().sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros((), requires_grad=True)
+        return out * (targets.shape[0] / self._window_samples)
+
+    def _schedule(self, key: Key) -> Any:
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+            device = self._backend.device
+            stages = [PipelineStage(module, i, self._pp.num_stages, device, group=self._pipe)
+                      for i, module in self._stages]
+            count = key[0]
+            if self._pp.schedule == "interleaved_1f1b":
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, count, loss_fn=self._loss, scale_grads=False)
+            else:
+                kind = ScheduleGPipe if self._pp.schedule == "gpipe" else Schedule1F1B
+                self._schedules[key] = kind(stages[0], count, loss_fn=self._loss, scale_grads=False)
+        return self._schedules[key]
+
+    def _run(self, pending: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]], samples: int) -> torch.Tensor:
+        """Runs the window's micro-batches; returns the window's mean loss (0 but on the last stage)."""
+        self._window_samples = samples
+        total = torch.zeros((), dtype=torch.float32, device=self._backend.device)
+        runs: list[list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = []
+        for item in pending:  # runs of equal shapes: the last, smaller batch of an epoch runs on its own
+            if runs and _key(1, *item) == _key(1, *runs[-1][0]):
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+        autocast = (self._backend.autocast(self._policy) if self._policy.autocast else contextlib.nullcontext())
+        for run in runs:
+            schedule = self._schedule(_key(len(run), *run[0]))
+            inputs = tuple(torch.cat([x[k] for x, _ in run]) for k in range(len(run[0][0])))
+            targets = torch.cat([t for _, t in run])
+            losses: list[torch.Tensor] = []
+            with autocast:
+                if self._first:
+                    schedule.step(*inputs, target=targets if self._last else None,
+                                  losses=losses if self._last else None, return_outputs=False)
+                elif self._last:
+                    schedule.step(target=targets, losses=losses, return_outputs=False)
+                else:
+                    schedule.step(return_outputs=False)
+            for value in losses:
+                total = total + value.detach().float()
+        if not self._checked:  # the first update: a loss_fn of the wrong form fails on every rank
+            self._checked = True
+            failed = collectives.failures(self._failure, device=self._backend.collective_device)
+            if failed:
+                raise TypeError(failed[0])
+        return total
+
+    # -- the update ------------------------------------------------------------------------
+
+    def _update(self, state: TrainState, loss: torch.Tensor, samples: int) -> tuple[TrainState, Mapping[str, Any]]:
+        params = [p for p in self._params if p.grad is not None]
+        grads = [p.grad for p in params]
+        if self._data is not None and grads:  # replicate(): each stage's gradients averaged over its replicas
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]  # filtered above
+            dist.all_reduce(flat, group=self._data)
+            flat /= self._data_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))  # type: ignore[union-attr]  # as above
+                offset += g.numel()  # type: ignore[union-attr]  # as above
+        dist.broadcast(loss, src=self._last_rank, group=self._pipe)  # the last stage's loss, on every stage
+        metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if self._clip is not None:
+            norm = self._global_norm(grads, self._clip.norm_type)  # type: ignore[arg-type]  # filtered above
+            torch.nn.utils.clip_grads_with_norm_(params, self._clip.max_norm, norm)
+            metrics["grad_norm"] = norm
+        elif self._clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
+        self._optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return state._advance(step=state.step + 1, micro_step=state.micro_step + 1,
+                              epoch_micro_step=state.epoch_micro_step + 1,
+                              transforms_state=state.transforms_state), metrics
+
+    def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        """The ``norm_type``-norm of every stage's gradients together (one all-reduce over the pipe group)."""
+        device = self._backend.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
+                torch.zeros((), device=device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pipe)
+            return local
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads]
+        local = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros((), device=device)
+        dist.all_reduce(local, group=self._pipe)
+        return local ** (1.0 / norm_type)
+
+
+def _wrong_loss(out: Any) -> str | None:
+    """Why ``loss_fn(output, targets)``'s result cannot be a pipelined loss, or None."""
+    if isinstance(out, tuple) or isinstance(out, Loss):
+        what = "an af.Loss" if isinstance(out, Loss) else "a tuple (loss, metrics)"
+        return (f"under pipeline(), loss_fn(output, targets) returned {what}; return a scalar mean loss tensor "
+                "(af.Loss and metrics are not supported with pipeline() yet)")
+    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
+        what = (f"a tensor of shape {tuple(out.shape)}" + ("" if out.requires_grad else " that does not require grad")
+                if isinstance(out, torch.Tensor) else type(out).__name__)
+        return (f"under pipeline(), loss_fn(output, targets) must return a scalar mean loss tensor computed from "
+                f"output (the last stage's output), got {what}")
+    return None
+
+
+def prepare(backend: Backend, step: Step, state: TrainState, policy: Any, pp: Pipeline) -> tuple[TrainState, PipelineStepFn]:
+    """``backend.prepare`` of a pipelined program: checked, then rank 0's model broadcast,
+    placed, cut into stages and pruned to this rank's, and the step function.
+
+    Raises:
+        ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``,
+            before anything changes.
+    """
+    _pipeline.check(pp, step, policy, backend.world_size, backend.device)
+    _pipeline.check_not_cut(state.model)
+    _pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
+    mesh = _pipeline.world_mesh(backend.device, backend.world_size, pp)
+    backend._place_state(state, policy)
+    for tensor in [*state.model.parameters(), *state.model.buffers()]:  # every rank starts from rank 0's model
+        dist.broadcast(tensor.data, src=0)
+    for transform in step.transforms:
+        state = transform.init(state)
+    stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size)
+    return state, PipelineStepFn(backend, step, state, mesh, stages)
