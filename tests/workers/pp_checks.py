@@ -1,0 +1,50 @@
+"""Scenarios of tests/backends/test_pipeline.py, run by the worker pool.
+
+``train``: the residual MLP of ``tests.helpers.pipeline`` cut into 2 stages, trained under
+GPipe and under 1F1B with ``accumulate(4)`` and ``clip(1.0)`` (on 4 processes also
+``replicate()`` over the data dimension), each rank's own parameters and AdamW moments
+written to ``OUT/{schedule}-rank{r}.safetensors``, the logged metrics returned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+import accelfn as af
+from tests.helpers import pipeline as H
+from tests.helpers.tracking import Recorder
+
+
+def _tensors(state: af.TrainState) -> dict[str, torch.Tensor]:
+    """This rank's parameters and AdamW moments by name."""
+    out = {f"param.{k}": v.detach().clone().contiguous() for k, v in state.model.named_parameters()}
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    for p, moments in state.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}.{names[id(p)]}"] = moments[key].detach().clone().contiguous()
+    return out
+
+
+def train(out: str, schedules: list[str]) -> dict[str, Any]:
+    """Each schedule's run from the same initial model; its metrics and this rank's stage."""
+    backend = af.backends.auto()
+    data_world = backend.world_size // 2
+    result: dict[str, Any] = {}
+    for schedule in schedules:
+        recorder = Recorder()
+        state = af.run(H.step(schedule, data_world), H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS,
+                       progress=False, trackers=[recorder])
+        result[schedule] = {
+            "step": state.step,
+            "grad_norms": [float(p["grad_norm"]) for _, p in recorder.points],
+            "losses": [float(p["loss"]) for _, p in recorder.points],
+            "lrs": [float(p["lr"]) for _, p in recorder.points],
+            "lr_now": state.optimizer.param_groups[0]["lr"],
+            "names": [n for n, _ in state.model.named_parameters()],
+        }
+        save_file(_tensors(state), Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
+    return result
