@@ -127,18 +127,30 @@ class PipelineStepFn:
         return out * (targets.shape[0] / self._window_samples)
 
     def _schedule(self, key: Key) -> Any:
+        """The schedule of ``key[0]`` micro-batches of ``key``'s shapes (made once, on stages of
+        its own). 1F1B needs at least ``size`` micro-batches, interleaved 1F1B a multiple of
+        ``size``: a run with fewer (an epoch's last window, its smaller last batch) goes
+        all-forwards-then-all-backwards (GPipe, or LoopedBFS on several stages per rank)
+        instead, which computes the same gradients."""
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
+                ScheduleLoopedBFS,
+            )
 
             device = self._backend.device
             stages = [PipelineStage(module, i, self._pp.num_stages, device, group=self._pipe)
                       for i, module in self._stages]
-            count = key[0]
-            if self._pp.schedule == "interleaved_1f1b":
-                self._schedules[key] = ScheduleInterleaved1F1B(stages, count, loss_fn=self._loss, scale_grads=False)
+            count, size, kind = key[0], self._pp.size, self._pp.schedule
+            if kind == "interleaved_1f1b":
+                multi = ScheduleInterleaved1F1B if count % size == 0 else ScheduleLoopedBFS
+                self._schedules[key] = multi(stages, count, loss_fn=self._loss, scale_grads=False)
             else:
-                kind = ScheduleGPipe if self._pp.schedule == "gpipe" else Schedule1F1B
-                self._schedules[key] = kind(stages[0], count, loss_fn=self._loss, scale_grads=False)
+                single = Schedule1F1B if kind == "1f1b" and count >= size else ScheduleGPipe
+                self._schedules[key] = single(stages[0], count, loss_fn=self._loss, scale_grads=False)
         return self._schedules[key]
 
     def _run(self, pending: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]], samples: int) -> torch.Tensor:
