@@ -18,8 +18,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from accelfn.backends import _fsdp
+from accelfn.collectives.stages import ATTRIBUTE, StageLayout
 from accelfn.transforms import (
     ClipValue,
     Pipeline,
@@ -225,17 +227,25 @@ def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: Iterab
 
 
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: Pipeline, rank: int,
-                  world_size: int) -> list[tuple[int, torch.fx.GraphModule]]:
-    """Cuts ``model``, prunes it and ``optimizer`` to this rank's stages, and returns them as
-    ``(stage index, module)`` pairs.
+                  world_size: int, mesh: DeviceMesh) -> list[tuple[int, torch.fx.GraphModule]]:
+    """Cuts ``model``, prunes it and ``optimizer`` to this rank's stages, leaves on it the
+    ``StageLayout`` checkpoints read, and returns its stages as ``(stage index, module)`` pairs.
 
     Raises:
         ValueError: from :func:`cut`.
     """
     modules = cut(model, pp)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group = mesh["pipe"].get_group()
+    layout = StageLayout(
+        keys=tuple(model.state_dict()),
+        param_names=tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
+        group=group, ranks=tuple(dist.get_global_rank(group, i) for i in range(pp.size)),
+        data_rank=pp.data_coordinates(rank, world_size)[0])
     mine = stage_indices(pp, rank, world_size)
     prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
     setattr(model, _CUT_WITH, pp)
+    setattr(model, ATTRIBUTE, layout)
     return [(i, modules[i]) for i in mine]
 
 

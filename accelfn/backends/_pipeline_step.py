@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from accelfn import collectives
 from accelfn.backends import _pipeline
-from accelfn.backends._interpreter import foreign_state
+from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Loss, Step
 from accelfn.transforms import Accumulate, Clip, ClipValue, Pipeline, WithPrecision, parse_policy
@@ -44,7 +44,7 @@ def _key(count: int, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) ->
     return count, tuple((tuple(t.shape), t.dtype) for t in (*inputs, targets))
 
 
-class PipelineStepFn:
+class PipelineStepFn(StepFn):
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` of a pipelined program.
 
     Made by ``backend.prepare(step, state)``. A micro-batch that does not close the window
@@ -59,8 +59,8 @@ class PipelineStepFn:
         ValueError: a loss that is not a scalar; ``state`` belongs to another model.
     """
 
-    def __init__(self, backend: Backend, step: Step, state: TrainState, mesh: DeviceMesh,
-                 stages: list[tuple[int, torch.nn.Module]]):
+    def __init__(self, backend: Backend, step: Step, state: TrainState, mesh: DeviceMesh,  # noqa: PLW0231
+                 stages: list[tuple[int, torch.fx.GraphModule]]):  # StepFn's own fields are not this one's
         pp = step.find(Pipeline)
         assert pp is not None
         accumulate, precision = step.find(Accumulate), step.find(WithPrecision)
@@ -113,16 +113,16 @@ class PipelineStepFn:
         pending, self._pending = self._pending, []
         samples = sum(int(t.shape[0]) for _, t in pending)
         loss = self._run(pending, samples)
-        return self._update(state, loss, samples)
+        return self._apply(state, loss, samples)
 
     # -- the schedule --------------------------------------------------------------------
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch: the user's, weighted by its share of the window."""
-        out = self._user_loss(output, targets)  # type: ignore[call-arg, arg-type]  # (output, targets) under pipeline
+        out = self._user_loss(output, targets)  # (output, targets) under pipeline
         if self._failure is None:
             self._failure = _wrong_loss(out)
-        if self._failure is not None:  # the schedule goes on (every stage waits for it); raised after
+        if self._failure is not None or not isinstance(out, torch.Tensor):  # the schedule goes on; raised after
             return output.float().sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros((), requires_grad=True)
         return out * (targets.shape[0] / self._window_samples)
 
@@ -147,7 +147,7 @@ class PipelineStepFn:
             count, size, kind = key[0], self._pp.size, self._pp.schedule
             if kind == "interleaved_1f1b":
                 multi = ScheduleInterleaved1F1B if count % size == 0 else ScheduleLoopedBFS
-                self._schedules[key] = multi(stages, count, loss_fn=self._loss, scale_grads=False)
+                self._schedules[key] = multi(list[Any](stages), count, loss_fn=self._loss, scale_grads=False)
             else:
                 single = Schedule1F1B if kind == "1f1b" and count >= size else ScheduleGPipe
                 self._schedules[key] = single(stages[0], count, loss_fn=self._loss, scale_grads=False)
@@ -188,21 +188,21 @@ class PipelineStepFn:
 
     # -- the update ------------------------------------------------------------------------
 
-    def _update(self, state: TrainState, loss: torch.Tensor, samples: int) -> tuple[TrainState, Mapping[str, Any]]:
+    def _apply(self, state: TrainState, loss: torch.Tensor, samples: int) -> tuple[TrainState, Mapping[str, Any]]:
         params = [p for p in self._params if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
         if self._data is not None and grads:  # replicate(): each stage's gradients averaged over its replicas
-            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]  # filtered above
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self._data)
             flat /= self._data_size
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))  # type: ignore[union-attr]  # as above
-                offset += g.numel()  # type: ignore[union-attr]  # as above
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
         dist.broadcast(loss, src=self._last_rank, group=self._pipe)  # the last stage's loss, on every stage
         metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
         if self._clip is not None:
-            norm = self._global_norm(grads, self._clip.norm_type)  # type: ignore[arg-type]  # filtered above
+            norm = self._global_norm(grads, self._clip.norm_type)
             torch.nn.utils.clip_grads_with_norm_(params, self._clip.max_norm, norm)
             metrics["grad_norm"] = norm
         elif self._clip_value is not None:
@@ -260,5 +260,5 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Any, pp: Pi
         dist.broadcast(tensor.data, src=0)
     for transform in step.transforms:
         state = transform.init(state)
-    stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size)
+    stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size, mesh)
     return state, PipelineStepFn(backend, step, state, mesh, stages)

@@ -221,4 +221,4 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
         >>> af.pipeline(["blocks.2"], size=2, schedule="gpipe").num_stages
         2
     """
-    return Pipeline(split_points, size, schedule)  # type: ignore[arg-type]  # the converter takes a str or list
+    return Pipeline(split_points, size, schedule)  # the converter takes a str or list

@@ -48,3 +48,24 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
         }
         save_file(_tensors(state), Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
     return result
+
+
+def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
+    """2 stages, 1F1B: a whole run of 3 epochs; a run stopped after ``stop`` updates (mid-epoch)
+    with a checkpoint; a fresh state resumed from it; af.save_model of the whole run. This
+    rank's tensors of each to ``OUT/ckpt-rank{r}.safetensors``."""
+    backend = af.backends.auto()
+    step = H.step("1f1b", backend.world_size // 2)
+    whole = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, progress=False)
+    keep = af.Checkpoints(Path(out) / "ckpt", every_steps=stop)
+    stopped = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, max_steps=stop,
+                     checkpoints=keep, progress=False)
+    torch.manual_seed(123)  # another start: the checkpoint decides
+    resumed = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, checkpoints=keep,
+                     resume="auto", progress=False)
+    af.save_model(whole, Path(out) / "export", backend=backend)
+    tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
+               for k, v in _tensors(state).items()}
+    save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
+    return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
+            "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]]}
