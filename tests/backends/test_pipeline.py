@@ -20,15 +20,19 @@ from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
-SCHEDULES = ["gpipe", "1f1b"]
+#: the modules of each pipe position's stages (interleaved: stages 0 and 2, 1 and 3)
+STAGES = {"gpipe": [["blocks.0", "blocks.1", "inp"], ["blocks.2", "blocks.3", "out"]],
+          "1f1b": [["blocks.0", "blocks.1", "inp"], ["blocks.2", "blocks.3", "out"]],
+          "interleaved_1f1b": [["blocks.0", "blocks.2", "inp"], ["blocks.1", "blocks.3", "out"]]}
 
 
 def _launch(n: int) -> tuple[str, ...]:
     return ("--backend", "cpu", "--nproc-per-node", str(n), "--timeout-s", "60")
 
 
-def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Tensor]], world: int) -> None:
-    """Every rank's stage equals the loop's parameters and AdamW moments (1e-5); the logged
+def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Tensor]], world: int,
+                 stages: list[list[str]]) -> None:
+    """Every rank holds the modules ``stages`` lists for its pipe position, and they equal the loop's parameters and AdamW moments (1e-5); the logged
     grad norms and losses are the loop's unsharded ones; the scheduler stepped once per update."""
     data_world = world // 2
     state, norms, losses = H.hand_written(data_world=data_world)
@@ -37,11 +41,11 @@ def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Te
     for p, moments in state.optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             reference[f"{key}.{names[id(p)]}"] = moments[key]
-    stage_names = [["inp.", "blocks.0.", "blocks.1."], ["blocks.2.", "blocks.3.", "out."]]
     for rank in range(world):
         got = tensors[rank]
-        stage = rank // data_world
-        mine = {k for k in reference if any(k.split(".", 1)[1].startswith(s) for s in stage_names[stage])}
+        expected = stages[rank // data_world]
+        assert sorted({n.rsplit(".", 1)[0] for n in results[rank]["names"]}) == expected, (rank, results[rank]["names"])
+        mine = {k for k in reference if k.split(".", 1)[1] in results[rank]["names"]}
         assert set(got) == mine, (rank, sorted(got))
         for key in mine:
             torch.testing.assert_close(got[key], reference[key], rtol=1e-5, atol=1e-5, msg=f"rank {rank} {key}")
@@ -55,14 +59,17 @@ def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Te
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: Any, world: int) -> None:
-    """2 stages (x 2 replicas on 4 processes), GPipe and 1F1B, accumulate(4), clip(1.0): each
-    rank holds only its stage, whose parameters and AdamW moments equal the 1-process loop's
-    after every update of 3 epochs (windows of 16 samples and the epoch's 8 left over)."""
-    results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=SCHEDULES,
+    """2 stages (x 2 replicas on 4 processes, replicate()), GPipe and 1F1B (on 2 processes also
+    interleaved 1F1B, 4 stages), accumulate(4), clip(1.0): each rank holds only its stages,
+    whose parameters and AdamW moments equal the 1-process loop's after the 15 (4 processes:
+    9) updates of 3 epochs, windows of 16 (32) samples and the epoch's 8 left over; the logged
+    grad norms and losses are the loop's, and the scheduler stepped once per update."""
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b"] if world == 2 else ["gpipe", "1f1b"]
+    results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=schedules,
                         timeout_s=300)
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
-        _check_equal([r[schedule] for r in results], tensors, world)
+        _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
 
 
 def test_pipeline_refuses_what_it_does_not_support() -> None:

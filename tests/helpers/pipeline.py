@@ -21,6 +21,8 @@ ACCUMULATE = 4
 CLIP = 1.0
 LR = 1e-2
 SPLIT = ["blocks.2"]
+#: interleaved 1F1B: 4 stages, 2 per rank (rank 0: inp, blocks.0, blocks.2; rank 1: blocks.1, blocks.3, out)
+SPLIT_INTERLEAVED = ["blocks.1", "blocks.2", "blocks.3"]
 
 
 class Net(torch.nn.Module):
@@ -68,7 +70,8 @@ def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def step(schedule: str, data_world: int) -> Any:
     parallel = [af.replicate()] if data_world > 1 else []
-    return af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(SPLIT, size=2, schedule=schedule), *parallel,
+    split = SPLIT_INTERLEAVED if schedule == "interleaved_1f1b" else SPLIT
+    return af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(split, size=2, schedule=schedule), *parallel,
                       af.accumulate(ACCUMULATE), af.clip(CLIP))(af.train_step(loss))
 
 
