@@ -67,5 +67,13 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
                for k, v in _tensors(state).items()}
     save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
+    wrong = af.compose(af.pipeline(H.SPLIT, size=2), af.accumulate(2))(
+        af.train_step(lambda output, targets: af.Loss(total=(output - targets).pow(2).sum(), count=len(targets))))
+    try:  # an af.Loss is refused at the first update, on every rank (the schedule still completes)
+        af.run(wrong, H.make_state(), H.loader(), backend=backend, epochs=1, progress=False)
+        refused = ""
+    except TypeError as e:
+        refused = str(e)
     return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
-            "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]]}
+            "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
+            "refused": refused}
