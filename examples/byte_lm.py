@@ -250,7 +250,8 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     if tp > 1:  # replicate() does not take DTensors: data parallel over the data dimension is FSDP2
         parallel = [af.tensor_parallel(TP_PLAN, size=tp)] + ([af.shard_params()] if backend.world_size > tp else [])
     elif pp > 1:  # stage s on ranks s*d .. s*d+d-1: its d replicas over the data dimension
-        parallel = [af.pipeline(split_points(config, pp), size=pp)] + ([af.replicate()] if backend.world_size > pp else [])
+        parallel = [af.pipeline(split_points(config, pp), size=pp)]
+        parallel += [af.replicate()] if backend.world_size > pp else []
     else:
         parallel = [af.shard_params() if shard else af.replicate()]
     step = af.compose(

@@ -123,7 +123,9 @@ class PipelineStepFn(StepFn):
         if self._failure is None:
             self._failure = _wrong_loss(out)
         if self._failure is not None or not isinstance(out, torch.Tensor):  # the schedule goes on; raised after
-            return output.float().sum() * 0.0 if isinstance(output, torch.Tensor) else torch.zeros((), requires_grad=True)
+            if isinstance(output, torch.Tensor):
+                return output.float().sum() * 0.0
+            return torch.zeros((), requires_grad=True)
         return out * (targets.shape[0] / self._window_samples)
 
     def _schedule(self, key: Key) -> Any:
@@ -243,7 +245,8 @@ def _wrong_loss(out: Any) -> str | None:
     return None
 
 
-def prepare(backend: Backend, step: Step, state: TrainState, policy: Any, pp: Pipeline) -> tuple[TrainState, PipelineStepFn]:
+def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
+            pp: Pipeline) -> tuple[TrainState, PipelineStepFn]:
     """``backend.prepare`` of a pipelined program: checked, then rank 0's model broadcast,
     placed, cut into stages and pruned to this rank's, and the step function.
 

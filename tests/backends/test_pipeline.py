@@ -32,8 +32,9 @@ def _launch(n: int) -> tuple[str, ...]:
 
 def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Tensor]], world: int,
                  stages: list[list[str]]) -> None:
-    """Every rank holds the modules ``stages`` lists for its pipe position, and they equal the loop's parameters and AdamW moments (1e-5); the logged
-    grad norms and losses are the loop's unsharded ones; the scheduler stepped once per update."""
+    """Every rank holds the modules ``stages`` lists for its pipe position, and they equal the
+    loop's parameters and AdamW moments (1e-5); the logged grad norms and losses are the
+    loop's unsharded ones; the scheduler stepped once per update."""
     data_world = world // 2
     state, norms, losses = H.hand_written(data_world=data_world)
     reference = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
