@@ -483,7 +483,17 @@ class Backend(ProcessContext, abc.ABC):
     def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
         """``(data rank, data world size, leads)`` for running ``model`` outside a Step (``af.evaluate``):
         under a ``tensor_parallel`` split, the ranks of one group read the same data and only
-        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``."""
+        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``.
+
+        Raises:
+            NotImplementedError: a model cut into pipeline stages (``pipeline``).
+        """
+        pp = _pipeline.cut_with(model)
+        if pp is not None:
+            raise NotImplementedError(
+                f"this model was cut into pipeline stages ({pp!r}): each rank holds only its own, so it has no "
+                "forward of its own; export it (af.save_model(state, directory)), load the weights into a "
+                "fresh model and evaluate that")
         tp = _tensor_parallel.split_with(model)
         if tp is None:
             return self.rank, self.world_size, True

@@ -67,6 +67,11 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
                for k, v in _tensors(state).items()}
     save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
+    try:  # each rank holds its stage only: no forward of its own
+        af.evaluate(lambda m, b: m(b[0]), whole, H.loader(), backend=backend)
+        evaluated = ""
+    except NotImplementedError as e:
+        evaluated = str(e)
     wrong = af.compose(af.pipeline(H.SPLIT, size=2), af.accumulate(2))(
         af.train_step(lambda output, targets: af.Loss(total=(output - targets).pow(2).sum(), count=len(targets))))
     try:  # an af.Loss is refused at the first update, on every rank (the schedule still completes)
@@ -76,4 +81,4 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
         refused = str(e)
     return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
             "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
-            "refused": refused}
+            "refused": refused, "evaluated": evaluated}
