@@ -32,6 +32,7 @@ from accelfn.step import Phase, TransformBase
 from accelfn.transforms.compile import Compile
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
+from accelfn.transforms.replicate import Replicate
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.tensor_parallel import TensorParallel
 
@@ -145,6 +146,9 @@ class Pipeline(TransformBase):
         for kind, reason in refused.items():
             if isinstance(other, kind):
                 return reason
+        if isinstance(other, Replicate) and other.comm_hook is not None:
+            return ("under pipeline(), replicate() averages each stage's gradients with one all-reduce of its own, "
+                    "not through DDP: a comm_hook would not run; remove it")
         return None
 
 
@@ -187,7 +191,8 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
     stage to every rank. ``clip`` takes the exact norm over every stage's gradients.
 
     Composes with ``replicate()`` over the data dimension (each stage's gradients averaged
-    over its ``d`` replicas, one all-reduce per update), ``shard_data()`` (sharded over the
+    over its ``d`` replicas, one all-reduce per update, not through DDP: its bucket options
+    do not apply and a ``comm_hook`` is refused), ``shard_data()`` (sharded over the
     data dimension), ``with_precision`` (not ``"fp16"``), ``accumulate``, ``clip``,
     ``clip_value``. Refused by name: ``tensor_parallel``, ``shard_params``, ``invariant``,
     ``deepspeed``, ``compile``, ``skip_nonfinite`` and ``"fp16"`` (at prepare).
