@@ -22,14 +22,7 @@ import torch.distributed as dist
 
 from accelfn.backends import _fsdp
 from accelfn.collectives.stages import ATTRIBUTE, StageLayout
-from accelfn.transforms import (
-    ClipValue,
-    Pipeline,
-    Replicate,
-    ShardData,
-    SkipNonfinite,
-    WithPrecision,
-)
+from accelfn.transforms import Pipeline
 from accelfn.transforms.precision import Policy
 
 if TYPE_CHECKING:
@@ -39,8 +32,6 @@ if TYPE_CHECKING:
 
 #: the attribute of a prepared model that holds the Pipeline it was cut with
 _CUT_WITH = "_accelfn_pipeline"
-#: the transforms a pipelined step may hold besides pipeline (and accumulate, clip)
-SUPPORTED = (Replicate, ShardData, WithPrecision, ClipValue)
 
 
 def check(pp: Pipeline, step: Step, policy: Policy, world_size: int, device: torch.device) -> None:
@@ -48,20 +39,16 @@ def check(pp: Pipeline, step: Step, policy: Policy, world_size: int, device: tor
 
     Raises:
         ValueError: the world size is not a multiple of ``pp.size``.
-        NotImplementedError: another device than CPU/CUDA; ``with_precision("fp16")`` or
-            ``skip_nonfinite()`` (their inf check is not agreed across stages yet).
+        NotImplementedError: another device than CPU/CUDA; ``with_precision("fp16")`` (its
+            loss scale is not built for pipelines yet).
     """
     if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"pipeline() runs on the cpu and cuda backends, not on {device.type}")
     pp.data_degree(world_size)
     if policy.scaling is not None:
         raise NotImplementedError(
-            "pipeline() with with_precision('fp16') is not supported: its loss scale's inf check is not agreed "
-            "across the stages yet; use with_precision('bf16'), which needs no loss scale")
-    if step.find(SkipNonfinite) is not None:
-        raise NotImplementedError(
-            "pipeline() with skip_nonfinite() is not supported yet: the non-finite check is not agreed across "
-            "the stages; remove skip_nonfinite()")
+            "pipeline() with with_precision('fp16') is not supported: its loss scaling is not built for pipeline "
+            "schedules yet; use with_precision('bf16'), which needs no loss scale")
 
 
 def world_mesh(device: torch.device, world_size: int, pp: Pipeline) -> DeviceMesh:

@@ -7,6 +7,7 @@ Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this dat
                loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N
                (one schedule run per run of equal-shaped micro-batches: its buffers are shaped once)
     data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
+    check      skip_nonfinite: any inf/NaN gradient on any rank skips the update everywhere (one all-reduce)
     clip       the norm over every stage: sum of |g|^p over the pipe group (one all-reduce)
     update     optimizer.step(); scheduler.step(); zero_grad(set_to_none=True)
     metrics    the window's mean loss, broadcast from the last stage over the pipe group
@@ -29,7 +30,8 @@ from accelfn.backends import _pipeline
 from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Loss, Step
-from accelfn.transforms import Accumulate, Clip, ClipValue, Pipeline, WithPrecision, parse_policy
+from accelfn.errors import NonFiniteError
+from accelfn.transforms import Accumulate, Clip, ClipValue, Pipeline, SkipNonfinite, WithPrecision, parse_policy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -74,6 +76,7 @@ class PipelineStepFn(StepFn):
         self._n = accumulate.num_micro_batches if accumulate is not None else 1
         self._policy = precision.policy if precision is not None else parse_policy("fp32")
         self._clip, self._clip_value = step.find(Clip), step.find(ClipValue)
+        self._skip = step.find(SkipNonfinite)
         self._user_loss = step.loss_fn
         self._stages = stages
         self._indices = [i for i, _ in stages]
@@ -203,19 +206,35 @@ class PipelineStepFn(StepFn):
                 offset += g.numel()
         dist.broadcast(loss, src=self._last_rank, group=self._pipe)  # the last stage's loss, on every stage
         metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
+        finite, transforms_state = True, state.transforms_state
+        if self._skip is not None:  # one verdict for every rank: each saw only its stage's gradients
+            bad = torch.zeros((), dtype=torch.float32, device=self._backend.device)
+            for g in grads:
+                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            finite = not bool(bad.item())
+            transforms_state = {**transforms_state, "skips": transforms_state["skips"].record(finite)}
+            metrics["skipped"] = 0 if finite else 1
         if self._clip is not None:
             norm = self._global_norm(grads, self._clip.norm_type)
             torch.nn.utils.clip_grads_with_norm_(params, self._clip.max_norm, norm)
-            metrics["grad_norm"] = norm
+            if finite:  # the norm of non-finite gradients is no norm (docs/05)
+                metrics["grad_norm"] = norm
         elif self._clip_value is not None:
             torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
-        self._optimizer.step()
-        if self._scheduler is not None:
-            self._scheduler.step()
+        if finite:
+            self._optimizer.step()
+            if self._scheduler is not None:
+                self._scheduler.step()
         self._optimizer.zero_grad(set_to_none=True)
-        return state._advance(step=state.step + 1, micro_step=state.micro_step + 1,
-                              epoch_micro_step=state.epoch_micro_step + 1,
-                              transforms_state=state.transforms_state), metrics
+        new_state = state._advance(step=state.step + 1 if finite else state.step, micro_step=state.micro_step + 1,
+                                   epoch_micro_step=state.epoch_micro_step + 1, transforms_state=transforms_state)
+        if self._skip is not None and transforms_state["skips"].consecutive >= self._skip.max_consecutive_skips:
+            raise NonFiniteError(
+                f"{transforms_state['skips'].consecutive} optimizer updates in a row had inf/NaN gradients and were "
+                f"skipped (step {new_state.step}); the loss or the model produces non-finite values. Check the data "
+                "and the learning rate, or raise max_consecutive_skips")
+        return new_state, metrics
 
     def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every stage's gradients together (one all-reduce over the pipe group)."""

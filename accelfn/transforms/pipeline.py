@@ -194,8 +194,9 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
     over its ``d`` replicas, one all-reduce per update, not through DDP: its bucket options
     do not apply and a ``comm_hook`` is refused), ``shard_data()`` (sharded over the
     data dimension), ``with_precision`` (not ``"fp16"``), ``accumulate``, ``clip``,
-    ``clip_value``. Refused by name: ``tensor_parallel``, ``shard_params``, ``invariant``,
-    ``deepspeed``, ``compile``, ``skip_nonfinite`` and ``"fp16"`` (at prepare).
+    ``clip_value``, ``skip_nonfinite`` (one verdict over every rank). Refused by name:
+    ``tensor_parallel``, ``shard_params``, ``invariant``, ``deepspeed``, ``compile``, and
+    ``"fp16"`` (at prepare).
 
     Requirements on the model: ``torch.fx.symbolic_trace`` can trace it (no control flow on
     tensor values); exactly one tensor crosses each split point (the hidden state); no

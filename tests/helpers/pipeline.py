@@ -75,10 +75,12 @@ def step(schedule: str, data_world: int) -> Any:
                       af.accumulate(ACCUMULATE), af.clip(CLIP))(af.train_step(loss))
 
 
-def hand_written(*, data_world: int = 1, epochs: int = EPOCHS) -> tuple[af.TrainState, list[float], list[float]]:
+def hand_written(*, data_world: int = 1, epochs: int = EPOCHS,
+                 skip: frozenset[int] = frozenset()) -> tuple[af.TrainState, list[float], list[float]]:
     """One process, no accelfn: AdamW over windows of ``BATCH * data_world * ACCUMULATE``
     samples in the ``shard_data`` order of each epoch (the last window what is left),
-    clip_grad_norm_ before every update, the scheduler stepped after it.
+    clip_grad_norm_ before every update, the scheduler stepped after it; the windows
+    numbered in ``skip`` (from 0, over the run) are left out (skip_nonfinite's skipped updates).
 
     Returns:
         The trained state, each update's gradient norm before clipping, and its mean loss.
@@ -86,7 +88,7 @@ def hand_written(*, data_world: int = 1, epochs: int = EPOCHS) -> tuple[af.Train
     state = make_state()
     model, opt, sched = state.model, state.optimizer, state.scheduler
     x, y = data().tensors
-    norms, losses = [], []
+    norms, losses, window = [], [], -1
     for epoch in range(epochs):
         sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
         sampler.set_epoch(epoch)
@@ -94,6 +96,9 @@ def hand_written(*, data_world: int = 1, epochs: int = EPOCHS) -> tuple[af.Train
         size = BATCH * data_world * ACCUMULATE
         for start in range(0, len(order), size):
             batch = order[start:start + size]
+            window += 1
+            if window in skip:
+                continue
             value = loss(model(x[batch]), y[batch])
             value.backward()
             losses.append(float(value.detach()))

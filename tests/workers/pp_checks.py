@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 import accelfn as af
 from tests.helpers import pipeline as H
+from tests.helpers import programs as P
 from tests.helpers.tracking import Recorder
 
 
@@ -72,6 +73,16 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
         evaluated = ""
     except NotImplementedError as e:
         evaluated = str(e)
+    calls = []
+
+    def poisoned(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # window 1's losses are NaN
+        calls.append(1)
+        return H.loss(output, targets) * (float("nan") if 5 <= len(calls) <= 8 else 1.0)
+
+    skipping = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2), af.accumulate(H.ACCUMULATE),
+                          af.clip(H.CLIP), af.skip_nonfinite())(af.train_step(poisoned))
+    skipped = af.run(skipping, H.make_state(), H.loader(), backend=backend, epochs=1, progress=False)
+    save_file(_tensors(skipped), Path(out) / f"skip-rank{backend.rank}.safetensors")
     wrong = af.compose(af.pipeline(H.SPLIT, size=2), af.accumulate(2))(
         af.train_step(lambda output, targets: af.Loss(total=(output - targets).pow(2).sum(), count=len(targets))))
     try:  # an af.Loss is refused at the first update, on every rank (the schedule still completes)
@@ -81,4 +92,5 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
         refused = str(e)
     return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
             "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
-            "refused": refused, "evaluated": evaluated}
+            "refused": refused, "evaluated": evaluated,
+            "skips": [skipped.step, skipped.transforms_state["skips"].num_skipped]}
