@@ -23,32 +23,25 @@ import torch.distributed as dist
 from accelfn.backends import _fsdp
 from accelfn.collectives.stages import ATTRIBUTE, StageLayout
 from accelfn.transforms import Pipeline
-from accelfn.transforms.precision import Policy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from accelfn.step import Step
 
 #: the attribute of a prepared model that holds the Pipeline it was cut with
 _CUT_WITH = "_accelfn_pipeline"
 
 
-def check(pp: Pipeline, step: Step, policy: Policy, world_size: int, device: torch.device) -> None:
-    """Raises before anything changes if ``pp`` cannot run ``step`` in a world of ``world_size``.
+def check(pp: Pipeline, world_size: int, device: torch.device) -> None:
+    """Raises before anything changes if ``pp`` cannot run in a world of ``world_size`` on ``device``.
 
     Raises:
         ValueError: the world size is not a multiple of ``pp.size``.
-        NotImplementedError: another device than CPU/CUDA; ``with_precision("fp16")`` (its
-            loss scale is not built for pipelines yet).
+        NotImplementedError: another device than CPU/CUDA.
     """
     if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"pipeline() runs on the cpu and cuda backends, not on {device.type}")
     pp.data_degree(world_size)
-    if policy.scaling is not None:
-        raise NotImplementedError(
-            "pipeline() with with_precision('fp16') is not supported: its loss scaling is not built for pipeline "
-            "schedules yet; use with_precision('bf16'), which needs no loss scale")
 
 
 def world_mesh(device: torch.device, world_size: int, pp: Pipeline) -> DeviceMesh:

@@ -7,7 +7,9 @@ Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this dat
                loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N
                (one schedule run per run of equal-shaped micro-batches: its buffers are shaped once)
     data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
-    check      skip_nonfinite: any inf/NaN gradient on any rank skips the update everywhere (one all-reduce)
+    unscale    fp16: the loss was scaled on the last stage; gradients unscaled and checked
+    check      skip_nonfinite, fp16: any inf/NaN gradient on any rank skips the update everywhere
+               (one all-reduce); fp16's loss scale then adjusts alike on every rank
     clip       the norm over every stage: sum of |g|^p over the pipe group (one all-reduce)
     update     optimizer.step(); scheduler.step(); zero_grad(set_to_none=True)
     metrics    the window's mean loss, broadcast from the last stage over the pipe group
@@ -31,7 +33,16 @@ from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Loss, Step
 from accelfn.errors import NonFiniteError
-from accelfn.transforms import Accumulate, Clip, ClipValue, Pipeline, SkipNonfinite, WithPrecision, parse_policy
+from accelfn.transforms import (
+    Accumulate,
+    Clip,
+    ClipValue,
+    Pipeline,
+    SkipNonfinite,
+    WithPrecision,
+    numerics,
+    parse_policy,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -77,6 +88,10 @@ class PipelineStepFn(StepFn):
         self._policy = precision.policy if precision is not None else parse_policy("fp32")
         self._clip, self._clip_value = step.find(Clip), step.find(ClipValue)
         self._skip = step.find(SkipNonfinite)
+        self._scaling = self._policy.scaling  # fp16: the loss scaled on the last stage, unscaled after
+        self._max_skips = (self._scaling.max_consecutive_skips if self._scaling is not None
+                           else self._skip.max_consecutive_skips if self._skip is not None else 0)
+        self._scale = 1.0
         self._user_loss = step.loss_fn
         self._stages = stages
         self._indices = [i for i, _ in stages]
@@ -115,6 +130,7 @@ class PipelineStepFn(StepFn):
                                   transforms_state=state.transforms_state), NO_METRICS
         pending, self._pending = self._pending, []
         samples = sum(int(t.shape[0]) for _, t in pending)
+        self._scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
         loss = self._run(pending, samples)
         return self._apply(state, loss, samples)
 
@@ -129,7 +145,7 @@ class PipelineStepFn(StepFn):
             if isinstance(output, torch.Tensor):
                 return output.float().sum() * 0.0
             return torch.zeros((), requires_grad=True)
-        return out * (targets.shape[0] / self._window_samples)
+        return out * (targets.shape[0] / self._window_samples * self._scale)
 
     def _schedule(self, key: Key) -> Any:
         """The schedule of ``key[0]`` micro-batches of ``key``'s shapes (made once, on stages of
@@ -183,7 +199,7 @@ class PipelineStepFn(StepFn):
                 else:
                     schedule.step(return_outputs=False)
             for value in losses:
-                total = total + value.detach().float()
+                total = total + value.detach().float() / self._scale
         if not self._checked:  # the first update: a loss_fn of the wrong form fails on every rank
             self._checked = True
             failed = collectives.failures(self._failure, device=self._backend.collective_device)
@@ -207,14 +223,21 @@ class PipelineStepFn(StepFn):
         dist.broadcast(loss, src=self._last_rank, group=self._pipe)  # the last stage's loss, on every stage
         metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
         finite, transforms_state = True, state.transforms_state
-        if self._skip is not None:  # one verdict for every rank: each saw only its stage's gradients
-            bad = torch.zeros((), dtype=torch.float32, device=self._backend.device)
-            for g in grads:
-                bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        if self._skip is not None or self._scaling is not None:  # one verdict: each rank saw its stage only
+            if self._scaling is not None:
+                bad = numerics.unscale_and_check(grads, 1.0 / self._scale).reshape(()).clamp(max=1.0) if grads \
+                    else torch.zeros((), device=self._backend.device)
+            else:
+                bad = torch.zeros((), dtype=torch.float32, device=self._backend.device)
+                for g in grads:
+                    bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
             finite = not bool(bad.item())
             transforms_state = {**transforms_state, "skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
+            if self._scaling is not None:
+                metrics["loss_scale"] = self._scale
+                transforms_state["loss_scale"] = transforms_state["loss_scale"].adjust(finite, self._scaling)
         if self._clip is not None:
             norm = self._global_norm(grads, self._clip.norm_type)
             torch.nn.utils.clip_grads_with_norm_(params, self._clip.max_norm, norm)
@@ -229,7 +252,7 @@ class PipelineStepFn(StepFn):
         self._optimizer.zero_grad(set_to_none=True)
         new_state = state._advance(step=state.step + 1 if finite else state.step, micro_step=state.micro_step + 1,
                                    epoch_micro_step=state.epoch_micro_step + 1, transforms_state=transforms_state)
-        if self._skip is not None and transforms_state["skips"].consecutive >= self._skip.max_consecutive_skips:
+        if self._max_skips and transforms_state["skips"].consecutive >= self._max_skips:
             raise NonFiniteError(
                 f"{transforms_state['skips'].consecutive} optimizer updates in a row had inf/NaN gradients and were "
                 f"skipped (step {new_state.step}); the loss or the model produces non-finite values. Check the data "
@@ -273,7 +296,7 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
         ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``,
             before anything changes.
     """
-    _pipeline.check(pp, step, policy, backend.world_size, backend.device)
+    _pipeline.check(pp, backend.world_size, backend.device)
     _pipeline.check_not_cut(state.model)
     _pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
     mesh = _pipeline.world_mesh(backend.device, backend.world_size, pp)

@@ -193,10 +193,10 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
     Composes with ``replicate()`` over the data dimension (each stage's gradients averaged
     over its ``d`` replicas, one all-reduce per update, not through DDP: its bucket options
     do not apply and a ``comm_hook`` is refused), ``shard_data()`` (sharded over the
-    data dimension), ``with_precision`` (not ``"fp16"``), ``accumulate``, ``clip``,
-    ``clip_value``, ``skip_nonfinite`` (one verdict over every rank). Refused by name:
-    ``tensor_parallel``, ``shard_params``, ``invariant``, ``deepspeed``, ``compile``, and
-    ``"fp16"`` (at prepare).
+    data dimension), ``with_precision`` (``"fp16"``: the loss scaled on the last stage, the
+    inf check one verdict over every rank), ``accumulate``, ``clip``, ``clip_value``,
+    ``skip_nonfinite`` (one verdict over every rank). Refused by name: ``tensor_parallel``,
+    ``shard_params``, ``invariant``, ``deepspeed``, ``compile``.
 
     Requirements on the model: ``torch.fx.symbolic_trace`` can trace it (no control flow on
     tensor values); exactly one tensor crosses each split point (the hidden state); no

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import accelfn as af
 from tests.helpers import pipeline as H
 from tests.helpers.pool import Pools
+from tests.helpers.tracking import Recorder
 
 pytestmark = pytest.mark.multiprocess
 
@@ -119,3 +120,25 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
     whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
     assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
+
+
+def test_pipeline_fp16_equals_one_process_fp16(pool: Pools, tmp_path: Any) -> None:
+    """with_precision("fp16") under pipeline (2 stages on 2 processes, 1F1B, accumulate(4),
+    clip(1.0), 2 epochs): the same loss scales, skipped updates and grad norms as the same
+    program on one process without pipeline, and the same parameters (1e-4: fp16 activations)."""
+    results = pool.call(*_launch(2), function="pp_checks:fp16", out=str(tmp_path), timeout_s=300)
+    step = af.compose(af.shard_data(seed=H.P.SHARD_SEED), af.accumulate(H.ACCUMULATE), af.clip(H.CLIP),
+                      af.with_precision("fp16"))(af.train_step(lambda model, batch: H.loss(model(batch[0]), batch[1])))
+    recorder = Recorder()
+    state = af.run(step, H.make_state(), H.loader(), backend=af.backends.CPU(), epochs=2, progress=False,
+                   trackers=[recorder])
+    main = results[0]
+    assert main["scales"] == [float(p["loss_scale"]) for _, p in recorder.points]
+    assert main["skipped"] == [int(p["skipped"]) for _, p in recorder.points] and 0 < sum(main["skipped"])
+    assert H.close(main["grad_norms"], [float(p["grad_norm"]) for _, p in recorder.points if "grad_norm" in p])
+    assert main["step"] == state.step > 0
+    params = dict(state.model.named_parameters())
+    for rank in range(2):
+        for key, value in load_file(tmp_path / f"fp16-rank{rank}.safetensors").items():
+            if key.startswith("param."):
+                torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-4, atol=1e-4)

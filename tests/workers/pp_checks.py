@@ -94,3 +94,18 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
             "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
             "refused": refused, "evaluated": evaluated,
             "skips": [skipped.step, skipped.transforms_state["skips"].num_skipped]}
+
+
+def fp16(out: str) -> dict[str, Any]:
+    """2 stages, 1F1B, with_precision("fp16") (its loss scale 2**16 at first: the first
+    updates overflow and are skipped), accumulate(4), clip(1.0), one epoch; this rank's
+    tensors to ``OUT/fp16-rank{r}.safetensors``, the logged loss scales and grad norms returned."""
+    backend = af.backends.auto()
+    step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2), af.accumulate(H.ACCUMULATE),
+                      af.clip(H.CLIP), af.with_precision("fp16"))(af.train_step(H.loss))
+    recorder = Recorder()
+    state = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=2, progress=False, trackers=[recorder])
+    save_file(_tensors(state), Path(out) / f"fp16-rank{backend.rank}.safetensors")
+    return {"step": state.step, "scales": [float(p["loss_scale"]) for _, p in recorder.points],
+            "skipped": [int(p["skipped"]) for _, p in recorder.points],
+            "grad_norms": [float(p["grad_norm"]) for _, p in recorder.points if "grad_norm" in p]}
