@@ -5,6 +5,7 @@ Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this dat
 
     schedule   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, scale_grads=False,
                loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N
+               (times the loss scale under fp16)
                (one schedule run per run of equal-shaped micro-batches: its buffers are shaped once)
     data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
     unscale    fp16: the loss was scaled on the last stage; gradients unscaled and checked
@@ -30,9 +31,9 @@ import torch.distributed as dist
 from accelfn import collectives
 from accelfn.backends import _pipeline
 from accelfn.backends._interpreter import StepFn, foreign_state
+from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Loss, Step
-from accelfn.errors import NonFiniteError
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -64,12 +65,16 @@ class PipelineStepFn(StepFn):
     is only kept (no forward yet: the schedule needs the window's micro-batches together);
     the one that closes it runs the schedule and the update, and returns ``loss`` (the
     window's mean over this data rank's samples, equal on every stage), ``lr``,
-    ``num_samples``, and with ``clip`` the ``grad_norm`` over all stages.
+    ``num_samples``, with ``clip`` the ``grad_norm`` over all stages (left out of a skipped
+    update), with fp16 ``loss_scale``, and with fp16 or ``skip_nonfinite`` ``skipped``.
 
     Raises (of a call):
         TypeError: a batch that is not ``(inputs, targets)``; a ``loss_fn`` that returns
-            an ``af.Loss``, metrics or no tensor (on every rank, at the first update).
-        ValueError: a loss that is not a scalar; ``state`` belongs to another model.
+            an ``af.Loss``, metrics, or not a scalar tensor that requires grad (on every
+            rank, at the first update).
+        ValueError: ``state`` belongs to another model, or is mid-window without this step
+            function's kept micro-batches.
+        NonFiniteError: too many consecutive updates skipped for non-finite gradients.
     """
 
     def __init__(self, backend: Backend, step: Step, state: TrainState, mesh: DeviceMesh,  # noqa: PLW0231
@@ -257,6 +262,11 @@ class PipelineStepFn(StepFn):
                 f"{transforms_state['skips'].consecutive} optimizer updates in a row had inf/NaN gradients and were "
                 f"skipped (step {new_state.step}); the loss or the model produces non-finite values. Check the data "
                 "and the learning rate, or raise max_consecutive_skips")
+        if self._scaling is not None and transforms_state["loss_scale"].scale < self._scaling.min_scale:
+            raise NonFiniteError(
+                f"the fp16 loss scale fell to {transforms_state['loss_scale'].scale:g}, below its floor "
+                f"{self._scaling.min_scale:g} (step {new_state.step}): the gradients are inf or NaN even at a scale "
+                "this small; check the data and the learning rate, or use with_precision('bf16')")
         return new_state, metrics
 
     def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
