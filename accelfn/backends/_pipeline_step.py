@@ -303,10 +303,14 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
     placed, cut into stages and pruned to this rank's, and the step function.
 
     Raises:
-        ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``,
-            before anything changes.
+        ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``, and
+            for a model on the meta device, before anything changes.
     """
     _pipeline.check(pp, backend.world_size, backend.device)
+    if any(t.is_meta for t in [*state.model.parameters(), *state.model.buffers()]):
+        raise NotImplementedError(
+            "pipeline() of a model built on the meta device is not built yet (each rank would fill only its "
+            "stages); build the model on the CPU: prepare cuts it and each rank keeps only its stages")
     _pipeline.check_not_cut(state.model)
     _pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
     mesh = _pipeline.world_mesh(backend.device, backend.world_size, pp)
