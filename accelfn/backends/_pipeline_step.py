@@ -4,18 +4,27 @@ window closes, then run through a ``torch.distributed.pipelining`` schedule, and
 Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this data rank)::
 
     schedule   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, scale_grads=False,
-               loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N
-               (times the loss scale under fp16)
+               loss of micro-batch i on the last stage: loss_fn(output_i, targets_i) * b_i / N,
+               or of an af.Loss(total_i, C_i): total_i / N (any positive divisor is exact, the
+               correction divides it out; N keeps magnitudes per sample) (times the loss scale
+               under fp16)
                (one schedule run per run of equal-shaped micro-batches: its buffers are shaped once)
+    window     [N, sum C_i, summed loss, summed metrics * weight] broadcast from the last stage
+               over the pipe group (one broadcast); af.Loss: sum C summed over the replicas
+    correct    af.Loss: each stage's gradients times N * W / sum C (0 for a window without items),
+               before the replicas' average: each replica's own N divided out
     data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
     unscale    fp16: the loss was scaled on the last stage; gradients unscaled and checked
     check      skip_nonfinite, fp16: any inf/NaN gradient on any rank skips the update everywhere
                (one all-reduce); fp16's loss scale then adjusts alike on every rank
     clip       the norm over every stage: sum of |g|^p over the pipe group (one all-reduce)
     update     optimizer.step(); scheduler.step(); zero_grad(set_to_none=True)
-    metrics    the window's mean loss, broadcast from the last stage over the pipe group
+    metrics    the window's mean loss and the user's metrics (sample-weighted, af.Loss:
+               item-weighted), from the broadcast: the same on every stage
 
-The gradient is ``sum_i b_i / N * grad(loss_i)``: that of one batch of the ``N`` samples.
+The gradient is ``sum_i b_i / N * grad(loss_i)``: that of one batch of the ``N`` samples; of
+an af.Loss, ``sum_{r,i} grad(total_ri) / sum_{r,i} C_ri`` over the ``W`` replicas: that of the
+window's summed loss divided by its items, as one process would have it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -33,7 +43,7 @@ from accelfn.backends import _pipeline
 from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
-from accelfn.step import NO_METRICS, Loss, Step
+from accelfn.step import NO_METRICS, Step, detach, unpack
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -64,14 +74,16 @@ class PipelineStepFn(StepFn):
     Made by ``backend.prepare(step, state)``. A micro-batch that does not close the window
     is only kept (no forward yet: the schedule needs the window's micro-batches together);
     the one that closes it runs the schedule and the update, and returns ``loss`` (the
-    window's mean over this data rank's samples, equal on every stage), ``lr``,
-    ``num_samples``, with ``clip`` the ``grad_norm`` over all stages (left out of a skipped
+    window's mean over this data rank's samples, of an ``af.Loss`` this rank's share as
+    elsewhere, equal on every stage), the user's metrics (equal on every stage), ``lr``,
+    ``num_samples``, with an ``af.Loss`` ``num_items``, with ``clip`` the ``grad_norm`` over all stages (left out of a skipped
     update), with fp16 ``loss_scale``, and with fp16 or ``skip_nonfinite`` ``skipped``.
 
     Raises (of a call):
         TypeError: a batch that is not ``(inputs, targets)``; a ``loss_fn`` that returns
-            an ``af.Loss``, metrics, or not a scalar tensor that requires grad (on every
-            rank, at the first update).
+            no scalar tensor that requires grad, ``(loss, metrics)`` or ``af.Loss`` (on every
+            rank, at the first update), or later another kind or other metric names than
+            at the first update (on every rank).
         ValueError: ``state`` belongs to another model, or is mid-window without this step
             function's kept micro-batches.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
@@ -111,6 +123,10 @@ class PipelineStepFn(StepFn):
         self._window_samples = 1
         self._failure: str | None = None
         self._checked = False
+        self._is_sum = False  # agreed at the first update: an af.Loss, and the metric names
+        self._names: tuple[str, ...] = ()
+        self._sums = _Sums()
+        self._calls: list[tuple[torch.Tensor, Any, dict[str, torch.Tensor], bool, int]] = []
 
     # -- one micro-batch ---------------------------------------------------------------
 
@@ -136,21 +152,44 @@ class PipelineStepFn(StepFn):
         pending, self._pending = self._pending, []
         samples = sum(int(t.shape[0]) for _, t in pending)
         self._scale = state.transforms_state["loss_scale"].scale if self._scaling is not None else 1.0
-        loss = self._run(pending, samples)
-        return self._apply(state, loss, samples)
+        window = self._run(pending, samples)
+        return self._apply(state, window, samples)
 
     # -- the schedule --------------------------------------------------------------------
 
     def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss of one micro-batch: the user's, weighted by its share of the window."""
+        """The schedule's loss of one micro-batch (last stage): the user's, weighted by its
+        share of the window (a mean loss) or divided by the window's samples (an af.Loss);
+        its loss, count and metrics kept for ``_add``."""
         out = self._user_loss(output, targets)  # (output, targets) under pipeline
         if self._failure is None:
             self._failure = _wrong_loss(out)
-        if self._failure is not None or not isinstance(out, torch.Tensor):  # the schedule goes on; raised after
+        if self._failure is not None:  # the schedule goes on; raised after
             if isinstance(output, torch.Tensor):
                 return output.float().sum() * 0.0
             return torch.zeros((), requires_grad=True)
-        return out * (targets.shape[0] / self._window_samples * self._scale)
+        loss, count, metrics, is_sum = unpack(out)
+        kept = {k: detach(v).float() for k, v in metrics.items()}
+        self._calls.append((loss.detach().float(), detach(count), kept, is_sum, targets.shape[0]))
+        if is_sum:
+            return loss * (self._scale / self._window_samples)
+        return loss * (targets.shape[0] / self._window_samples * self._scale)
+
+    def _add(self, calls: list[tuple[torch.Tensor, Any, dict[str, torch.Tensor], bool, int]]) -> None:
+        """Adds a schedule run's micro-batches to the window's sums: the last ``len(run)`` calls
+        of the loss, as the schedule's first run of a shape calls it once before them on
+        stand-in outputs (to infer the gradients' shapes)."""
+        sums = self._sums
+        for loss, count, metrics, is_sum, samples in calls:
+            if sums.first:
+                sums.first, sums.is_sum, sums.names = False, is_sum, tuple(sorted(metrics))
+            if is_sum != sums.is_sum or tuple(sorted(metrics)) != sums.names:
+                sums.mismatch = True
+            weight = count if is_sum else samples
+            sums.count = sums.count + weight
+            sums.total = sums.total + loss * (1.0 if is_sum else weight)
+            for name, value in metrics.items():
+                sums.metrics[name] = sums.metrics.get(name, 0.0) + value * weight
 
     def _schedule(self, key: Key) -> Any:
         """The schedule of ``key[0]`` micro-batches of ``key``'s shapes (made once, on stages of
@@ -180,9 +219,10 @@ class PipelineStepFn(StepFn):
         return self._schedules[key]
 
     def _run(self, pending: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]], samples: int) -> torch.Tensor:
-        """Runs the window's micro-batches; returns the window's mean loss (0 but on the last stage)."""
+        """Runs the window's micro-batches; returns the window's sums from the last stage,
+        ``[R, sum C, summed loss, *summed metrics]`` (float64), on every stage."""
         self._window_samples = samples
-        total = torch.zeros((), dtype=torch.float32, device=self._backend.device)
+        self._sums = _Sums()
         runs: list[list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = []
         for item in pending:  # runs of equal shapes: the last, smaller batch of an epoch runs on its own
             if runs and _key(1, *item) == _key(1, *runs[-1][0]):
@@ -194,29 +234,68 @@ class PipelineStepFn(StepFn):
             schedule = self._schedule(_key(len(run), *run[0]))
             inputs = tuple(torch.cat([x[k] for x, _ in run]) for k in range(len(run[0][0])))
             targets = torch.cat([t for _, t in run])
-            losses: list[torch.Tensor] = []
             with autocast:
                 if self._first:
-                    schedule.step(*inputs, target=targets if self._last else None,
-                                  losses=losses if self._last else None, return_outputs=False)
+                    schedule.step(*inputs, target=targets if self._last else None, return_outputs=False)
                 elif self._last:
-                    schedule.step(target=targets, losses=losses, return_outputs=False)
+                    schedule.step(target=targets, return_outputs=False)
                 else:
                     schedule.step(return_outputs=False)
-            for value in losses:
-                total = total + value.detach().float() / self._scale
+            if self._last:
+                self._add(self._calls[len(self._calls) - len(run):])
+            self._calls = []
         if not self._checked:  # the first update: a loss_fn of the wrong form fails on every rank
             self._checked = True
-            failed = collectives.failures(self._failure, device=self._backend.collective_device)
-            if failed:
-                raise TypeError(failed[0])
-        return total
+            self._agree()
+        sums = self._sums
+        device = self._backend.device
+        window = torch.zeros(4 + len(self._names), dtype=torch.float64, device=device)
+        if self._last:
+            mismatch = sums.mismatch or sums.is_sum != self._is_sum or sums.names != self._names
+            values = [float(mismatch), float(samples), sums.count, sums.total,
+                      *[sums.metrics.get(k, 0.0) for k in self._names]]
+            window = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                                  for v in values])
+        dist.broadcast(window, src=self._last_rank, group=self._pipe)
+        if bool(window[0]):
+            raise TypeError(
+                "under pipeline(), loss_fn(output, targets) returned another kind of loss or other metric names "
+                f"in this window than at the first update ({'an af.Loss' if self._is_sum else 'a loss'} with "
+                f"{list(self._names)}); return the same kind and metric names in every window")
+        return window[1:]
+
+    def _agree(self) -> None:
+        """At the first update: every rank's failure raised on every rank; the kind of loss
+        and the metric names of the last stages, the same on every rank (one exchange)."""
+        sums = self._sums
+        mine = [self._failure, list(sums.names), sums.is_sum] if self._last else [self._failure, None, None]
+        seen = collectives.exchange(mine, device=self._backend.collective_device)
+        failed = list(dict.fromkeys(f for f, _, _ in seen if f is not None))
+        if failed:
+            raise TypeError(failed[0])
+        kinds = {(tuple(names), is_sum) for _, names, is_sum in seen if names is not None}
+        if len(kinds) > 1:
+            raise TypeError(f"under pipeline(), loss_fn returned other kinds or metric names on the last stages of "
+                            f"the replicas ({sorted(kinds)}); return the same on every rank")
+        (self._names, self._is_sum), = kinds
 
     # -- the update ------------------------------------------------------------------------
 
-    def _apply(self, state: TrainState, loss: torch.Tensor, samples: int) -> tuple[TrainState, Mapping[str, Any]]:
+    def _apply(self, state: TrainState, window: torch.Tensor, samples: int) -> tuple[TrainState, Mapping[str, Any]]:
         params = [p for p in self._params if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
+        reference, count, total = window[0], window[1].clone(), window[2]
+        if self._is_sum:  # the window's items over every replica; each replica's own R divided out
+            items = count.clone()
+            if self._data is not None:
+                dist.all_reduce(count, group=self._data)
+            correction = torch.as_tensor(numerics.window_correction(reference, self._data_size, count))
+            if grads:
+                numerics.scale_(grads, correction.to(grads[0].dtype))
+            share = torch.as_tensor(numerics.window_mean(window[2:], self._data_size, count))
+            loss, user = share[0].float(), share[1:]
+        else:
+            loss, user = (total / count).float(), window[3:] / count
         if self._data is not None and grads:  # replicate(): each stage's gradients averaged over its replicas
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self._data)
@@ -225,8 +304,10 @@ class PipelineStepFn(StepFn):
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        dist.broadcast(loss, src=self._last_rank, group=self._pipe)  # the last stage's loss, on every stage
         metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
+        if self._is_sum:
+            metrics["num_items"] = items
+        metrics.update((name, value.float()) for name, value in zip(self._names, user))
         finite, transforms_state = True, state.transforms_state
         if self._skip is not None or self._scaling is not None:  # one verdict: each rank saw its stage only
             if self._scaling is not None:
@@ -283,17 +364,25 @@ class PipelineStepFn(StepFn):
         return local ** (1.0 / norm_type)
 
 
+@attrs.define
+class _Sums:
+    """A window's sums on the last stage, added to by each micro-batch's loss."""
+
+    first: bool = True
+    is_sum: bool = False
+    names: tuple[str, ...] = ()
+    count: float | torch.Tensor = 0.0
+    total: float | torch.Tensor = 0.0
+    metrics: dict[str, Any] = attrs.Factory(dict)
+    mismatch: bool = False
+
+
 def _wrong_loss(out: Any) -> str | None:
     """Why ``loss_fn(output, targets)``'s result cannot be a pipelined loss, or None."""
-    if isinstance(out, tuple) or isinstance(out, Loss):
-        what = "an af.Loss" if isinstance(out, Loss) else "a tuple (loss, metrics)"
-        return (f"under pipeline(), loss_fn(output, targets) returned {what}; return a scalar mean loss tensor "
-                "(af.Loss and metrics are not supported with pipeline() yet)")
-    if not isinstance(out, torch.Tensor) or out.numel() != 1 or not out.requires_grad:
-        what = (f"a tensor of shape {tuple(out.shape)}" + ("" if out.requires_grad else " that does not require grad")
-                if isinstance(out, torch.Tensor) else type(out).__name__)
-        return (f"under pipeline(), loss_fn(output, targets) must return a scalar mean loss tensor computed from "
-                f"output (the last stage's output), got {what}")
+    try:
+        unpack(out)
+    except (TypeError, ValueError) as e:
+        return f"under pipeline(), loss_fn(output, targets): {e}"
     return None
 
 

@@ -120,6 +120,28 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
     whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
     assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
+    _check_loss_forms(results, tmp_path)
+
+
+def _check_loss_forms(results: list[dict[str, Any]], tmp_path: Any) -> None:
+    """An af.Loss with ragged counts (3 micro-batches without items): the parameters equal the
+    loop that divides each window's summed loss by its item count (1e-5), the logged loss is
+    the window's total over its count, the metric the item-weighted mean; (loss, metrics):
+    the metric is the window's sample-weighted mean. Logged alike on both ranks."""
+    for name, summed in (("items", True), ("mean_metrics", False)):
+        state, losses, maes, empty = H.hand_written_items(summed=summed)
+        assert empty == (3 if summed else 0)
+        params = dict(state.model.named_parameters())
+        for rank in range(2):
+            logged = results[rank]["logged"][name]
+            assert logged["step"] == len(losses) == 5
+            assert H.close(logged["losses"], losses), (name, rank, logged["losses"], losses)
+            assert H.close(logged["maes"], maes), (name, rank, logged["maes"], maes)
+            got = load_file(tmp_path / f"{name}-rank{rank}.safetensors")
+            assert any(k.startswith("param.") for k in got)
+            for key, value in got.items():
+                if key.startswith("param."):
+                    torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_fp16_equals_one_process_fp16(pool: Pools, tmp_path: Any) -> None:

@@ -111,3 +111,49 @@ def hand_written(*, data_world: int = 1, epochs: int = EPOCHS,
 
 def close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(u, v, rel_tol=1e-5, abs_tol=1e-6) for u, v in zip(a, b))
+
+
+def items(output: torch.Tensor, targets: torch.Tensor) -> tuple[af.Loss, dict[str, torch.Tensor]]:
+    """An af.Loss over the samples whose target exceeds 0.3 (ragged counts, some micro-batches
+    without any), and their mean absolute error as a metric."""
+    mask = (targets > 0.3).float()
+    error = output - targets
+    count = mask.sum()
+    return (af.Loss(total=(error.pow(2) * mask).sum(), count=count),
+            {"mae": (error.abs() * mask).sum() / count.clamp_min(1)})
+
+
+def mean_with_metrics(output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean loss and the mean absolute error as a metric."""
+    return loss(output, targets), {"mae": (output - targets).abs().mean()}
+
+
+def hand_written_items(*, summed: bool, epochs: int = 1) -> tuple[af.TrainState, list[float], list[float], int]:
+    """One process, no accelfn, windows as ``hand_written``'s: with ``summed`` the window's
+    masked squared errors summed and divided by its masked count (``items``), else the mean
+    loss; each update's logged loss and mean absolute error (over the window's counted
+    samples, or all of them), and the number of micro-batches of ``BATCH`` without items."""
+    state = make_state()
+    model, opt, sched = state.model, state.optimizer, state.scheduler
+    x, y = data().tensors
+    losses, maes, empty = [], [], 0
+    for epoch in range(epochs):
+        sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        size = BATCH * ACCUMULATE
+        for start in range(0, len(order), size):
+            batch = order[start:start + size]
+            output, targets = model(x[batch]), y[batch]
+            mask = (targets > 0.3).float() if summed else torch.ones_like(targets)
+            empty += sum(int(mask[i:i + BATCH].sum() == 0) for i in range(0, len(batch), BATCH))
+            error = output - targets
+            value = (error.pow(2) * mask).sum() / mask.sum()
+            value.backward()
+            losses.append(float(value.detach()))
+            maes.append(float((error.abs() * mask).sum().detach() / mask.sum()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            sched.step()  # type: ignore[union-attr]  # made with one
+            opt.zero_grad()
+    return state, losses, maes, empty
