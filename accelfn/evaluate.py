@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from accelfn import collectives
+from accelfn.backends import _pipeline_eval
 from accelfn.backends.base import Backend
 from accelfn.data.batches import keyed_batches
 from accelfn.data.tree import map_tensors
@@ -114,6 +115,7 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
     batches = keyed_batches(data, rank=data_rank, world_size=data_world)
     if backend.forward_is_collective(model):
         batches = _in_step(backend, batches)
+    pipelined = _pipeline_eval.forward_of(model)  # a model cut into stages: fn calls their forward
     modes = [(module, module.training) for module in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]  # fn may take gradients (enable_grad)
     model.eval()
@@ -121,7 +123,7 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
         with torch.no_grad():
             for batch_keys, batch in batches:
                 with backend.autocast(policy) if policy is not None else contextlib.nullcontext():
-                    out = fn(model, cast(backend.place(batch)))
+                    out = fn(model if pipelined is None else pipelined, cast(backend.place(batch)))  # type: ignore[arg-type]  # the pipelined forward stands in for the model
                 if batch_keys is None:  # a replay that keeps a sharded model's ranks in step
                     continue
                 _check_leading(out, len(batch_keys))

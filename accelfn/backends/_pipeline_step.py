@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn import collectives
-from accelfn.backends import _pipeline
+from accelfn.backends import _pipeline, _pipeline_eval
 from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
@@ -409,4 +409,6 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
     for transform in step.transforms:
         state = transform.init(state)
     stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size, mesh)
-    return state, PipelineStepFn(backend, step, state, mesh, stages)
+    step_fn = PipelineStepFn(backend, step, state, mesh, stages)
+    _pipeline_eval.keep(state.model, stages, pp.num_stages, step_fn._pipe, step_fn._last_rank, backend.device)
+    return state, step_fn

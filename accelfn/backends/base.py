@@ -485,15 +485,11 @@ class Backend(ProcessContext, abc.ABC):
         under a ``tensor_parallel`` split, the ranks of one group read the same data and only
         the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``.
 
-        Raises:
-            NotImplementedError: a model cut into pipeline stages (``pipeline``).
+        Under a ``pipeline`` cut, the ranks of one pipeline read the same data, its first reports.
         """
         pp = _pipeline.cut_with(model)
         if pp is not None:
-            raise NotImplementedError(
-                f"this model was cut into pipeline stages ({pp!r}): each rank holds only its own, so it has no "
-                "forward of its own; export it (af.save_model(state, directory)), load the weights into a "
-                "fresh model and evaluate that")
+            return (*pp.data_coordinates(self.rank, self.world_size), pp.stage_of(self.rank, self.world_size) == 0)
         tp = _tensor_parallel.split_with(model)
         if tp is None:
             return self.rank, self.world_size, True

@@ -34,7 +34,8 @@ def _launch(n: int) -> tuple[str, ...]:
 def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Tensor]], world: int,
                  stages: list[list[str]]) -> None:
     """Every rank holds the modules ``stages`` lists for its pipe position, and they equal the
-    loop's parameters and AdamW moments (1e-5); the logged grad norms and losses are the
+    loop's parameters and AdamW moments (1e-5), and af.evaluate's outputs over the data are
+    the loop's model's, in order, on every rank; the logged grad norms and losses are the
     loop's unsharded ones; the scheduler stepped once per update."""
     data_world = world // 2
     state, norms, losses = H.hand_written(data_world=data_world)
@@ -43,8 +44,11 @@ def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Te
     for p, moments in state.optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             reference[f"{key}.{names[id(p)]}"] = moments[key]
+    with torch.no_grad():
+        outputs = state.model(H.data().tensors[0])
     for rank in range(world):
-        got = tensors[rank]
+        got = dict(tensors[rank])
+        torch.testing.assert_close(got.pop("evaluated"), outputs, rtol=1e-5, atol=1e-5, msg=f"rank {rank} evaluate")
         expected = stages[rank // data_world]
         assert sorted({n.rsplit(".", 1)[0] for n in results[rank]["names"]}) == expected, (rank, results[rank]["names"])
         mine = {k for k in reference if k.split(".", 1)[1] in results[rank]["names"]}
@@ -95,7 +99,8 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     and resumed by a fresh state ends bitwise as the uninterrupted run (each rank's parameters
     and AdamW moments); the checkpoint loads into one unsharded process with the stopped
     run's parameters and moments, bitwise, from both stages; af.save_model of the pipelined
-    state loads into a fresh model with load_state_dict(strict=True)."""
+    state loads into a fresh model with load_state_dict(strict=True), and af.evaluate of the
+    pipelined state gives that model's outputs, each sample once and in order, on both ranks."""
     results = pool.call(*_launch(2), function="pp_checks:checkpoints", out=str(tmp_path), timeout_s=300)
     main = results[0]
     assert main["steps"] == [15, 7, 15] and main["stopped_epoch_micro_step"] == 8
@@ -120,6 +125,14 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
     whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
     assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
+    x, y = H.data().tensors  # af.evaluate of the pipelined state: every sample once, in order, on both ranks
+    with torch.no_grad():
+        expected = model(x)
+    for rank in range(2):
+        evaluated = load_file(tmp_path / f"evaluated-rank{rank}.safetensors")
+        assert evaluated["out"].shape == (H.NUM_SAMPLES, 1)
+        torch.testing.assert_close(evaluated["out"], expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(evaluated["error"], (expected - y).abs(), rtol=1e-6, atol=1e-6)
     _check_loss_forms(results, tmp_path)
 
 

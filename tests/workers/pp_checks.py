@@ -3,7 +3,8 @@
 ``train``: the residual MLP of ``tests.helpers.pipeline`` cut into 2 stages, trained under
 GPipe and under 1F1B with ``accumulate(4)`` and ``clip(1.0)`` (on 4 processes also
 ``replicate()`` over the data dimension), each rank's own parameters and AdamW moments
-written to ``OUT/{schedule}-rank{r}.safetensors``, the logged metrics returned.
+written to ``OUT/{schedule}-rank{r}.safetensors`` with ``evaluated``, af.evaluate's outputs
+of the trained state over the data in order, the logged metrics returned.
 """
 
 from __future__ import annotations
@@ -47,14 +48,19 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
             "lr_now": state.optimizer.param_groups[0]["lr"],
             "names": [n for n, _ in state.model.named_parameters()],
         }
-        save_file(_tensors(state), Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
+        evaluated = af.evaluate(lambda m, b: m(b[0]), state, torch.utils.data.DataLoader(H.data(), batch_size=5),
+                                backend=backend)
+        save_file(_tensors(state) | {"evaluated": evaluated.contiguous()},
+                  Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
     return result
 
 
 def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     """2 stages, 1F1B: a whole run of 3 epochs; a run stopped after ``stop`` updates (mid-epoch)
     with a checkpoint; a fresh state resumed from it; af.save_model of the whole run. This
-    rank's tensors of each to ``OUT/ckpt-rank{r}.safetensors``."""
+    rank's tensors of each to ``OUT/ckpt-rank{r}.safetensors``; af.evaluate of the whole run
+    to ``OUT/evaluated-rank{r}.safetensors``; runs with an af.Loss and with (loss, metrics)
+    (``OUT/{items,mean_metrics}-rank{r}.safetensors``, their logged points returned)."""
     backend = af.backends.auto()
     step = H.step("1f1b", backend.world_size // 2)
     whole = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, progress=False)
@@ -68,11 +74,10 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
                for k, v in _tensors(state).items()}
     save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
-    try:  # each rank holds its stage only: no forward of its own
-        af.evaluate(lambda m, b: m(b[0]), whole, H.loader(), backend=backend)
-        evaluated = ""
-    except NotImplementedError as e:
-        evaluated = str(e)
+    ordered = torch.utils.data.DataLoader(H.data(), batch_size=5)  # 14 batches of 5 and one of 2
+    outputs = af.evaluate(lambda m, b: {"out": m(b[0]), "error": (m(b[0]) - b[1]).abs()}, whole, ordered,
+                          backend=backend)
+    save_file({k: v.contiguous() for k, v in outputs.items()}, Path(out) / f"evaluated-rank{backend.rank}.safetensors")
     calls = []
 
     def poisoned(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # window 1's losses are NaN
@@ -96,7 +101,7 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
                         "maes": [float(p["mae"]) for _, p in recorder.points]}
     return {"steps": [whole.step, stopped.step, resumed.step], "stopped_epoch_micro_step": stopped.epoch_micro_step,
             "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]],
-            "logged": logged, "evaluated": evaluated,
+            "logged": logged,
             "skips": [skipped.step, skipped.transforms_state["skips"].num_skipped]}
 
 
