@@ -69,13 +69,24 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
     interleaved 1F1B, 4 stages), accumulate(4), clip(1.0): each rank holds only its stages,
     whose parameters and AdamW moments equal the 1-process loop's after the 15 (4 processes:
     9) updates of 3 epochs, windows of 16 (32) samples and the epoch's 8 left over; the logged
-    grad norms and losses are the loop's, and the scheduler stepped once per update."""
+    grad norms and losses are the loop's, and the scheduler stepped once per update. With an
+    af.Loss of ragged item counts (1F1B, one epoch; on 4 processes each replica's own counts),
+    the parameters, logged loss and item-weighted metric are the loop's that divides each
+    window's summed loss by its items."""
     schedules = ["gpipe", "1f1b", "interleaved_1f1b"] if world == 2 else ["gpipe", "1f1b"]
     results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=schedules,
                         timeout_s=300)
     for schedule in schedules:
         tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
         _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
+    state, losses, maes, _ = H.hand_written_items(summed=True, data_world=world // 2)  # an af.Loss
+    assert H.close(results[0]["items"]["losses"], losses), (results[0]["items"]["losses"], losses)
+    assert H.close(results[0]["items"]["maes"], maes), (results[0]["items"]["maes"], maes)
+    params = dict(state.model.named_parameters())
+    for rank in range(world):
+        for key, value in load_file(tmp_path / f"items-rank{rank}.safetensors").items():
+            if key.startswith("param."):
+                torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_refuses_what_it_does_not_support() -> None:

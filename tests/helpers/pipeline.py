@@ -128,7 +128,8 @@ def mean_with_metrics(output: torch.Tensor, targets: torch.Tensor) -> tuple[torc
     return loss(output, targets), {"mae": (output - targets).abs().mean()}
 
 
-def hand_written_items(*, summed: bool, epochs: int = 1) -> tuple[af.TrainState, list[float], list[float], int]:
+def hand_written_items(*, summed: bool, epochs: int = 1,
+                       data_world: int = 1) -> tuple[af.TrainState, list[float], list[float], int]:
     """One process, no accelfn, windows as ``hand_written``'s: with ``summed`` the window's
     masked squared errors summed and divided by its masked count (``items``), else the mean
     loss; each update's logged loss and mean absolute error (over the window's counted
@@ -141,7 +142,7 @@ def hand_written_items(*, summed: bool, epochs: int = 1) -> tuple[af.TrainState,
         sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
         sampler.set_epoch(epoch)
         order = list(sampler)
-        size = BATCH * ACCUMULATE
+        size = BATCH * data_world * ACCUMULATE
         for start in range(0, len(order), size):
             batch = order[start:start + size]
             output, targets = model(x[batch]), y[batch]
