@@ -53,6 +53,7 @@ from accelfn.transforms import (
     with_precision,
 )
 from accelfn.transforms import TensorParallel, tensor_parallel
+from accelfn.transforms import Pipeline, pipeline
 from accelfn.checkpoint import load_model
 from accelfn.transforms import Invariant, invariant
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
@@ -116,6 +117,8 @@ __all__ = [
     "with_precision",
     "TensorParallel",
     "tensor_parallel",
+    "Pipeline",
+    "pipeline",
     "load_model",
     "Invariant",
     "invariant",

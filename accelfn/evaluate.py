@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from accelfn import collectives
+from accelfn.backends import _pipeline_eval
 from accelfn.backends.base import Backend
 from accelfn.data.batches import keyed_batches
 from accelfn.data.tree import map_tensors
@@ -49,6 +50,12 @@ def evaluate(
     with fewer batches repeats its first one (outputs dropped) so the ranks' parameter
     all-gathers pair up, and a rank without any (fewer batches than ranks) runs a copy of
     another rank's first batch.
+
+    A model cut into stages by ``pipeline`` (each rank holds its stages only): ``fn``'s
+    ``model`` is then a stand-in whose ``model(*inputs)`` runs the stages forward only
+    (the schedule's ``eval``) and gives the last stage's output to every rank of the
+    pipeline; the ranks of a pipeline read the same batches, so ``fn`` must call it alike
+    on each (any other use of ``model`` fails).
 
     The model runs in its parameters' precision: a model trained with ``"bf16-true"`` gets
     its floating inputs cast to bf16 as in training; under ``"bf16"``/``"fp16"`` (fp32
@@ -114,6 +121,8 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
     batches = keyed_batches(data, rank=data_rank, world_size=data_world)
     if backend.forward_is_collective(model):
         batches = _in_step(backend, batches)
+    pipelined = _pipeline_eval.forward_of(model)  # a model cut into stages: fn calls their forward
+    runs: Any = model if pipelined is None else pipelined
     modes = [(module, module.training) for module in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]  # fn may take gradients (enable_grad)
     model.eval()
@@ -121,7 +130,7 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
         with torch.no_grad():
             for batch_keys, batch in batches:
                 with backend.autocast(policy) if policy is not None else contextlib.nullcontext():
-                    out = fn(model, cast(backend.place(batch)))
+                    out = fn(runs, cast(backend.place(batch)))
                 if batch_keys is None:  # a replay that keeps a sharded model's ranks in step
                     continue
                 _check_leading(out, len(batch_keys))

@@ -7,6 +7,8 @@
     accelfn launch --nproc-per-node 2 examples/byte_lm.py --shard     # shard_params() instead of replicate()
     accelfn launch --nproc-per-node 2 examples/byte_lm.py --tp 2      # attention and MLP split over 2 ranks
     accelfn launch --nproc-per-node 4 examples/byte_lm.py --tp 2      # 2-D: FSDP2 over 2 x TP over 2
+    accelfn launch --nproc-per-node 2 examples/byte_lm.py --pp 2      # 2 pipeline stages (1F1B)
+    accelfn launch --nproc-per-node 4 examples/byte_lm.py --pp 2      # 2 stages x 2 data-parallel replicas
 
 The text is real and on every machine: the ``.py`` files next to the ``os`` module, read as
 bytes (a vocabulary of 256). The model is a decoder-only transformer (pre-norm blocks,
@@ -35,6 +37,7 @@ from pathlib import Path
 import attrs
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
 import accelfn as af
@@ -134,9 +137,13 @@ class Block(torch.nn.Module):
 
 
 class ByteLM(torch.nn.Module):
-    """Bytes in, next-byte logits out: ``(batch, seq) int64 -> (batch, seq, 256)``."""
+    """Bytes in, next-byte logits out: ``(batch, seq) int64 -> (batch, seq, 256)``.
 
-    def __init__(self, config: Config):
+    ``tie=False`` gives the output layer a weight of its own (a pipeline's first and last
+    stages cannot share one), initialized equal to the embedding's.
+    """
+
+    def __init__(self, config: Config, tie: bool = True):
         super().__init__()
         self.embed = torch.nn.Embedding(256, config.width)
         self.position = torch.nn.Parameter(torch.zeros(config.context, config.width))
@@ -146,6 +153,8 @@ class ByteLM(torch.nn.Module):
         self.head.weight = self.embed.weight  # tied: one (256, width) matrix
         torch.nn.init.normal_(self.position, std=0.02)
         torch.nn.init.normal_(self.embed.weight, std=0.02)
+        if not tie:
+            self.head.weight = torch.nn.Parameter(self.embed.weight.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) + self.position[: x.shape[1]]
@@ -159,6 +168,11 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
     x, y = batch
     logits = model(x)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def pipeline_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` under ``--pp``: the same loss, from the last stage's logits and the targets."""
+    return F.cross_entropy(output.float().flatten(0, 1), targets.flatten())
 
 
 def per_sequence_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -236,16 +250,24 @@ def tp_plan(config: Config, tp: int) -> dict[str, str]:
     return dict(TP_PLAN)
 
 
+def split_points(config: Config, stages: int) -> list[str]:
+    """``--pp``'s split points: the blocks cut into ``stages`` runs of (nearly) equal length."""
+    return [f"blocks.{config.depth * i // stages}" for i in range(1, stages)]
+
+
 def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_steps: int = 100,
          progress: bool = True, sample_bytes: int = 300,
-         shard: bool = False, tp: int = 1) -> tuple[af.TrainState, dict[str, float]]:
+         shard: bool = False, tp: int = 1, pp: int = 1) -> tuple[af.TrainState, dict[str, float]]:
     """Trains (or resumes) and returns the final state and the held-out losses before/after.
 
     ``shard=True`` trains with ``shard_params()`` instead of ``replicate()``; ``tp > 1`` splits
     each block's attention (by heads) and MLP over groups of ``tp`` ranks (``tensor_parallel``,
     ``TP_PLAN``; ``config.heads`` must divide by ``tp``), with ``shard_params()``
-    over the data dimension when there are more processes than ``tp`` (2-D); ``every_steps=0``
-    saves no checkpoints (and so resumes from none).
+    over the data dimension when there are more processes than ``tp`` (2-D); ``pp > 1`` cuts
+    the blocks into ``pp`` pipeline stages (``pipeline``, 1F1B, the output layer untied), with
+    ``replicate()`` over the data dimension when there are more processes than ``pp``, and
+    evaluates and samples the exported whole model; ``every_steps=0`` saves no checkpoints
+    (and so resumes from none).
     """
     plan = tp_plan(config, tp) if tp > 1 else None  # before anything runs
     backend = af.backends.auto()
@@ -253,13 +275,16 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     train, held_out = datasets(config)
     loader = DataLoader(train, batch_size=config.batch_size, shuffle=True)
 
-    model = ByteLM(config)
+    model = ByteLM(config, tie=pp == 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config))
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
 
     if plan is not None:  # replicate() does not take DTensors: data parallel over the data dimension is FSDP2
         parallel = [af.tensor_parallel(plan, size=tp)] + ([af.shard_params()] if backend.world_size > tp else [])
+    elif pp > 1:  # stage s on ranks s*d .. s*d+d-1: its d replicas over the data dimension
+        parallel = [af.pipeline(split_points(config, pp), size=pp)]
+        parallel += [af.replicate()] if backend.world_size > pp else []
     else:
         parallel = [af.shard_params() if shard else af.replicate()]
     step = af.compose(
@@ -268,7 +293,7 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
         af.with_precision("bf16"),
         af.accumulate(config.accumulate),
         af.clip(1.0),
-    )(af.train_step(loss_fn))
+    )(af.train_step(pipeline_loss if pp > 1 else loss_fn))
 
     before = held_out_loss(state, held_out, backend)
     backend.print(f"{len(train)} training sequences of {config.context} bytes; held-out loss "
@@ -278,11 +303,17 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
     state = af.run(step, state, loader, backend=backend, epochs=1000, max_steps=config.max_steps,
                    checkpoints=checkpoints, resume="auto" if checkpoints else None,
                    trackers=[af.TensorBoard(f"{run_dir}/tb")], progress=progress, log_every=10)
-    after = held_out_loss(state, held_out, backend)
+    trained = state
+    if pp > 1:  # each rank holds its stages only: evaluate and sample the whole model, exported and loaded
+        af.save_model(state, f"{run_dir}/model", backend=backend)
+        whole = ByteLM(config, tie=False)
+        whole.load_state_dict(load_file(f"{run_dir}/model/model.safetensors"), strict=True)
+        trained = af.TrainState.create(whole, torch.optim.SGD(whole.parameters(), lr=0.0))
+    after = held_out_loss(trained, held_out, backend)
     backend.print(f"held-out loss {after:.3f} nats/byte ({after / math.log(2):.2f} bits/byte) "
                   f"after {state.step} optimizer updates")
     if sample_bytes and (shard or tp > 1 or backend.is_main_process):  # a sharded or split forward needs every rank
-        text = generate(state.model, b"def ", sample_bytes, config.context)
+        text = generate(trained.model, b"def ", sample_bytes, config.context)
         backend.print("sample:\n" + text.decode("utf-8", errors="replace"))
     return state, {"before": before, "after": after}
 
@@ -297,6 +328,7 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--shard", action="store_true", help="shard_params() (FSDP2) instead of replicate()")
     parser.add_argument("--tp", type=int, default=1,
                         help="split each block's attention (by heads) and MLP over this many ranks")
+    parser.add_argument("--pp", type=int, default=1, help="cut the blocks into this many pipeline stages")
     parser.add_argument("--run-dir", default="runs/byte_lm", help="checkpoints and TensorBoard logs")
     parser.add_argument("--sample-bytes", type=int, default=300, help="bytes of text to generate at the end")
     args = parser.parse_args()
@@ -306,4 +338,4 @@ def parse_args() -> tuple[Config, argparse.Namespace]:
 if __name__ == "__main__":
     config, args = parse_args()
     main(config, run_dir=args.run_dir, every_steps=args.every_steps, sample_bytes=args.sample_bytes, shard=args.shard,
-         tp=args.tp)
+         tp=args.tp, pp=args.pp)

@@ -19,7 +19,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from accelfn import collectives
-from accelfn.backends import _comm_hooks, _deepspeed, _distributed, _fsdp, _materialize, _tensor_parallel
+from accelfn.backends import (
+    _comm_hooks,
+    _deepspeed,
+    _distributed,
+    _fsdp,
+    _materialize,
+    _pipeline,
+    _pipeline_step,
+    _tensor_parallel,
+)
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn, broadcast_model, check_conditions
 from accelfn.backends._placement import (
@@ -40,6 +49,7 @@ from accelfn.transforms import (
     Accumulate,
     Compile,
     Invariant,
+    Pipeline,
     Replicate,
     ShardData,
     ShardParams,
@@ -204,8 +214,8 @@ class Backend(ProcessContext, abc.ABC):
         Raises:
             ValueError: the world size is not a multiple of the tensor-parallel size.
         """
-        tp = step.find(TensorParallel)
-        return (self.rank, self.world_size) if tp is None else tp.data_coordinates(self.rank, self.world_size)
+        split = step.find(TensorParallel) or step.find(Pipeline)
+        return (self.rank, self.world_size) if split is None else split.data_coordinates(self.rank, self.world_size)
 
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
@@ -279,6 +289,9 @@ class Backend(ProcessContext, abc.ABC):
         ds = step.find(DeepSpeed)
         if ds is not None:  # the engine places, wraps and partitions the model itself
             return _deepspeed.prepare(self, step, state, policy, ds)
+        pp = step.find(Pipeline)
+        if pp is not None:  # the model is cut into stages, each rank keeping its own
+            return _pipeline_step.prepare(self, step, state, policy, pp)
         compiled = step.find(Compile)
         if compiled is not None:
             self.check_compile(compiled)
@@ -390,7 +403,7 @@ class Backend(ProcessContext, abc.ABC):
             self._active = self._blocks(data, step, epoch, start)
             return self._active
         parallel = ((step.find(Replicate) or step.find(ShardParams) or step.find(TensorParallel)
-                     or step.find(DeepSpeed))
+                     or step.find(Pipeline) or step.find(DeepSpeed))
                     if self.world_size > 1 else None)
         replicated = parallel is not None
         data_rank, data_world = self.data_coordinates(step)
@@ -473,12 +486,19 @@ class Backend(ProcessContext, abc.ABC):
         over several ranks all-gathers its parameters in the forward; a tensor-parallel one
         all-reduces its row-wise layers' outputs)."""
         return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None
+                                       or _pipeline.cut_with(model) is not None
                                        or _deepspeed.partitions_parameters(model))
 
     def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
         """``(data rank, data world size, leads)`` for running ``model`` outside a Step (``af.evaluate``):
         under a ``tensor_parallel`` split, the ranks of one group read the same data and only
-        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``."""
+        the first of them (``leads``) reports the outputs; else ``(rank, world_size, True)``.
+
+        Under a ``pipeline`` cut, the ranks of one pipeline read the same data, its first reports.
+        """
+        pp = _pipeline.cut_with(model)
+        if pp is not None:
+            return (*pp.data_coordinates(self.rank, self.world_size), pp.stage_of(self.rank, self.world_size) == 0)
         tp = _tensor_parallel.split_with(model)
         if tp is None:
             return self.rank, self.world_size, True

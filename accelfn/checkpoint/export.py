@@ -44,7 +44,7 @@ import torch
 
 from accelfn import collectives
 from accelfn._version import __version__
-from accelfn.checkpoint import _atomic
+from accelfn.checkpoint import _atomic, _pipelined
 from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint.snapshot import clean_name, unwrap
 from accelfn.collectives import ProcessContext, is_dtensor
@@ -207,6 +207,9 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     main = backend.is_main_process
     collectives.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
+    layout = _pipelined.stage_layout(unwrap(state.model))
+    if layout is not None:  # a pipelined model: its stages joined on rank 0
+        tensors = _pipelined.joined_model(tensors, layout)
     files = _plan(tensors, limit)
     names = [WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                               for i in range(len(files))]

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from accelfn import collectives
-from accelfn.checkpoint import _atomic, _format, _sharded
+from accelfn.checkpoint import _atomic, _format, _pipelined, _sharded
 from accelfn.checkpoint._format import Manifest, RankPart
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwrap, verify
@@ -199,6 +199,9 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
     _arrived(backend, what, path)
     collectives.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
+    layout = _pipelined.stage_layout(unwrap(state.model))
+    if layout is not None:  # a pipelined model: its stages joined on rank 0
+        snap = _pipelined.joined(snap, layout)
     parts = _gather_parts(backend, _format.rank_part(snap))
     return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
 
@@ -315,9 +318,9 @@ class Opened:
     @property
     def data_world_size(self) -> int:
         """The number of data shards the run that wrote the checkpoint read: its world size, or,
-        under ``tensor_parallel(size=t)`` (as its manifest records the program), ``world_size // t``."""
+        under ``tensor_parallel(size=t)`` or ``pipeline(size=t)`` (as its manifest records the program), ``world_size // t``."""
         records = self.manifest.transforms if isinstance(self.manifest.transforms, list) else []
-        sizes = [r.get("size") for r in records if isinstance(r, dict) and r.get("type") == "TensorParallel"]
+        sizes = [r.get("size") for r in records if isinstance(r, dict) and r.get("type") in ("TensorParallel", "Pipeline")]
         size = sizes[0] if sizes and isinstance(sizes[0], int) and sizes[0] > 0 else 1
         return max(self.manifest.world_size // size, 1)
 
@@ -412,6 +415,8 @@ def _processes(n: int) -> str:
 def _snapshot(directory: Path, manifest: Manifest, files: Mapping[str, FileEntry], into: TrainState,
               backend: ProcessContext) -> Snapshot:
     snap = _format.read_snapshot(directory, manifest, rank=backend.rank, files=files)
+    if _pipelined.stage_layout(unwrap(into.model)) is not None:  # a pipelined state: its stages' part
+        snap = _pipelined.kept(snap, into)
     checked = snap if manifest.sharded is None else _sharded.placeholders(snap, manifest.sharded)
     try:
         verify(into, checked, source=_format.MANIFEST, names=_format.field_names(_format.section(manifest, backend.rank)))

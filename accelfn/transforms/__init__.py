@@ -7,6 +7,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     model     replicate       data parallel: one gradient all-reduce per update
               shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
               tensor_parallel  layers split over groups of ranks (TP; with shard_params: 2-D)
+              pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
@@ -40,6 +41,7 @@ from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
+from accelfn.transforms.pipeline import SCHEDULES, Pipeline, pipeline
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
@@ -74,6 +76,9 @@ __all__ = [
     "with_precision",
     "TensorParallel",
     "tensor_parallel",
+    "SCHEDULES",
+    "Pipeline",
+    "pipeline",
     "Invariant",
     "Layout",
     "Node",

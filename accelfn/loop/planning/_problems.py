@@ -27,6 +27,7 @@ from accelfn.transforms import (
     Compile,
     DeepSpeed,
     Invariant,
+    Pipeline,
     Replicate,
     ShardData,
     ShardParams,
@@ -403,7 +404,8 @@ def _data_parallel(f: Facts) -> Iterable[Problem]:
                       f"{_parallel(f).verb}() over {f.world_size} processes without shard_data(): every rank "  # type: ignore[union-attr]
                       "reads the DataLoader as it is (the same batches, unless each rank built its own)",
                       "add af.shard_data() so each process reads its own shard of one dataset")
-    if shard is not None and _parallel(f) is None and f.step.find(TensorParallel) is None:
+    if shard is not None and _parallel(f) is None and f.step.find(TensorParallel) is None \
+            and f.step.find(Pipeline) is None:
         yield Problem("shard-data-alone", False,
                       f"shard_data() over {f.world_size} processes without replicate() or shard_params(): each "
                       "process trains its own model on its own shard",

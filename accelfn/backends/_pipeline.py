@@ -1,0 +1,271 @@
+"""What the CPU (gloo) and CUDA (NCCL) backends share for ``pipeline``: the ``(pipe, data)``
+mesh, the model traced and cut into stages, and each rank's model and optimizer pruned to its
+own stages.
+
+The model is traced with ``torch.fx.symbolic_trace`` and its graph cut where each split
+point's module is first used (a node belongs to the module on its ``nn_module_stack``, so a
+block's own shape arithmetic goes with the block). Each stage is a ``GraphModule`` built on
+the model itself: its parameters are the model's own ``Parameter`` objects, under their own
+names, so the optimizer keeps them, and the model, pruned of every other stage's
+parameters and buffers, still names each of its tensors as the whole model does (checkpoints
+and exports are the unsharded model's). The stages run through
+``torch.distributed.pipelining`` (``PipelineStage`` and its schedules; ``_pipeline_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from accelfn.backends import _fsdp
+from accelfn.collectives.stages import ATTRIBUTE, StageLayout
+from accelfn.transforms import Pipeline
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+#: the attribute of a prepared model that holds the Pipeline it was cut with
+_CUT_WITH = "_accelfn_pipeline"
+
+
+def check(pp: Pipeline, world_size: int, device: torch.device) -> None:
+    """Raises before anything changes if ``pp`` cannot run in a world of ``world_size`` on ``device``.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``pp.size``.
+        NotImplementedError: another device than CPU/CUDA.
+    """
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"pipeline() runs on the cpu and cuda backends, not on {device.type}")
+    pp.data_degree(world_size)
+
+
+def world_mesh(device: torch.device, world_size: int, pp: Pipeline) -> DeviceMesh:
+    """The ``("pipe", "data")`` mesh of shape ``(size, world_size // size)``: rank ``r`` holds
+    stage ``r // d`` (``d`` the data degree) and data shard ``r % d``."""
+    _fsdp.single_process_group(device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (pp.size, pp.data_degree(world_size)), mesh_dim_names=("pipe", "data"))
+
+
+def _module_path(node: torch.fx.Node) -> tuple[str, ...]:
+    """The modules a traced node runs in, outermost first (its ``nn_module_stack``), with the
+    module it calls or the attribute it reads."""
+    stack = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+        stack.append(node.target)
+    return tuple(stack)
+
+
+def _inside(path: str, point: str) -> bool:
+    return path == point or path.startswith(point + ".")
+
+
+def assign_stages(graph: torch.fx.Graph, split_points: tuple[str, ...]) -> dict[torch.fx.Node, int]:
+    """Each node of ``graph`` (but ``output``) and the stage it runs in.
+
+    Raises:
+        ValueError: a split point the forward never uses, or split points out of the forward's order.
+    """
+    stage, stages = 0, {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        paths = _module_path(node)
+        for later in range(stage, len(split_points)):
+            if any(_inside(p, split_points[later]) for p in paths):
+                if later > stage:
+                    skipped = split_points[stage:later]
+                    raise ValueError(
+                        f"pipeline(split_points={list(split_points)!r}): the forward uses {split_points[later]!r} "
+                        f"before {skipped[0]!r}; list the split points in the order the forward runs them")
+                stage = later + 1
+                break
+        stages[node] = stage
+    if stage < len(split_points):
+        raise ValueError(
+            f"pipeline(split_points={list(split_points)!r}): the forward never uses the module "
+            f"{split_points[stage]!r}; name modules of the model (model.named_modules()) that its forward calls")
+    return stages
+
+
+def _crossing(graph: torch.fx.Graph, stages: dict[torch.fx.Node, int], num_stages: int,
+              split_points: tuple[str, ...]) -> list[torch.fx.Node]:
+    """The one value that flows into each stage after the first, from the stage before it.
+
+    Raises:
+        ValueError: a split point crossed by several values, or by a value that skips a stage.
+    """
+    crossing: list[set[torch.fx.Node]] = [set() for _ in range(num_stages)]
+    for node, stage in stages.items():
+        if node.op == "get_attr":  # a parameter read: read again where it is used
+            continue
+        for user in node.users:
+            to = num_stages - 1 if user.op == "output" else stages[user]
+            for s in range(stage + 1, to + 1):
+                crossing[s].add(node)
+    flows = []
+    for s in range(1, num_stages):
+        values = crossing[s]
+        if len(values) != 1 or stages[next(iter(values))] != s - 1:
+            names = sorted(n.name for n in values)
+            raise ValueError(
+                f"pipeline(): at the split point {split_points[s - 1]!r}, {len(values)} values of the forward "
+                f"cross into stage {s} ({', '.join(names)}); a split point must be crossed by exactly one tensor "
+                "from the stage before (the hidden state): choose another split point, e.g. the start of a block")
+        flows.append(next(iter(values)))
+    return flows
+
+
+def cut(model: torch.nn.Module, pp: Pipeline) -> list[torch.fx.GraphModule]:
+    """``model`` traced and cut at ``pp.split_points``: one ``GraphModule`` per stage, on the
+    model's own parameters and buffers, under their own names.
+
+    Raises:
+        ValueError: the model cannot be traced (named), a split point it never uses, one
+            crossed by more than one value, a parameter used by two stages, an output not
+            computed by the last stage.
+    """
+    try:
+        traced = torch.fx.symbolic_trace(model)
+    except Exception as e:  # noqa: BLE001  # torch's tracing errors have many types
+        raise ValueError(
+            f"pipeline(): torch.fx.symbolic_trace cannot trace {type(model).__name__} ({type(e).__name__}: {e}); "
+            "pipeline() cuts a traceable forward (no control flow on tensor values)") from e
+    graph = traced.graph
+    stages = assign_stages(graph, pp.split_points)
+    flows = _crossing(graph, stages, pp.num_stages, pp.split_points)
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    result = output.args[0]
+    if not isinstance(result, torch.fx.Node) or stages.get(result) != pp.num_stages - 1:
+        raise ValueError("pipeline(): the model's forward must return one tensor computed by the last stage")
+    modules = []
+    for s in range(pp.num_stages):
+        g = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        if s > 0:
+            env[flows[s - 1]] = g.placeholder("hidden")
+
+        def arg(n: torch.fx.Node) -> torch.fx.Node:
+            if n not in env and n.op == "get_attr":  # a parameter read in this stage
+                env[n] = g.node_copy(n)
+            return env[n]
+
+        for node, stage in stages.items():
+            if stage == s and (node.op != "get_attr" or node not in env):
+                env[node] = g.node_copy(node, arg)
+        g.output(env[flows[s]] if s < pp.num_stages - 1 else env[result])
+        module = torch.fx.GraphModule(model, g, class_name=f"Stage{s}")
+        module.graph.eliminate_dead_code()
+        module.recompile()
+        modules.append(module)
+    _check_disjoint(model, modules)
+    return modules
+
+
+def _check_disjoint(model: torch.nn.Module, modules: list[torch.fx.GraphModule]) -> None:
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    owner: dict[int, int] = {}
+    for s, module in enumerate(modules):
+        for p in module.parameters():
+            if owner.setdefault(id(p), s) != s:
+                raise ValueError(
+                    f"pipeline(): the parameter {names.get(id(p), '?')!r} is used by stages {owner[id(p)]} and {s} "
+                    "(a weight tied across stages, e.g. an embedding shared with the output layer); untie it "
+                    "(a copy of its own per stage), or move the split points so one stage uses it")
+
+
+def stage_indices(pp: Pipeline, rank: int, world_size: int) -> list[int]:
+    """The stages ``rank`` runs: ``p, p + size, ...`` for its pipeline position ``p``."""
+    position = pp.stage_of(rank, world_size)
+    return list(range(position, pp.num_stages, pp.size))
+
+
+def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: Iterable[torch.nn.Module],
+          stages: Iterable[torch.nn.Module], first: bool) -> None:
+    """Removes from ``model`` (and ``optimizer``) every parameter and buffer that the modules
+    ``keep`` do not use; those that none of ``stages`` uses stay with the first stage (``first``)."""
+    kept = {id(t) for m in keep for t in [*m.parameters(), *m.buffers()]}
+    used = {id(t) for m in stages for t in [*m.parameters(), *m.buffers()]}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is None or id(tensor) in kept or (first and id(tensor) not in used):
+                    continue
+                del table[name]
+    remaining = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in remaining]
+    for p in list(optimizer.state):
+        if id(p) not in remaining:
+            del optimizer.state[p]
+
+
+def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: Pipeline, rank: int,
+                  world_size: int, mesh: DeviceMesh) -> list[tuple[int, torch.fx.GraphModule]]:
+    """Cuts ``model``, prunes it and ``optimizer`` to this rank's stages, leaves on it the
+    ``StageLayout`` checkpoints read, and returns its stages as ``(stage index, module)`` pairs.
+
+    Raises:
+        ValueError: from :func:`cut`.
+    """
+    modules = cut(model, pp)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group = mesh["pipe"].get_group()
+    layout = StageLayout(
+        keys=tuple(model.state_dict()),
+        param_names=tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
+        group=group, ranks=tuple(dist.get_global_rank(group, i) for i in range(pp.size)),
+        data_rank=pp.data_coordinates(rank, world_size)[0])
+    mine = stage_indices(pp, rank, world_size)
+    prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
+    setattr(model, _CUT_WITH, pp)
+    setattr(model, ATTRIBUTE, layout)
+    return [(i, modules[i]) for i in mine]
+
+
+def cut_with(model: torch.nn.Module) -> Pipeline | None:
+    """The Pipeline ``model`` was cut with by ``prepare``, or None."""
+    return getattr(model, _CUT_WITH, None)
+
+
+def check_not_cut(model: torch.nn.Module) -> None:
+    """Raises if ``model`` was cut by ``prepare`` already (a model is cut once).
+
+    Raises:
+        ValueError: always, when it was.
+    """
+    before = cut_with(model)
+    if before is not None:
+        raise ValueError(
+            f"this state's model was already cut into stages with {before!r}: a model is cut once; build the "
+            "state again (a fresh model and optimizer) to prepare another step")
+
+
+def sample_count(batch: Any) -> int:
+    """The micro-batch's samples: the leading dimension of its targets."""
+    return int(batch[1].shape[0])
+
+
+def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``(inputs, targets)`` of a pipelined micro-batch, ``inputs`` as a tuple of tensors.
+
+    Raises:
+        TypeError: a batch that is not a pair of tensors (inputs a tensor or a tuple of them).
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(
+            f"under pipeline(), every batch is a pair (inputs, targets) of tensors, batch first, got a "
+            f"{type(batch).__name__}{f' of {len(batch)} items' if isinstance(batch, (tuple, list)) else ''}; the "
+            "first stage takes inputs, the loss on the last stage takes targets")
+    inputs, targets = batch
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if not all(isinstance(t, torch.Tensor) for t in (*inputs, targets)):
+        raise TypeError("under pipeline(), a batch's inputs and targets must be tensors (inputs: a tensor or a "
+                        "tuple of tensors, the model's positional arguments)")
+    return inputs, targets

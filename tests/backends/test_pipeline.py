@@ -1,0 +1,190 @@
+"""pipeline over gloo: 2 stages on 2 pooled processes, and 2 stages x 2 data-parallel replicas
+on 4, against a hand-written one-process loop (tests/helpers/pipeline.py).
+
+One pooled scenario per world size (tests/workers/pp_checks.py) trains under GPipe and 1F1B
+with ``accumulate(4)`` and ``clip(1.0)``; the tests compare its parts with the loop here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import accelfn as af
+from tests.helpers import pipeline as H
+from tests.helpers.pool import Pools
+from tests.helpers.tracking import Recorder
+
+pytestmark = pytest.mark.multiprocess
+
+#: the modules of each pipe position's stages (interleaved: stages 0 and 2, 1 and 3)
+STAGES = {"gpipe": [["blocks.0", "blocks.1", "inp"], ["blocks.2", "blocks.3", "out"]],
+          "1f1b": [["blocks.0", "blocks.1", "inp"], ["blocks.2", "blocks.3", "out"]],
+          "interleaved_1f1b": [["blocks.0", "blocks.2", "inp"], ["blocks.1", "blocks.3", "out"]]}
+
+
+def _launch(n: int) -> tuple[str, ...]:
+    return ("--backend", "cpu", "--nproc-per-node", str(n), "--timeout-s", "60")
+
+
+def _check_equal(results: list[dict[str, Any]], tensors: list[dict[str, torch.Tensor]], world: int,
+                 stages: list[list[str]]) -> None:
+    """Every rank holds the modules ``stages`` lists for its pipe position, and they equal the
+    loop's parameters and AdamW moments (1e-5), and af.evaluate's outputs over the data are
+    the loop's model's, in order, on every rank; the logged grad norms and losses are the
+    loop's unsharded ones; the scheduler stepped once per update."""
+    data_world = world // 2
+    state, norms, losses = H.hand_written(data_world=data_world)
+    reference = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    for p, moments in state.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            reference[f"{key}.{names[id(p)]}"] = moments[key]
+    with torch.no_grad():
+        outputs = state.model(H.data().tensors[0])
+    for rank in range(world):
+        got = dict(tensors[rank])
+        torch.testing.assert_close(got.pop("evaluated"), outputs, rtol=1e-5, atol=1e-5, msg=f"rank {rank} evaluate")
+        expected = stages[rank // data_world]
+        assert sorted({n.rsplit(".", 1)[0] for n in results[rank]["names"]}) == expected, (rank, results[rank]["names"])
+        mine = {k for k in reference if k.split(".", 1)[1] in results[rank]["names"]}
+        assert set(got) == mine, (rank, sorted(got))
+        for key in mine:
+            torch.testing.assert_close(got[key], reference[key], rtol=1e-5, atol=1e-5, msg=f"rank {rank} {key}")
+    main = results[0]
+    assert main["step"] == len(norms) >= 9
+    assert H.close(main["grad_norms"], norms), (main["grad_norms"], norms)
+    assert H.close(main["losses"], losses), (main["losses"], losses)
+    assert main["lrs"] == [H.LR * H.factor(s) for s in range(len(norms))]
+    assert math.isclose(main["lr_now"], H.LR * H.factor(len(norms)))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: Any, world: int) -> None:
+    """2 stages (x 2 replicas on 4 processes, replicate()), GPipe and 1F1B (on 2 processes also
+    interleaved 1F1B, 4 stages), accumulate(4), clip(1.0): each rank holds only its stages,
+    whose parameters and AdamW moments equal the 1-process loop's after the 15 (4 processes:
+    9) updates of 3 epochs, windows of 16 (32) samples and the epoch's 8 left over; the logged
+    grad norms and losses are the loop's, and the scheduler stepped once per update. With an
+    af.Loss of ragged item counts (1F1B, one epoch; on 4 processes each replica's own counts),
+    the parameters, logged loss and item-weighted metric are the loop's that divides each
+    window's summed loss by its items."""
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b"] if world == 2 else ["gpipe", "1f1b"]
+    results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=schedules,
+                        timeout_s=300)
+    for schedule in schedules:
+        tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
+        _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
+    state, losses, maes, _ = H.hand_written_items(summed=True, data_world=world // 2)  # an af.Loss
+    assert H.close(results[0]["items"]["losses"], losses), (results[0]["items"]["losses"], losses)
+    assert H.close(results[0]["items"]["maes"], maes), (results[0]["items"]["maes"], maes)
+    params = dict(state.model.named_parameters())
+    for rank in range(world):
+        for key, value in load_file(tmp_path / f"items-rank{rank}.safetensors").items():
+            if key.startswith("param."):
+                torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_refuses_what_it_does_not_support() -> None:
+    """Compose-time errors: the (model, batch) loss form, and the transforms pipeline() does not take."""
+    with pytest.raises(af.errors.TransformError, match="loss_fn\\(output, targets\\)"):
+        af.pipeline(H.SPLIT, size=2)(af.train_step(lambda model, batch: model(batch).sum()))
+    step = af.train_step(H.loss)
+    for other in (af.tensor_parallel({"blocks.0": "colwise"}, size=2), af.shard_params(), af.invariant()):
+        with pytest.raises(af.errors.TransformError, match="pipeline"):
+            af.compose(af.pipeline(H.SPLIT, size=2), other)(step)
+    with pytest.raises(ValueError, match="3 stages on 2 ranks"):
+        af.pipeline(["blocks.1", "blocks.2"], size=2)
+
+
+def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pools, tmp_path: Any) -> None:
+    """2 stages on 2 processes, 1F1B: a run stopped after 7 updates (mid-epoch), checkpointed
+    and resumed by a fresh state ends bitwise as the uninterrupted run (each rank's parameters
+    and AdamW moments); the checkpoint loads into one unsharded process with the stopped
+    run's parameters and moments, bitwise, from both stages; af.save_model of the pipelined
+    state loads into a fresh model with load_state_dict(strict=True), and af.evaluate of the
+    pipelined state gives that model's outputs, each sample once and in order, on both ranks."""
+    results = pool.call(*_launch(2), function="pp_checks:checkpoints", out=str(tmp_path), timeout_s=300)
+    main = results[0]
+    assert main["steps"] == [15, 7, 15] and main["stopped_epoch_micro_step"] == 8
+    assert main["lr"][0] == main["lr"][1]
+    tensors = [load_file(tmp_path / f"ckpt-rank{r}.safetensors") for r in range(2)]
+    for rank in range(2):
+        whole, resumed = _part(tensors[rank], "whole."), _part(tensors[rank], "resumed.")
+        assert whole.keys() == resumed.keys() and whole
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole), rank
+    state = af.load(tmp_path / "ckpt" / "step_00000007", into=H.make_state())
+    assert state.step == 7 and state.epoch_micro_step == 8
+    stopped = _part(tensors[0], "stopped.") | _part(tensors[1], "stopped.")
+    loaded = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    for p, moments in state.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            loaded[f"{key}.{names[id(p)]}"] = moments[key]
+    assert loaded.keys() == stopped.keys()
+    assert all(torch.equal(loaded[k], stopped[k]) for k in stopped)
+    assert state.scheduler.last_epoch == 7  # type: ignore[union-attr]  # made with one
+    model = H.Net()
+    model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
+    whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
+    assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
+    x, y = H.data().tensors  # af.evaluate of the pipelined state: every sample once, in order, on both ranks
+    with torch.no_grad():
+        expected = model(x)
+    for rank in range(2):
+        evaluated = load_file(tmp_path / f"evaluated-rank{rank}.safetensors")
+        assert evaluated["out"].shape == (H.NUM_SAMPLES, 1)
+        torch.testing.assert_close(evaluated["out"], expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(evaluated["error"], (expected - y).abs(), rtol=1e-6, atol=1e-6)
+    _check_loss_forms(results, tmp_path)
+
+
+def _check_loss_forms(results: list[dict[str, Any]], tmp_path: Any) -> None:
+    """An af.Loss with ragged counts (3 micro-batches without items): the parameters equal the
+    loop that divides each window's summed loss by its item count (1e-5), the logged loss is
+    the window's total over its count, the metric the item-weighted mean; (loss, metrics):
+    the metric is the window's sample-weighted mean. Logged alike on both ranks."""
+    for name, summed in (("items", True), ("mean_metrics", False)):
+        state, losses, maes, empty = H.hand_written_items(summed=summed)
+        assert empty == (3 if summed else 0)
+        params = dict(state.model.named_parameters())
+        for rank in range(2):
+            logged = results[rank]["logged"][name]
+            assert logged["step"] == len(losses) == 5
+            assert H.close(logged["losses"], losses), (name, rank, logged["losses"], losses)
+            assert H.close(logged["maes"], maes), (name, rank, logged["maes"], maes)
+            got = load_file(tmp_path / f"{name}-rank{rank}.safetensors")
+            assert any(k.startswith("param.") for k in got)
+            for key, value in got.items():
+                if key.startswith("param."):
+                    torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_pipeline_fp16_equals_one_process_fp16(pool: Pools, tmp_path: Any) -> None:
+    """with_precision("fp16") under pipeline (2 stages on 2 processes, 1F1B, accumulate(4),
+    clip(1.0), 2 epochs): the same loss scales, skipped updates and grad norms as the same
+    program on one process without pipeline, and the same parameters (1e-4: fp16 activations)."""
+    results = pool.call(*_launch(2), function="pp_checks:fp16", out=str(tmp_path), timeout_s=300)
+    step = af.compose(af.shard_data(seed=H.P.SHARD_SEED), af.accumulate(H.ACCUMULATE), af.clip(H.CLIP),
+                      af.with_precision("fp16"))(af.train_step(lambda model, batch: H.loss(model(batch[0]), batch[1])))
+    recorder = Recorder()
+    state = af.run(step, H.make_state(), H.loader(), backend=af.backends.CPU(), epochs=2, progress=False,
+                   trackers=[recorder])
+    main = results[0]
+    assert main["scales"] == [float(p["loss_scale"]) for _, p in recorder.points]
+    assert main["skipped"] == [int(p["skipped"]) for _, p in recorder.points] and 0 < sum(main["skipped"])
+    assert H.close(main["grad_norms"], [float(p["grad_norm"]) for _, p in recorder.points if "grad_norm" in p])
+    assert main["step"] == state.step > 0
+    params = dict(state.model.named_parameters())
+    for rank in range(2):
+        for key, value in load_file(tmp_path / f"fp16-rank{rank}.safetensors").items():
+            if key.startswith("param."):
+                torch.testing.assert_close(value, params[key[len("param."):]].detach(), rtol=1e-4, atol=1e-4)
