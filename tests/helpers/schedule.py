@@ -7,10 +7,12 @@ pages (one module, each page seconds to minutes of real ``accelfn launch`` jobs)
 unit on one worker, and a few modules of few but long multi-process tests came last.
 
 ``Scheduling`` changes only that: each docs page is a unit of its own (its page's blocks
-still run in order, in one test), and the units known to be long go first, longest first
-(``LONG``: seconds measured in a run of the whole suite on 2 busy cores; only their order
-matters); the other units follow as before, most tests first. Which tests run, and what
-they check, does not change.
+still run in order, in one test); the modules that alone use a pool of the same launch
+arguments (``SHARED_POOLS``) are one unit, so that its workers start once, not once per
+xdist worker; and the units known to be long go first, longest first (``LONG``: seconds
+measured in a run of the whole suite on 2 busy cores; only their order matters); the other
+units follow as before, most tests first. Which tests run, and what they check, does not
+change.
 """
 
 from __future__ import annotations
@@ -58,19 +60,39 @@ LONG: dict[str, float] = {
 }
 
 
+#: modules that share a pool no other module uses (tests/helpers/pool.py starts one per
+#: distinct launch arguments in each xdist worker): one unit each, named for the pool
+SHARED_POOLS: dict[str, str] = {
+    "tests/backends/test_meta_models.py": "pool --timeout-s 120",
+    "tests/transforms/test_invariant.py": "pool --timeout-s 120",
+    "tests/checkpoint/test_sharded.py": "pool --nproc-per-node 2",
+    "tests/checkpoint/test_save_model.py": "pool --nproc-per-node 2",
+    "tests/loop/test_preemption.py": "pool --nproc-per-node 2",
+    "tests/transforms/test_compile.py": "pool --nproc-per-node 2",
+}
+
+
+def _cost(unit: str) -> float:
+    """A unit's known seconds (``LONG``; a pool's unit: the sum of its modules'), else 0."""
+    return LONG.get(unit, 0) + sum(LONG.get(module, 0) for module, pool in SHARED_POOLS.items() if pool == unit)
+
+
 class Scheduling(LoadScopeScheduling):
-    """``--dist loadscope`` with each docs page a unit of its own and the long units first."""
+    """``--dist loadscope`` with each docs page a unit of its own, the modules of a pool of their own one unit,
+    and the long units first."""
 
     def _split_scope(self, nodeid: str) -> str:
-        scope = super()._split_scope(nodeid)
-        return nodeid if scope == DOCS.partition("::")[0] else scope
+        module = nodeid.partition("::")[0]
+        if module == DOCS.partition("::")[0]:
+            return nodeid
+        return SHARED_POOLS.get(module) or super()._split_scope(nodeid)
 
     _ordered = False
 
     def _assign_work_unit(self, node: Any) -> None:
         if not self._ordered:  # the first assignment: the work queue is full, in the base class's order
             self._ordered = True
-            units = sorted(self.workqueue.items(), key=lambda unit: -LONG.get(unit[0], 0))  # stable sort
+            units = sorted(self.workqueue.items(), key=lambda unit: -_cost(unit[0]))  # stable sort
             self.workqueue.clear()
             self.workqueue.update(units)
         super()._assign_work_unit(node)
