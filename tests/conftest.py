@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import accelfn as af
-from tests.helpers import background
+from tests.helpers import background, schedule
 from tests.helpers.pool import Pools
 
 
@@ -88,6 +88,15 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if all(Path(arg.partition("::")[0]).is_file() for arg in config.args):
         return 0
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` (pyproject's addopts) with each docs page a unit of its own and the
+    long units first, so that the workers finish together (``tests/helpers/schedule.py``)."""
+    if config.getvalue("dist") == "loadscope":
+        return schedule.Scheduling(config, log)
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

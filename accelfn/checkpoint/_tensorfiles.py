@@ -28,13 +28,14 @@ References:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import mmap
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import orjson
@@ -246,21 +247,37 @@ _R = TypeVar("_R")
 def in_parallel(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
     """``[fn(item) for item in items]``, the items spread over the calling thread and the
     file threads (one per core, at most 8, made once per process: starting threads for every
-    load costs milliseconds on a busy machine). The calling thread runs the first item
-    itself rather than waiting idle, so one item costs no thread hand-off at all. Every
-    item has finished before this returns or raises (the first failure in item order).
+    load costs milliseconds on a busy machine). Each thread, the calling one too, takes the
+    next item not yet taken until none is left, so that the items' work splits evenly however
+    their sizes differ (pass the largest first); one item costs no thread hand-off at all.
+    Every item has finished before this returns or raises (the first failure in item order).
     Never call it from ``fn`` (a job waiting for a job of the same pool could wait forever)."""
     if len(items) <= 1:
         return [fn(item) for item in items]
     global _pool
     if _pool is None or _pool[0] != os.getpid():  # a forked child has no threads of its parent's pool
         _pool = (os.getpid(), ThreadPoolExecutor(max_workers=WORKERS - 1 or 1, thread_name_prefix="accelfn-files"))
-    jobs = [_pool[1].submit(fn, item) for item in items[1:]]
+    taken = itertools.count()  # next() of a count is atomic: each index is taken once
+    outcomes: list[tuple[bool, Any]] = [(False, None)] * len(items)
+
+    def drain() -> None:
+        while (i := next(taken)) < len(items):
+            try:
+                outcomes[i] = (True, fn(items[i]))
+            except Exception as e:  # raised below, in item order, once every item has finished
+                outcomes[i] = (False, e)
+
+    helpers = [_pool[1].submit(drain) for _ in range(min(WORKERS - 1 or 1, len(items) - 1))]
     try:
-        first = fn(items[0])
+        drain()
     finally:
-        wait(jobs)  # all of them, even when one fails: none is left running
-    return [first, *(job.result() for job in jobs)]
+        wait(helpers)  # all of them, even when one fails: none is left running
+    for helper in helpers:
+        helper.result()  # what a helper raised outside fn's exceptions
+    for ok, value in outcomes:
+        if not ok:
+            raise value
+    return [value for _, value in outcomes]
 
 
 def _nbytes(t: torch.Tensor) -> int:

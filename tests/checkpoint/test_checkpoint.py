@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -162,23 +163,31 @@ def test_sigkill_during_save_leaves_the_old_or_the_new_checkpoint(tmp_path) -> N
     target = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     jitter = random.Random(7)
     outcomes = []
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
-        child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "save_child.py"), str(path)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        ready = child.stdout.readline().split()
-        assert ready[0] == "ready", ready
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        _wait_for_write_to_start(tmp_path, "ckpt")
-        time.sleep(float(ready[1]) * fraction * jitter.uniform(0.8, 1.2))
-        child.send_signal(signal.SIGKILL)
-        child.wait()
+    child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "save_child.py"), str(path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+            child.stdin.write("round\n")
+            child.stdin.flush()
+            ready = child.stdout.readline().split()
+            assert ready and ready[0] == "ready", ready
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            saver = child.stdout.readline().split()
+            assert saver and saver[0] == "child", saver
+            _wait_for_write_to_start(tmp_path, "ckpt")
+            time.sleep(float(ready[1]) * fraction * jitter.uniform(0.8, 1.2))
+            with contextlib.suppress(ProcessLookupError):  # it finished (and was reaped) first
+                os.kill(int(saver[1]), signal.SIGKILL)
+            assert child.stdout.readline().split() == ["ended"]  # the saver is gone
+            state = af.load(path, into=target)
+            values = {float(v) for p in state.model.parameters() for v in p.detach().unique()}
+            assert (values, state.step) in (({1.0}, 1), ({2.0}, 2)), (fraction, values, state.step)
+            outcomes.append(state.step)
+    finally:
         child.stdin.close()
+        child.wait(timeout=60)
         child.stdout.close()
-        state = af.load(path, into=target)
-        values = {float(v) for p in state.model.parameters() for v in p.detach().unique()}
-        assert (values, state.step) in (({1.0}, 1), ({2.0}, 2)), (fraction, values, state.step)
-        outcomes.append(state.step)
     af.save(target, path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert outcomes[0] == 1  # killed as the write began: the old checkpoint

@@ -1,14 +1,18 @@
-"""Child process for the crash test: saves a ~100 MB state over an existing checkpoint.
+"""Child process for the crash test: saves a ~100 MB state over an existing checkpoint, in rounds.
 
 Usage: ``python tests/workers/save_child.py PATH``. Writes the "old" checkpoint (every parameter
-1.0, step 1) at PATH twice (the second time over the first, timed), prints ``ready
-<seconds that replace took>``, waits for a line on stdin, then saves the "new" state
-(every parameter 2.0, step 2) over it and prints ``done``. The test SIGKILLs it at some
-moment of that last save.
+1.0, step 1) at PATH, then, for each ``round`` line on stdin: writes the old checkpoint over
+whatever is at PATH (timed: a replace, which also removes what a killed save left), prints
+``ready <seconds that replace took>``, waits for a ``go`` line, forks a process that saves the
+"new" state (every parameter 2.0, step 2) over it, prints ``child <its pid>``, and once that
+process has ended (the test SIGKILLs it at some moment of its save) prints ``ended``. EOF or
+``quit`` ends it. One process imports torch and builds the model once for all rounds; each
+save that is killed runs in a process of its own, as a crashing job's would.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -30,17 +34,24 @@ def state_at(model: torch.nn.Module, value: float, step: int) -> af.TrainState:
 
 
 def main(path: str) -> None:
+    torch.set_num_threads(1)  # no OpenMP threads: the forked savers start from one thread
     model = make_model()
-    old = state_at(model, 1.0, 1)
-    af.save(old, path)
-    start = time.perf_counter()
-    af.save(old, path)
-    took = time.perf_counter() - start
-    new = state_at(model, 2.0, 2)
-    print(f"ready {took:.6f}", flush=True)
-    sys.stdin.readline()
-    af.save(new, path)
-    print("done", flush=True)
+    af.save(state_at(model, 1.0, 1), path)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        old = state_at(model, 1.0, 1)
+        start = time.perf_counter()
+        af.save(old, path)
+        print(f"ready {time.perf_counter() - start:.6f}", flush=True)
+        sys.stdin.readline()  # go
+        pid = os.fork()
+        if pid == 0:  # the saver: killed during this save, or done
+            af.save(state_at(model, 2.0, 2), path)
+            os._exit(0)
+        print(f"child {pid}", flush=True)
+        os.waitpid(pid, 0)
+        print("ended", flush=True)
 
 
 if __name__ == "__main__":
