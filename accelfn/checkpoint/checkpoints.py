@@ -51,7 +51,7 @@ import torch
 
 from accelfn import collectives
 from accelfn.checkpoint import _atomic
-from accelfn.checkpoint.save_load import collect, is_sharded, write
+from accelfn.checkpoint.save_load import collect, write, writes_sharded
 from accelfn.collectives import Agreement, ProcessContext
 from accelfn.errors import CheckpointError, boolean, check_directory, count_at_least_one, finite_positive, to_path
 from accelfn.state import TrainState, require_state
@@ -422,7 +422,7 @@ class Schedule:
         if not due or state.step == self.last_step:
             return None
         self._saved_period = max(self._saved_period, period)
-        if self._background is None or is_sharded(state):  # every rank writes a sharded state's own shards
+        if self._background is None or writes_sharded(state):  # every rank writes its own shards (or stages)
             return self.save(state)
         return self._save_in_background(state)
 

@@ -8,10 +8,13 @@ with ``accumulate(4)`` and ``clip(1.0)``; the tests compare its parts with the l
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import accelfn as af
@@ -79,6 +82,14 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
     for schedule in schedules:
         tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
         _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
+    _check_written_by_stage(tmp_path / "ckpt", world)  # the 1F1B state, saved: into one plain process
+    state = af.load(tmp_path / "ckpt", into=H.make_state())
+    assert state.step == results[0]["1f1b"]["step"] == state.scheduler.last_epoch  # type: ignore[union-attr]
+    saved: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        saved |= {k: v for k, v in load_file(tmp_path / f"1f1b-rank{r}.safetensors").items() if k != "evaluated"}
+    held = _held(state)
+    assert held.keys() == saved.keys() and all(torch.equal(held[k], saved[k]) for k in saved)
     state, losses, maes, _ = H.hand_written_items(summed=True, data_world=world // 2)  # an af.Loss
     assert H.close(results[0]["items"]["losses"], losses), (results[0]["items"]["losses"], losses)
     assert H.close(results[0]["items"]["maes"], maes), (results[0]["items"]["maes"], maes)
@@ -121,14 +132,11 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
         whole, resumed = _part(tensors[rank], "whole."), _part(tensors[rank], "resumed.")
         assert whole.keys() == resumed.keys() and whole
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), rank
+    _check_written_by_stage(tmp_path / "ckpt" / "step_00000007", 2)
     state = af.load(tmp_path / "ckpt" / "step_00000007", into=H.make_state())
     assert state.step == 7 and state.epoch_micro_step == 8
     stopped = _part(tensors[0], "stopped.") | _part(tensors[1], "stopped.")
-    loaded = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
-    names = {id(p): n for n, p in state.model.named_parameters()}
-    for p, moments in state.optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            loaded[f"{key}.{names[id(p)]}"] = moments[key]
+    loaded = _held(state)
     assert loaded.keys() == stopped.keys()
     assert all(torch.equal(loaded[k], stopped[k]) for k in stopped)
     assert state.scheduler.last_epoch == 7  # type: ignore[union-attr]  # made with one
@@ -145,6 +153,38 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
         torch.testing.assert_close(evaluated["out"], expected, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(evaluated["error"], (expected - y).abs(), rtol=1e-6, atol=1e-6)
     _check_loss_forms(results, tmp_path)
+
+
+def _held(state: af.TrainState) -> dict[str, torch.Tensor]:
+    """A plain state's parameters and AdamW moments, named as pp_checks._tensors names them."""
+    held = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    for p, moments in state.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            held[f"{key}.{names[id(p)]}"] = moments[key]
+    return held
+
+
+def _check_written_by_stage(path: Path, world: int) -> None:
+    """The pipelined checkpoint is sharded (DCP files, the manifest's ``sharded`` table of the
+    whole model, no model tensor of its own) and each rank wrote its own tensors only: no key
+    (parameter or AdamW moment) in two ranks' files (data-parallel replicas' written once),
+    each of the ``world`` files holding only its rank's stage's model keys, all of them
+    together the whole model's; so rank 0 never received another stage's tensors."""
+    manifest = orjson.loads((path / "manifest.json").read_bytes())
+    whole = list(H.Net().state_dict())
+    assert list(manifest["sharded"]["model"]) == whole and manifest["model"] == {}
+    files = sorted((path / "dcp").iterdir())
+    assert [f.name for f in files] == [f"shard-{r:05d}-model-00001-of-00001.safetensors" for r in range(1, world + 1)]
+    keys = []
+    for f in files:
+        with safe_open(f, "pt") as opened:
+            keys.append(set(opened.keys()))
+    assert all(not keys[i] & keys[j] for i in range(world) for j in range(i))
+    assert sorted(set().union(*keys) & set(whole)) == sorted(whole)
+    stages = [{k for k in whole if any(k.startswith(f"{m}.") for m in modules)} for modules in STAGES["1f1b"]]
+    for rank in range(world):  # a pipeline's stages are world // 2 ranks apart
+        assert keys[rank] & set(whole) <= stages[rank // (world // 2)], (rank, keys[rank])
 
 
 def _check_loss_forms(results: list[dict[str, Any]], tmp_path: Any) -> None:
