@@ -53,8 +53,11 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     sharded: every rank writes its own shards of the model, optimizer state and open-window
     gradients through ``torch.distributed.checkpoint``'s safetensors storage into
     ``path/dcp/``, and rank 0 the rest and the manifest; DTensors in ``extra`` states (an EMA
-    of the sharded parameters) are written with them. The directory's layout is described
-    in ``accelfn.checkpoint``'s docstring and docs/06.
+    of the sharded parameters) are written with them. A pipelined state (``af.pipeline``) is
+    saved the same way: every rank writes its own stages' tensors (replicas of a stage
+    once), under the whole model's names, and rank 0 the manifest of the whole model; no
+    rank receives another's tensors. The directory's layout is described in
+    ``accelfn.checkpoint``'s docstring and docs/06.
 
     Args:
         state: the state to save (nothing in it changes).

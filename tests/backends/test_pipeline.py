@@ -121,7 +121,8 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     and resumed by a fresh state ends bitwise as the uninterrupted run (each rank's parameters
     and AdamW moments); the checkpoint loads into one unsharded process with the stopped
     run's parameters and moments, bitwise, from both stages; af.save_model of the pipelined
-    state loads into a fresh model with load_state_dict(strict=True), and af.evaluate of the
+    state loads into a fresh model with load_state_dict(strict=True) (and, in files of at
+    most 1 KiB, holds the same tensors, each once), and af.evaluate of the
     pipelined state gives that model's outputs, each sample once and in order, on both ranks."""
     results = pool.call(*_launch(2), function="pp_checks:checkpoints", out=str(tmp_path), timeout_s=300)
     main = results[0]
@@ -142,6 +143,11 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     assert state.scheduler.last_epoch == 7  # type: ignore[union-attr]  # made with one
     model = H.Net()
     model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
+    index = orjson.loads((tmp_path / "export-files" / "model.safetensors.index.json").read_bytes())
+    split = [load_file(tmp_path / "export-files" / f) for f in sorted(set(index["weight_map"].values()))]
+    assert len(split) > 2 and sum(map(len, split)) == len(model.state_dict())  # each tensor in one file
+    joined = {k: v for part in split for k, v in part.items()}
+    assert all(torch.equal(joined[k], v) for k, v in model.state_dict().items())
     whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
     assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
     x, y = H.data().tensors  # af.evaluate of the pipelined state: every sample once, in order, on both ranks

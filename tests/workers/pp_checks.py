@@ -68,9 +68,10 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
 
 def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     """2 stages, 1F1B: a whole run of 3 epochs; a run stopped after ``stop`` updates (mid-epoch)
-    with a checkpoint; a fresh state resumed from it; af.save_model of the whole run. This
-    rank's tensors of each to ``OUT/ckpt-rank{r}.safetensors``; af.evaluate of the whole run
-    to ``OUT/evaluated-rank{r}.safetensors``; runs with an af.Loss and with (loss, metrics)
+    with a checkpoint; a fresh state resumed from it; af.save_model of the whole run (one
+    file, and files of at most 1 KiB). This rank's tensors of each to
+    ``OUT/ckpt-rank{r}.safetensors``; af.evaluate of the whole run to
+    ``OUT/evaluated-rank{r}.safetensors``; runs with an af.Loss and with (loss, metrics)
     (``OUT/{items,mean_metrics}-rank{r}.safetensors``, their logged points returned)."""
     backend = af.backends.auto()
     step = H.step("1f1b", backend.world_size // 2)
@@ -82,6 +83,7 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     resumed = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, checkpoints=keep,
                      resume="auto", progress=False)
     af.save_model(whole, Path(out) / "export", backend=backend)
+    af.save_model(whole, Path(out) / "export-files", backend=backend, max_shard_size=1024)  # several files
     tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
                for k, v in _tensors(state).items()}
     save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
