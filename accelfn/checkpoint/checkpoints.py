@@ -29,9 +29,9 @@ Background saves follow orbax's ``AsyncCheckpointer`` and torchtitan's asynchron
   waits for it at exit. A process killed outright abandons the save; the atomic write leaves
   the previous checkpoint intact.
 
-A sharded state's checkpoints (``shard_params``) are always written synchronously: every
-rank writes its own shards through ``torch.distributed.checkpoint``, whose save plans with
-collectives.
+A sharded state's checkpoints (``shard_params``), and a pipelined state's (``pipeline``), are
+always written synchronously: every rank writes its own shards (or stages) through
+``torch.distributed.checkpoint``, whose save plans with collectives.
 """
 
 from __future__ import annotations
