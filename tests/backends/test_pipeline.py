@@ -75,7 +75,9 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
     grad norms and losses are the loop's, and the scheduler stepped once per update. With an
     af.Loss of ragged item counts (1F1B, one epoch; on 4 processes each replica's own counts),
     the parameters, logged loss and item-weighted metric are the loop's that divides each
-    window's summed loss by its items."""
+    window's summed loss by its items. The 1F1B state's checkpoint is written by each rank,
+    its stage only (replicas once), and loads bitwise into one plain process and back into
+    the same layout."""
     schedules = ["gpipe", "1f1b", "interleaved_1f1b"] if world == 2 else ["gpipe", "1f1b"]
     results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=schedules,
                         timeout_s=300)
@@ -83,6 +85,11 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
         tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
         _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
     _check_written_by_stage(tmp_path / "ckpt", world)  # the 1F1B state, saved: into one plain process
+    assert results[0]["reloaded_step"] == results[0]["1f1b"]["step"]
+    for r in range(world):  # and into the same layout: each rank reads its stage, wherever DCP wrote it
+        reloaded, ran = load_file(tmp_path / f"reloaded-rank{r}.safetensors"), load_file(
+            tmp_path / f"1f1b-rank{r}.safetensors")
+        assert reloaded.keys() == ran.keys() - {"evaluated"} and all(torch.equal(v, ran[k]) for k, v in reloaded.items())
     state = af.load(tmp_path / "ckpt", into=H.make_state())
     assert state.step == results[0]["1f1b"]["step"] == state.scheduler.last_epoch  # type: ignore[union-attr]
     saved: dict[str, torch.Tensor] = {}

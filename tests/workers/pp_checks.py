@@ -33,7 +33,8 @@ def _tensors(state: af.TrainState) -> dict[str, torch.Tensor]:
 
 def train(out: str, schedules: list[str]) -> dict[str, Any]:
     """Each schedule's run from the same initial model; its metrics and this rank's stage;
-    the 1F1B run's state saved to ``OUT/ckpt``."""
+    the 1F1B run's state saved to ``OUT/ckpt`` and resumed from it by a fresh pipelined state
+    (the run already over), its tensors to ``OUT/reloaded-rank{r}.safetensors``."""
     backend = af.backends.auto()
     data_world = backend.world_size // 2
     result: dict[str, Any] = {}
@@ -53,8 +54,12 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
                                 backend=backend)
         save_file(_tensors(state) | {"evaluated": evaluated.contiguous()},
                   Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
-        if schedule == "1f1b":  # a checkpoint each rank writes its stage of (replicas: once)
+        if schedule == "1f1b":  # a checkpoint each rank writes its stage of (replicas: once), read back
             af.save(state, Path(out) / "ckpt", backend=backend)
+            reloaded = af.run(H.step(schedule, data_world), H.make_state(), H.loader(), backend=backend,
+                              epochs=H.EPOCHS, resume=Path(out) / "ckpt", progress=False)
+            result["reloaded_step"] = reloaded.step
+            save_file(_tensors(reloaded), Path(out) / f"reloaded-rank{backend.rank}.safetensors")
     recorder = Recorder()  # an af.Loss: ragged item counts, on 4 processes other ones on each replica
     program = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2),
                          *([af.replicate()] if data_world > 1 else []), af.accumulate(H.ACCUMULATE),
