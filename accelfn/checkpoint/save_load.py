@@ -231,6 +231,8 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
             except BaseException as e:  # re-raised below, after telling the other ranks
                 failure = e
     else:
+        if not is_sharded(state):  # pipelined: DTensors in extra states are refused as unsharded
+            _check_extra(state)
         _arrived(backend, what, path)
         collectives.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
