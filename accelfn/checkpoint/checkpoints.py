@@ -29,9 +29,9 @@ Background saves follow orbax's ``AsyncCheckpointer`` and torchtitan's asynchron
   waits for it at exit. A process killed outright abandons the save; the atomic write leaves
   the previous checkpoint intact.
 
-A sharded state's checkpoints (``shard_params``) are always written synchronously: every
-rank writes its own shards through ``torch.distributed.checkpoint``, whose save plans with
-collectives.
+A sharded state's checkpoints (``shard_params``), and a pipelined state's (``pipeline``), are
+always written synchronously: every rank writes its own shards (or stages) through
+``torch.distributed.checkpoint``, whose save plans with collectives.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 
 from accelfn import collectives
 from accelfn.checkpoint import _atomic
-from accelfn.checkpoint.save_load import collect, is_sharded, write
+from accelfn.checkpoint.save_load import collect, write, writes_sharded
 from accelfn.collectives import Agreement, ProcessContext
 from accelfn.errors import CheckpointError, boolean, check_directory, count_at_least_one, finite_positive, to_path
 from accelfn.state import TrainState, require_state
@@ -422,7 +422,7 @@ class Schedule:
         if not due or state.step == self.last_step:
             return None
         self._saved_period = max(self._saved_period, period)
-        if self._background is None or is_sharded(state):  # every rank writes a sharded state's own shards
+        if self._background is None or writes_sharded(state):  # every rank writes its own shards (or stages)
             return self.save(state)
         return self._save_in_background(state)
 

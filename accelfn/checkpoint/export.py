@@ -22,7 +22,8 @@ Under sharding (DTensor parameters) this is a collective: the tensors are gather
 one in ``state_dict`` order (``DTensor.full_tensor``, an all-gather, so every rank briefly
 holds one full tensor), and rank 0 keeps them on the CPU only until the file they belong to
 is written: no rank ever holds more than one file's worth (at most ``max_shard_size``, or
-one tensor larger than that) besides its own shards.
+one tensor larger than that) besides its own shards. A pipelined model's stages (``af.pipeline``)
+send rank 0 their tensors of one file at a time, in the whole model's order, likewise.
 
 ``load_model`` reads such weights (``save_model``'s, or a Hugging Face ``model.safetensors``
 or sharded index) back into a state's model, sharded or split as it is: each rank reads only
@@ -207,9 +208,10 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     main = backend.is_main_process
     collectives.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
+    own = dict(tensors)
     layout = _pipelined.stage_layout(unwrap(state.model))
-    if layout is not None:  # a pipelined model: its stages joined on rank 0
-        tensors = _pipelined.joined_model(tensors, layout)
+    if layout is not None:  # a pipelined model: the whole model's files, planned alike on every rank
+        tensors = _pipelined.whole_model(tensors, layout, backend)
     files = _plan(tensors, limit)
     names = [WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
                                               for i in range(len(files))]
@@ -223,13 +225,16 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             failure = e
     _outcome(backend, failure, f"save_model(): rank 0 cannot write to {directory}")
     for filename, keys in zip(names, files):
-        shard = {}
-        for key in keys:  # every rank takes part in each gather, even after rank 0 failed
-            t = by_name[key]
-            full = t.full_tensor() if is_dtensor(t) else t
-            if main and failure is None:
-                shard[key] = full.detach().to("cpu", copy=True).contiguous()
-            del full
+        if layout is not None:  # each stage sends rank 0 its tensors of this file
+            shard = _pipelined.file_part(own, keys, layout)
+        else:
+            shard = {}
+            for key in keys:  # every rank takes part in each gather, even after rank 0 failed
+                t = by_name[key]
+                full = t.full_tensor() if is_dtensor(t) else t
+                if main and failure is None:
+                    shard[key] = full.detach().to("cpu", copy=True).contiguous()
+                del full
         if main and failure is None:
             try:
                 _write_file(directory / filename, None, shard)

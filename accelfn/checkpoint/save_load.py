@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 __all__ = ["Collected", "Opened", "collect", "find_checkpoint", "is_sharded", "load", "open_checkpoint", "save",
-           "write"]
+           "write", "writes_sharded"]
 
 
 def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessContext | None = None) -> Path:
@@ -53,8 +53,11 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     sharded: every rank writes its own shards of the model, optimizer state and open-window
     gradients through ``torch.distributed.checkpoint``'s safetensors storage into
     ``path/dcp/``, and rank 0 the rest and the manifest; DTensors in ``extra`` states (an EMA
-    of the sharded parameters) are written with them. The directory's layout is described
-    in ``accelfn.checkpoint``'s docstring and docs/06.
+    of the sharded parameters) are written with them. A pipelined state (``af.pipeline``) is
+    saved the same way: every rank writes its own stages' tensors (replicas of a stage
+    once), under the whole model's names, and rank 0 the manifest of the whole model; no
+    rank receives another's tensors. The directory's layout is described in
+    ``accelfn.checkpoint``'s docstring and docs/06.
 
     Args:
         state: the state to save (nothing in it changes).
@@ -89,6 +92,12 @@ def save(state: TrainState, path: str | os.PathLike[str], *, backend: ProcessCon
     checked = to_path("save", "path", path)
     check_directory(checked, f"save(path={str(path)!r})")
     return write(state, checked, backend, what="af.save")
+
+
+def writes_sharded(state: TrainState) -> bool:
+    """True if ``state`` is saved sharded, every rank writing its own tensors through DCP: its
+    model holds DTensor parameters, or it is pipelined (each rank holds its stages only)."""
+    return is_sharded(state) or _pipelined.stage_layout(unwrap(state.model)) is not None
 
 
 def _context(backend: ProcessContext | None) -> ProcessContext:
@@ -194,14 +203,11 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
         CheckpointError: some rank did not call the save (it is a collective).
     """
     _check_state(state, what)
-    assert not is_sharded(state), "a sharded state is saved by every rank (write)"
+    assert not writes_sharded(state), "a sharded or pipelined state is saved by every rank (write)"
     _check_extra(state)
     _arrived(backend, what, path)
     collectives.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
-    layout = _pipelined.stage_layout(unwrap(state.model))
-    if layout is not None:  # a pipelined model: its stages joined on rank 0
-        snap = _pipelined.joined(snap, layout)
     parts = _gather_parts(backend, _format.rank_part(snap))
     return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
 
@@ -216,7 +222,7 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
     """
     _check_state(state, what)
     backend = _context(backend)
-    if not is_sharded(state):
+    if not writes_sharded(state):
         collected = collect(state, backend, program, what=what, path=path)
         failure: BaseException | None = None
         if collected is not None:
@@ -225,6 +231,8 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
             except BaseException as e:  # re-raised below, after telling the other ranks
                 failure = e
     else:
+        if not is_sharded(state):  # pipelined: DTensors in extra states are refused as unsharded
+            _check_extra(state)
         _arrived(backend, what, path)
         collectives.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
@@ -238,9 +246,16 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
     """Every rank writes its shards into rank 0's temporary directory; rank 0 then the rest
     and the manifest, and renames the directory into place. Returns this rank's failure."""
     model = unwrap(state.model)
-    shell, flat, tables = _sharded.split(capture(state, copy=False), model)
-    # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
-    shell = attrs.evolve(shell, grads=_sharded.hidden_gradients(model))
+    snap = capture(state, copy=False)
+    layout = _pipelined.stage_layout(model)
+    if layout is None:
+        shell, flat, tables = _sharded.split(snap, model)
+        # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
+        shell = attrs.evolve(shell, grads=_sharded.hidden_gradients(model))
+    else:  # a pipelined model: each rank writes its stages' tensors, rank 0 the joined tables
+        shell, flat, tables = _sharded.split(attrs.evolve(_pipelined.stage_shell(snap, layout), grads={}), model)
+        shell, tables = _pipelined.merged(shell, tables, layout, backend)
+        shell = attrs.evolve(shell, grads=snap.grads)  # a window's gradients: this rank's own, unreduced
     parts = _gather_parts(backend, _format.rank_part(shell))
     if not backend.is_main_process:
         directory = _sharded.announce(backend, path, None)
@@ -376,6 +391,8 @@ def open_checkpoint(path: Path, *, into: TrainState, backend: ProcessContext | N
     if manifest.sharded is not None:  # a collective that raises on every rank alike
         _sharded.check_files(backend, directory, files)
         files = _sharded.manifest_files(files)
+        if _pipelined.stage_layout(unwrap(into.model)) is not None:  # DCP reads this rank's stages only
+            manifest = attrs.evolve(manifest, sharded=_pipelined.kept_tables(manifest.sharded, into))
     snap = _agreed(backend, lambda: _snapshot(directory, manifest, files, into, backend))
     return Opened(directory, manifest, snap, into, backend)
 

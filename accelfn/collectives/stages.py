@@ -3,9 +3,10 @@ whole model has, which ranks hold its stages, and the one collective that joins 
 
 ``backend.prepare`` cuts a model for ``af.pipeline`` and leaves on it a :class:`StageLayout`
 (the attribute ``ATTRIBUTE``); every rank's model then holds only its own stages'
-parameters, under the whole model's names. A save joins the stages of the pipeline that
-holds rank 0 (data rank 0) onto rank 0 (:func:`gather_bytes`), so what it writes is the
-whole model's checkpoint; a load keeps of it what this rank's stages hold.
+parameters, under the whole model's names. A checkpoint is written by every rank, its own
+stages (``checkpoint._pipelined``); an export joins the stages of the pipeline that holds
+rank 0 (data rank 0) onto rank 0 (:func:`gather_bytes`), so what it writes is the whole
+model's weights; a load keeps of a checkpoint what this rank's stages hold.
 """
 
 from __future__ import annotations

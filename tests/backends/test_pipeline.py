@@ -8,10 +8,13 @@ with ``accumulate(4)`` and ``clip(1.0)``; the tests compare its parts with the l
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import accelfn as af
@@ -72,13 +75,28 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
     grad norms and losses are the loop's, and the scheduler stepped once per update. With an
     af.Loss of ragged item counts (1F1B, one epoch; on 4 processes each replica's own counts),
     the parameters, logged loss and item-weighted metric are the loop's that divides each
-    window's summed loss by its items."""
+    window's summed loss by its items. The 1F1B state's checkpoint is written by each rank,
+    its stage only (replicas once), and loads bitwise into one plain process and back into
+    the same layout."""
     schedules = ["gpipe", "1f1b", "interleaved_1f1b"] if world == 2 else ["gpipe", "1f1b"]
     results = pool.call(*_launch(world), function="pp_checks:train", out=str(tmp_path), schedules=schedules,
                         timeout_s=300)
     for schedule in schedules:
         tensors = [load_file(tmp_path / f"{schedule}-rank{r}.safetensors") for r in range(world)]
         _check_equal([r[schedule] for r in results], tensors, world, STAGES[schedule])
+    _check_written_by_stage(tmp_path / "ckpt", world)  # the 1F1B state, saved: into one plain process
+    assert results[0]["reloaded_step"] == results[0]["1f1b"]["step"]
+    for r in range(world):  # and into the same layout: each rank reads its stage, wherever DCP wrote it
+        reloaded, ran = load_file(tmp_path / f"reloaded-rank{r}.safetensors"), load_file(
+            tmp_path / f"1f1b-rank{r}.safetensors")
+        assert reloaded.keys() == ran.keys() - {"evaluated"} and all(torch.equal(v, ran[k]) for k, v in reloaded.items())
+    state = af.load(tmp_path / "ckpt", into=H.make_state())
+    assert state.step == results[0]["1f1b"]["step"] == state.scheduler.last_epoch  # type: ignore[union-attr]
+    saved: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        saved |= {k: v for k, v in load_file(tmp_path / f"1f1b-rank{r}.safetensors").items() if k != "evaluated"}
+    held = _held(state)
+    assert held.keys() == saved.keys() and all(torch.equal(held[k], saved[k]) for k in saved)
     state, losses, maes, _ = H.hand_written_items(summed=True, data_world=world // 2)  # an af.Loss
     assert H.close(results[0]["items"]["losses"], losses), (results[0]["items"]["losses"], losses)
     assert H.close(results[0]["items"]["maes"], maes), (results[0]["items"]["maes"], maes)
@@ -110,7 +128,8 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
     and resumed by a fresh state ends bitwise as the uninterrupted run (each rank's parameters
     and AdamW moments); the checkpoint loads into one unsharded process with the stopped
     run's parameters and moments, bitwise, from both stages; af.save_model of the pipelined
-    state loads into a fresh model with load_state_dict(strict=True), and af.evaluate of the
+    state loads into a fresh model with load_state_dict(strict=True) (and, in files of at
+    most 1 KiB, holds the same tensors, each once), and af.evaluate of the
     pipelined state gives that model's outputs, each sample once and in order, on both ranks."""
     results = pool.call(*_launch(2), function="pp_checks:checkpoints", out=str(tmp_path), timeout_s=300)
     main = results[0]
@@ -121,19 +140,21 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
         whole, resumed = _part(tensors[rank], "whole."), _part(tensors[rank], "resumed.")
         assert whole.keys() == resumed.keys() and whole
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), rank
+    _check_written_by_stage(tmp_path / "ckpt" / "step_00000007", 2)
     state = af.load(tmp_path / "ckpt" / "step_00000007", into=H.make_state())
     assert state.step == 7 and state.epoch_micro_step == 8
     stopped = _part(tensors[0], "stopped.") | _part(tensors[1], "stopped.")
-    loaded = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
-    names = {id(p): n for n, p in state.model.named_parameters()}
-    for p, moments in state.optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            loaded[f"{key}.{names[id(p)]}"] = moments[key]
+    loaded = _held(state)
     assert loaded.keys() == stopped.keys()
     assert all(torch.equal(loaded[k], stopped[k]) for k in stopped)
     assert state.scheduler.last_epoch == 7  # type: ignore[union-attr]  # made with one
     model = H.Net()
     model.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"), strict=True)
+    index = orjson.loads((tmp_path / "export-files" / "model.safetensors.index.json").read_bytes())
+    split = [load_file(tmp_path / "export-files" / f) for f in sorted(set(index["weight_map"].values()))]
+    assert len(split) > 2 and sum(map(len, split)) == len(model.state_dict())  # each tensor in one file
+    joined = {k: v for part in split for k, v in part.items()}
+    assert all(torch.equal(joined[k], v) for k, v in model.state_dict().items())
     whole = _part(tensors[0], "whole.") | _part(tensors[1], "whole.")
     assert all(torch.equal(p.detach(), whole[f"param.{n}"]) for n, p in model.named_parameters())
     x, y = H.data().tensors  # af.evaluate of the pipelined state: every sample once, in order, on both ranks
@@ -145,6 +166,38 @@ def test_pipeline_checkpoints_resume_load_into_one_process_and_export(pool: Pool
         torch.testing.assert_close(evaluated["out"], expected, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(evaluated["error"], (expected - y).abs(), rtol=1e-6, atol=1e-6)
     _check_loss_forms(results, tmp_path)
+
+
+def _held(state: af.TrainState) -> dict[str, torch.Tensor]:
+    """A plain state's parameters and AdamW moments, named as pp_checks._tensors names them."""
+    held = {f"param.{n}": p.detach() for n, p in state.model.named_parameters()}
+    names = {id(p): n for n, p in state.model.named_parameters()}
+    for p, moments in state.optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            held[f"{key}.{names[id(p)]}"] = moments[key]
+    return held
+
+
+def _check_written_by_stage(path: Path, world: int) -> None:
+    """The pipelined checkpoint is sharded (DCP files, the manifest's ``sharded`` table of the
+    whole model, no model tensor of its own) and each rank wrote its own tensors only: no key
+    (parameter or AdamW moment) in two ranks' files (data-parallel replicas' written once),
+    each of the ``world`` files holding only its rank's stage's model keys, all of them
+    together the whole model's; so rank 0 never received another stage's tensors."""
+    manifest = orjson.loads((path / "manifest.json").read_bytes())
+    whole = list(H.Net().state_dict())
+    assert list(manifest["sharded"]["model"]) == whole and manifest["model"] == {}
+    files = sorted((path / "dcp").iterdir())
+    assert [f.name for f in files] == [f"shard-{r:05d}-model-00001-of-00001.safetensors" for r in range(1, world + 1)]
+    keys = []
+    for f in files:
+        with safe_open(f, "pt") as opened:
+            keys.append(set(opened.keys()))
+    assert all(not keys[i] & keys[j] for i in range(world) for j in range(i))
+    assert sorted(set().union(*keys) & set(whole)) == sorted(whole)
+    stages = [{k for k in whole if any(k.startswith(f"{m}.") for m in modules)} for modules in STAGES["1f1b"]]
+    for rank in range(world):  # a pipeline's stages are world // 2 ranks apart
+        assert keys[rank] & set(whole) <= stages[rank // (world // 2)], (rank, keys[rank])
 
 
 def _check_loss_forms(results: list[dict[str, Any]], tmp_path: Any) -> None:

@@ -32,7 +32,9 @@ def _tensors(state: af.TrainState) -> dict[str, torch.Tensor]:
 
 
 def train(out: str, schedules: list[str]) -> dict[str, Any]:
-    """Each schedule's run from the same initial model; its metrics and this rank's stage."""
+    """Each schedule's run from the same initial model; its metrics and this rank's stage;
+    the 1F1B run's state saved to ``OUT/ckpt`` and resumed from it by a fresh pipelined state
+    (the run already over), its tensors to ``OUT/reloaded-rank{r}.safetensors``."""
     backend = af.backends.auto()
     data_world = backend.world_size // 2
     result: dict[str, Any] = {}
@@ -52,6 +54,12 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
                                 backend=backend)
         save_file(_tensors(state) | {"evaluated": evaluated.contiguous()},
                   Path(out) / f"{schedule}-rank{backend.rank}.safetensors")
+        if schedule == "1f1b":  # a checkpoint each rank writes its stage of (replicas: once), read back
+            af.save(state, Path(out) / "ckpt", backend=backend)
+            reloaded = af.run(H.step(schedule, data_world), H.make_state(), H.loader(), backend=backend,
+                              epochs=H.EPOCHS, resume=Path(out) / "ckpt", progress=False)
+            result["reloaded_step"] = reloaded.step
+            save_file(_tensors(reloaded), Path(out) / f"reloaded-rank{backend.rank}.safetensors")
     recorder = Recorder()  # an af.Loss: ragged item counts, on 4 processes other ones on each replica
     program = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2),
                          *([af.replicate()] if data_world > 1 else []), af.accumulate(H.ACCUMULATE),
@@ -65,9 +73,10 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
 
 def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     """2 stages, 1F1B: a whole run of 3 epochs; a run stopped after ``stop`` updates (mid-epoch)
-    with a checkpoint; a fresh state resumed from it; af.save_model of the whole run. This
-    rank's tensors of each to ``OUT/ckpt-rank{r}.safetensors``; af.evaluate of the whole run
-    to ``OUT/evaluated-rank{r}.safetensors``; runs with an af.Loss and with (loss, metrics)
+    with a checkpoint; a fresh state resumed from it; af.save_model of the whole run (one
+    file, and files of at most 1 KiB). This rank's tensors of each to
+    ``OUT/ckpt-rank{r}.safetensors``; af.evaluate of the whole run to
+    ``OUT/evaluated-rank{r}.safetensors``; runs with an af.Loss and with (loss, metrics)
     (``OUT/{items,mean_metrics}-rank{r}.safetensors``, their logged points returned)."""
     backend = af.backends.auto()
     step = H.step("1f1b", backend.world_size // 2)
@@ -79,6 +88,7 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
     resumed = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=H.EPOCHS, checkpoints=keep,
                      resume="auto", progress=False)
     af.save_model(whole, Path(out) / "export", backend=backend)
+    af.save_model(whole, Path(out) / "export-files", backend=backend, max_shard_size=1024)  # several files
     tensors = {f"{what}.{k}": v for what, state in (("whole", whole), ("stopped", stopped), ("resumed", resumed))
                for k, v in _tensors(state).items()}
     save_file(tensors, Path(out) / f"ckpt-rank{backend.rank}.safetensors")
