@@ -25,6 +25,11 @@ from xdist.scheduler import LoadScopeScheduling
 #: order is what counts): a module, or one docs page (``DOCS[page]``)
 DOCS = "tests/docs/test_docs.py::test_every_code_block_runs_and_shows_its_real_output[{}]"
 LONG: dict[str, float] = {
+    # the optional engines' modules (run where .ci/run installs them): one long setup each
+    "tests/tracking/test_ray.py": 190,
+    "tests/backends/test_deepspeed.py": 150,
+    "tests/cli/test_slurm.py": 70,
+    "tests/cli/test_deepspeed_launch.py": 46,
     "tests/loop/test_preemption.py": 160,
     DOCS.format("04-backends-and-launching"): 142,
     "tests/backends/test_exit.py": 142,
@@ -56,6 +61,8 @@ LONG: dict[str, float] = {
     "tests/checkpoint/test_concurrent_writers.py": 30,
     "tests/cli/test_plan_command.py": 30,
     "tests/backends/test_tp2d.py": 29,
+    "tests/backends/test_pipeline.py": 40,
+    "tests/loop/test_plan_memory.py": 25,
     DOCS.format("05-logging"): 28,
 }
 
