@@ -327,15 +327,14 @@ def per_rank_extra(parts: list[RankPart]) -> list[RankPart]:
     return out
 
 
-def pack_part(part: RankPart) -> torch.Tensor:
-    """A rank's part as bytes in a uint8 tensor: a JSON header, then the raw tensor bytes."""
-    entry, tensors = part
+def pack_tensors(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``header`` (JSON) and ``tensors`` as bytes in a uint8 tensor, to send to another rank:
+    the JSON header with each tensor's key, dtype and shape, then the tensors' raw bytes
+    (never pickled)."""
     flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-    header = orjson.dumps({
-        "entry": unstructure(entry),
-        "tensors": [[key, str(t.dtype).removeprefix("torch."), list(t.shape)] for key, t in tensors.items()],
-    })
-    head = torch.frombuffer(bytearray(struct.pack("<Q", len(header)) + header), dtype=torch.uint8)
+    data = orjson.dumps({**header, "tensors": [[key, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                               for key, t in tensors.items()]})
+    head = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8)
     return torch.cat([head, *flat])
 
 
@@ -346,12 +345,15 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def unpack_part(data: torch.Tensor) -> RankPart:
-    """The part ``pack_part`` packed."""
+def unpack_tensors(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and tensors ``pack_tensors`` packed.
+
+    Raises:
+        CheckpointError: a tensor of a dtype this torch does not know.
+    """
     raw = data.numpy().tobytes()
     (length,) = struct.unpack_from("<Q", raw)
     header = orjson.loads(raw[8:8 + length])
-    entry = loads(orjson.dumps(header["entry"]), RankEntry)
     tensors, offset = {}, 8 + length
     for key, dtype_name, shape in header["tensors"]:
         dtype = _dtype(dtype_name)
@@ -361,7 +363,19 @@ def unpack_part(data: torch.Tensor) -> RankPart:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         tensors[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
         offset += nbytes
-    return entry, tensors
+    return header, tensors
+
+
+def pack_part(part: RankPart) -> torch.Tensor:
+    """A rank's part as bytes in a uint8 tensor (``pack_tensors``)."""
+    entry, tensors = part
+    return pack_tensors({"entry": unstructure(entry)}, tensors)
+
+
+def unpack_part(data: torch.Tensor) -> RankPart:
+    """The part ``pack_part`` packed."""
+    header, tensors = unpack_tensors(data)
+    return loads(orjson.dumps(header["entry"]), RankEntry), tensors
 
 
 def write_snapshot(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: Any, *,

@@ -19,7 +19,6 @@ bytes, never pickled), as it gathers a sharded model's.
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import attrs
@@ -40,33 +39,14 @@ __all__ = ["file_part", "kept", "kept_tables", "merged", "stage_layout", "stage_
 
 
 def _pack(tree: Any) -> torch.Tensor:
-    """``tree`` as a uint8 tensor: a JSON header (the encoded tree and its tensors' keys,
-    dtypes, shapes), then the tensors' raw bytes."""
+    """``tree`` encoded (its tensors by key) and packed to send (``_format.pack_tensors``)."""
     encoder = Encoder()
     plain = encoder.encode(tree, "")
-    tensors = encoder.tensors
-    header = orjson.dumps({"tree": plain, "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                                      for k, t in tensors.items()]})
-    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-    head = torch.frombuffer(bytearray(struct.pack("<Q", len(header)) + header), dtype=torch.uint8)
-    return torch.cat([head, *flat])
+    return _format.pack_tensors({"tree": plain}, encoder.tensors)
 
 
 def _unpack(data: torch.Tensor) -> Any:
-    raw = data.numpy().tobytes()
-    (length,) = struct.unpack_from("<Q", raw)
-    header = orjson.loads(raw[8:8 + length])
-    tensors, offset = {}, 8 + length
-    for key, dtype_name, shape in header["tensors"]:
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise CheckpointError(f"a stage sent a tensor of unknown dtype {dtype_name!r}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        tensors[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
-        offset += nbytes
+    header, tensors = _format.unpack_tensors(data)
     return decode(header["tree"], tensors)
 
 

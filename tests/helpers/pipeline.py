@@ -5,6 +5,7 @@ regression data, and the hand-written loop it must equal."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,25 +89,30 @@ def hand_written(*, data_world: int = 1, epochs: int = EPOCHS,
     state = make_state()
     model, opt, sched = state.model, state.optimizer, state.scheduler
     x, y = data().tensors
-    norms, losses, window = [], [], -1
+    norms, losses = [], []
+    for window, batch in enumerate(windows(epochs, data_world)):
+        if window in skip:
+            continue
+        value = loss(model(x[batch]), y[batch])
+        value.backward()
+        losses.append(float(value.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        sched.step()  # type: ignore[union-attr]  # made with one
+        opt.zero_grad()
+    return state, norms, losses
+
+
+def windows(epochs: int, data_world: int) -> Iterator[list[int]]:
+    """The sample indices of each update's window, in order: the seeded shuffle of each epoch
+    cut into windows of ``BATCH * data_world * ACCUMULATE`` (the last one shorter)."""
     for epoch in range(epochs):
         sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
         sampler.set_epoch(epoch)
         order = list(sampler)
         size = BATCH * data_world * ACCUMULATE
         for start in range(0, len(order), size):
-            batch = order[start:start + size]
-            window += 1
-            if window in skip:
-                continue
-            value = loss(model(x[batch]), y[batch])
-            value.backward()
-            losses.append(float(value.detach()))
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-            opt.step()
-            sched.step()  # type: ignore[union-attr]  # made with one
-            opt.zero_grad()
-    return state, norms, losses
+            yield order[start:start + size]
 
 
 def close(a: list[float], b: list[float]) -> bool:
@@ -138,23 +144,17 @@ def hand_written_items(*, summed: bool, epochs: int = 1,
     model, opt, sched = state.model, state.optimizer, state.scheduler
     x, y = data().tensors
     losses, maes, empty = [], [], 0
-    for epoch in range(epochs):
-        sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=P.SHARD_SEED)
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        size = BATCH * data_world * ACCUMULATE
-        for start in range(0, len(order), size):
-            batch = order[start:start + size]
-            output, targets = model(x[batch]), y[batch]
-            mask = (targets > 0.3).float() if summed else torch.ones_like(targets)
-            empty += sum(int(mask[i:i + BATCH].sum() == 0) for i in range(0, len(batch), BATCH))
-            error = output - targets
-            value = (error.pow(2) * mask).sum() / mask.sum()
-            value.backward()
-            losses.append(float(value.detach()))
-            maes.append(float((error.abs() * mask).sum().detach() / mask.sum()))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            sched.step()  # type: ignore[union-attr]  # made with one
-            opt.zero_grad()
+    for batch in windows(epochs, data_world):
+        output, targets = model(x[batch]), y[batch]
+        mask = (targets > 0.3).float() if summed else torch.ones_like(targets)
+        empty += sum(int(mask[i:i + BATCH].sum() == 0) for i in range(0, len(batch), BATCH))
+        error = output - targets
+        value = (error.pow(2) * mask).sum() / mask.sum()
+        value.backward()
+        losses.append(float(value.detach()))
+        maes.append(float((error.abs() * mask).sum().detach() / mask.sum()))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()  # type: ignore[union-attr]  # made with one
+        opt.zero_grad()
     return state, losses, maes, empty
