@@ -8,10 +8,10 @@ written in shards of at most ``MAX_SHARD_BYTES``, one shard per worker thread at
 of 8, then the tensors' raw bytes, largest elements first so each tensor stays aligned to
 its element size; https://huggingface.co/docs/safetensors) and streamed in chunks of
 ``CHUNK_BYTES``, each hashed right after it is written, while it is still in the CPU cache.
-Reading maps the file with ``safetensors`` itself (which validates the header) and hashes
-the header and then every tensor's bytes in file order, which is the hash of the whole file;
-hashing is what first reads the file's pages, so the caller's copy of the tensors, once the
-checksum matched, reads memory: the file is read once.
+Reading maps the whole file (copy-on-write), hashes the mapping in one call, checks the
+header as safetensors' own reader does, and views each tensor into the mapping; hashing is
+what first reads the file's pages, so the caller's copy of the tensors, once the checksum
+matched, reads memory: the file is read once.
 
 The checksum is XXH3-128 (the ``xxhash`` package): a non-cryptographic hash built for
 checksums at memory speed (measured on 96 MiB here: 13 GB/s on one core, and the package
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import mmap
 import os
 import struct
@@ -39,7 +40,6 @@ from typing import Any, Protocol, TypeVar
 
 import attrs
 import orjson
-import safetensors.torch
 import torch
 
 from accelfn.errors import CheckpointError
@@ -175,19 +175,65 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], algorithm: str) 
     return hasher.hexdigest(), size
 
 
-def _prefix(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return head
-        (length,) = struct.unpack("<Q", head)
-        return head + f.read(min(length, 100 << 20))
+#: safetensors' dtype names back to torch's
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+#: the largest header read (safetensors' own limit)
+MAX_HEADER_BYTES = 100 << 20
+
+
+def _tensor_table(data: memoryview) -> dict[str, tuple[torch.dtype, list[int], int, int]] | None:
+    """``key -> (dtype, shape, start, end)`` (byte offsets into ``data``) of the safetensors
+    file ``data``, or None where its header does not parse or does not describe the file
+    exactly: the checks of safetensors' own reader (a JSON object of known dtypes and
+    non-negative shapes whose byte ranges fit their shapes and tile the data after the header
+    without a gap or an overlap; https://huggingface.co/docs/safetensors, "Format")."""
+    if len(data) < 8:
+        return None
+    (length,) = struct.unpack_from("<Q", data, 0)
+    if length > min(MAX_HEADER_BYTES, len(data) - 8):
+        return None
+    try:
+        header = orjson.loads(data[8:8 + length])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(header, dict):
+        return None
+    table, base = {}, 8 + length
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = _TORCH_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+                and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+                and end - start == math.prod(shape) * dtype.itemsize):
+            return None
+        table[key] = (dtype, shape, base + start, base + end)
+    position = base
+    for _, _, start, end in sorted(table.values(), key=lambda entry: (entry[2], entry[3])):
+        if start != position:
+            return None
+        position = end
+    return table if position == len(data) else None
+
+
+def _tensor(data: mmap.mmap, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:
+    if end == start:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=(end - start) // dtype.itemsize, offset=start).view(shape)
 
 
 def read_file(path: Path, algorithm: str, expected: str, num_bytes: int) -> dict[str, torch.Tensor]:
     """The tensors of the safetensors file ``path`` (mapped to it, copy-on-write), once its
-    size and checksum match; hashing them faults their pages in, so the caller's copy of
-    them reads memory, not the file.
+    size and checksum match; hashing the whole mapping faults its pages in, so the caller's
+    copy of the tensors reads memory, not the file.
+
+    The file is mapped by this module, not by ``safetensors.torch.load_file``: hashing one
+    mapping in one call and viewing tensors into it costs 4.9 ms for 96 MiB where
+    ``load_file`` and hashing tensor by tensor cost 8 ms (50 against 83 ms for 1 GiB, 2
+    cores); its header gets the checks safetensors' reader makes (``_tensor_table``).
 
     Args:
         path: the file.
@@ -207,27 +253,19 @@ def read_file(path: Path, algorithm: str, expected: str, num_bytes: int) -> dict
         raise CheckpointError(f"{path}: {size} bytes, but the manifest says {num_bytes}; the file is "
                               "truncated or was changed after the checkpoint was written")
     hasher = new(algorithm)
-    prefix = _prefix(path)
-    hasher.update(prefix)
-    covered = len(prefix)
-    try:
-        tensors = safetensors.torch.load_file(path)
-        offsets = {key: entry["data_offsets"][0] for key, entry in orjson.loads(prefix[8:]).items()
-                   if key != "__metadata__"}
-    except Exception:  # safetensors raises its own error types for a damaged header
-        tensors, offsets, covered = {}, {}, -1  # the message below names the damage
-    if offsets.keys() != tensors.keys():
-        tensors, covered = {}, -1
-    for key in sorted(tensors, key=offsets.__getitem__):  # file order: the hash of the whole file
-        data = _bytes(tensors[key])
-        hasher.update(data)
-        covered += len(data)
+    with open(path, "rb") as f:  # private and writable: a tensor written to later copies its page
+        data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    view = memoryview(data) if data is not None else memoryview(b"")
+    hasher.update(view)
+    table = _tensor_table(view)
+    view.release()
     digest = hasher.hexdigest()
-    if covered != size or digest != expected:
-        found = f"{algorithm} {digest}" if covered == size else "a safetensors header that does not parse"
+    if table is None or digest != expected:
+        found = f"{algorithm} {digest}" if table is not None else "a safetensors header that does not parse"
         raise CheckpointError(f"{path}: {found} does not match the manifest's {algorithm} {expected}; the file "
                               "is corrupted or was changed after the checkpoint was written")
-    return tensors
+    assert data is not None  # a file without a header does not parse
+    return {key: _tensor(data, *entry) for key, entry in table.items()}
 
 
 #: shard sizes: at most MAX_SHARD_BYTES, and small enough for every core to write one

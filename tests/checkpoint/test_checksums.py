@@ -105,3 +105,71 @@ def test_load_copies_into_the_optimizers_own_tensors(cpu, tmp_path) -> None:
     assert_same_state(loaded, _trained(cpu))
     assert {(p, key) for p, entry in loaded.optimizer.state.items() for key in entry} == moments.keys()
     assert all(loaded.optimizer.state[p][key] is t for (p, key), t in moments.items())
+
+
+def _file(header: dict, data: bytes, *, pad: bool = True) -> bytes:
+    text = orjson.dumps(header)
+    text += b" " * (-len(text) % 8 if pad else 0)
+    return len(text).to_bytes(8, "little") + text + data
+
+
+GOOD = {"__metadata__": {"format": "pt"}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "I16", "shape": [2, 1], "data_offsets": [8, 12]}}
+
+
+@pytest.mark.parametrize("damage", ["gap", "overlap", "size", "dtype", "shape", "trailing byte", "short data",
+                                    "header length", "not an object", "offsets"])
+def test_a_header_that_does_not_describe_its_file_is_refused_even_when_the_checksum_matches(tmp_path, damage) -> None:
+    """The reader checks a header as safetensors' own reader does: known dtypes, shapes of
+    ints >= 0, byte ranges that fit their shapes and tile the data exactly. A file that
+    fails (here written with the checksum the manifest would hold, so only the header can
+    refuse it) is "a safetensors header that does not parse"; the undamaged file reads."""
+    data = bytes(range(12))
+    header = orjson.loads(orjson.dumps(GOOD))
+    if damage == "gap":
+        header["b"]["data_offsets"] = [10, 14]
+        data += b"\0\0"
+    elif damage == "overlap":
+        header["b"]["data_offsets"] = [6, 10]
+    elif damage == "size":
+        header["a"]["shape"] = [3]
+    elif damage == "dtype":
+        header["a"]["dtype"] = "F33"
+    elif damage == "shape":
+        header["b"]["shape"] = [-2, -1]
+    elif damage == "trailing byte":
+        data += b"\0"
+    elif damage == "short data":
+        data = data[:-1]
+    elif damage == "not an object":
+        header = [header]
+    elif damage == "offsets":
+        header["a"]["data_offsets"] = [0]
+    blob = _file(header, data)
+    if damage == "header length":
+        blob = (len(blob)).to_bytes(8, "little") + blob[8:]
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(blob)
+    with pytest.raises(CheckpointError, match="a safetensors header that does not parse"):
+        _tensorfiles.read_file(path, "xxh3_128", xxhash.xxh3_128(blob).hexdigest(), len(blob))
+    good = _file(GOOD, bytes(range(12)))
+    path.write_bytes(good)
+    read = _tensorfiles.read_file(path, "xxh3_128", xxhash.xxh3_128(good).hexdigest(), len(good))
+    assert torch.equal(read["a"], torch.frombuffer(bytearray(range(8)), dtype=torch.float32))
+    assert torch.equal(read["b"], torch.tensor([[8 + 9 * 256], [10 + 11 * 256]], dtype=torch.int16))
+
+
+def test_a_file_safetensors_wrote_reads_to_its_tensors_and_writing_them_leaves_the_file_as_it_was(tmp_path) -> None:
+    """A file written by ``safetensors.torch.save_file`` (metadata, its own layout) reads to
+    the same tensors; they map the file copy-on-write, so writing into one changes neither
+    the file nor a second read of it."""
+    tensors = {"w": torch.randn(3, 4), "i": torch.arange(5), "h": torch.randn(7).half(), "s": torch.tensor(2.5)}
+    path = tmp_path / "f.safetensors"
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    blob = path.read_bytes()
+    digest = xxhash.xxh3_128(blob).hexdigest()
+    read = _tensorfiles.read_file(path, "xxh3_128", digest, len(blob))
+    assert read.keys() == tensors.keys() and all(torch.equal(read[k], v) for k, v in tensors.items())
+    read["w"].fill_(0)
+    assert path.read_bytes() == blob
+    assert torch.equal(_tensorfiles.read_file(path, "xxh3_128", digest, len(blob))["w"], tensors["w"])
