@@ -1,5 +1,5 @@
 """``python -m accelfn launch | config | env | test``: the same as the ``accelfn`` command."""
 
-from accelfn.cli import main
+from accelfn.cli.commands import console
 
-raise SystemExit(main())
+console()

@@ -9,6 +9,7 @@ The data, model and optimizer are tiny and built here, so the checks compare exa
 from __future__ import annotations
 
 import argparse
+import gc
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -241,4 +242,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    gc.freeze()  # the interpreter's last collection skips torch's objects (as ``commands.console``)
+    raise SystemExit(status)
