@@ -35,6 +35,10 @@ def environment(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
+    # bytecode caches as on a machine with Python's defaults: the first process compiles the
+    # checkout's modules and each later one reads them (where the variable is set, every
+    # launched process compiled accelfn and the test workers anew, about 0.1 s each)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(extra)
     return env
 
