@@ -254,7 +254,7 @@ def read_file(path: Path, algorithm: str, expected: str, num_bytes: int) -> dict
                               "truncated or was changed after the checkpoint was written")
     hasher = new(algorithm)
     with open(path, "rb") as f:  # private and writable: a tensor written to later copies its page
-        data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
     view = memoryview(data) if data is not None else memoryview(b"")
     hasher.update(view)
     table = _tensor_table(view)
