@@ -243,5 +243,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    gc.freeze()  # the interpreter's last collection skips torch's objects (as ``commands.console``)
+    gc.freeze()  # the collections at exit skip torch's objects (as in ``commands.console``)
     raise SystemExit(status)
