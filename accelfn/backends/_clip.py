@@ -68,6 +68,13 @@ def _local_norm(groups: Sequence[list[torch.Tensor]], norm_type: float, device: 
     return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
 
 
+def local_norm(tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The p-norm of this rank's ``tensors`` taken together, a float32 scalar on ``device``
+    (one foreach norm per device and dtype, as in :func:`global_norm`); a rank's share, for
+    the caller to reduce over its own group (a pipeline's stages)."""
+    return _local_norm(_by_device_and_dtype(tensors), norm_type, device)
+
+
 def _unpartial(param: torch.Tensor) -> None:
     """Turns a ``Partial`` gradient of ``param`` into ``Replicate`` (the pending sum taken)."""
     grad: Any = param.grad

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn import collectives
-from accelfn.backends import _pipeline, _pipeline_eval
+from accelfn.backends import _clip, _pipeline, _pipeline_eval
 from accelfn.backends._interpreter import StepFn, foreign_state
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
@@ -310,15 +310,9 @@ class PipelineStepFn(StepFn):
         metrics.update((name, value.float()) for name, value in zip(self._names, user))
         finite, transforms_state = True, state.transforms_state
         if self._skip is not None or self._scaling is not None:  # one verdict: each rank saw its stage only
-            if self._scaling is not None:
-                bad = numerics.unscale_and_check(grads, 1.0 / self._scale).reshape(()).clamp(max=1.0) if grads \
-                    else torch.zeros((), device=self._backend.device)
-            else:
-                bad = torch.zeros((), dtype=torch.float32, device=self._backend.device)
-                for g in grads:
-                    bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            finite = not bool(bad.item())
+            inv_scale = 1.0 / self._scale if self._scaling is not None else 1.0
+            found_inf = collectives.reduce(numerics.unscale_and_check(grads, inv_scale), "sum")
+            finite = not bool(found_inf.item())
             transforms_state = {**transforms_state, "skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
             if self._scaling is not None:
@@ -352,14 +346,11 @@ class PipelineStepFn(StepFn):
 
     def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every stage's gradients together (one all-reduce over the pipe group)."""
-        device = self._backend.device
+        local = _clip.local_norm(grads, norm_type, self._backend.device)
         if math.isinf(norm_type):
-            local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else \
-                torch.zeros((), device=device)
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pipe)
             return local
-        norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in grads]
-        local = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros((), device=device)
+        local = local ** norm_type
         dist.all_reduce(local, group=self._pipe)
         return local ** (1.0 / norm_type)
 

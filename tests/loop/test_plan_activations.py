@@ -33,9 +33,9 @@ def _real_peak(model: torch.nn.Module, loss_fn: Any, batch: Any, precision: str)
 def test_traced_micro_batch_peak_is_within_ten_percent_of_the_real_one(name):
     """The plan's micro-batch peak, traced without allocating, is within 10 % of the real one."""
     if name == "hf_gpt2":
-        pytest.importorskip("transformers")
+        pytest.importorskip("transformers", reason="the GPT-2 example needs transformers (pip install transformers)")
     if name == "digits":
-        pytest.importorskip("sklearn")
+        pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (the examples and dev extras have it)")
     model, loss_fn, loader, precision = planning.example_case(name)
     state = af.TrainState.create(model, torch.optim.AdamW(model.parameters()))
     step = af.with_precision(precision)(af.train_step(loss_fn))
