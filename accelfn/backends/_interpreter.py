@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelfn import collectives
-from accelfn.backends import _clip, _comm_hooks, _fsdp
+from accelfn import distributed
 from accelfn.data.tree import map_tensors, num_samples
+from accelfn.distributed import ddp, fsdp, grad_norm
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Step, detach, unpack
@@ -118,9 +118,9 @@ class StepFn:
         shard = step.find(ShardParams)
         replicated = step.find(Replicate) is not None and backend.world_size > 1
         # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
-        self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
+        self._sharded = sharded = shard is not None and fsdp.is_sharded(state.model)
         # some parameters are DTensors (shard_params, tensor_parallel): gradients are taken shard by shard
-        self._distributed_params = any(collectives.is_dtensor(p) for p in self._params)
+        self._distributed_params = any(distributed.is_dtensor(p) for p in self._params)
         self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
         # every rank skips the same updates (one rank, all-reduced gradients, or a sharded or
         # split model's inf check summed over ranks), so a skipped update's metrics can leave
@@ -136,7 +136,7 @@ class StepFn:
         self._reduce_gradients = backend.reduce_gradients if replicated else None
         self._graph_cut = backend.graph_cut
         # a PowerSGD hook's live state, and the record of it the state carries (_comm_hooks)
-        self._comm = _comm_hooks.live_state(model) if replicated else None
+        self._comm = ddp.live_state(model) if replicated else None
         self._comm_record = state.transforms_state.get("comm_hook")
 
     # -- one micro-batch ---------------------------------------------------------------
@@ -197,7 +197,7 @@ class StepFn:
         numbers, before the first backward of the run, finds it out instead.
         """
         self._loss_kind_agreed = True
-        if not collectives.all_same([int(is_sum)], device=self._backend.collective_device):
+        if not distributed.all_same([int(is_sum)], device=self._backend.collective_device):
             raise ValueError(
                 f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank "
                 f"{self._backend.rank}: {'an af.Loss' if is_sum else 'a plain loss'}); the ranks reduce "
@@ -340,7 +340,7 @@ class StepFn:
         if "window" in transforms_state:
             transforms_state = {k: v for k, v in transforms_state.items() if k != "window"}
         if self._comm is not None:  # the hook's state after this update's synchronizing backward
-            self._comm_record = _comm_hooks.record(self._comm)
+            self._comm_record = ddp.record(self._comm)
             transforms_state = {**transforms_state, "comm_hook": self._comm_record}
         new_state = state._advance(
             step=state.step + 1 if finite else state.step,
@@ -358,20 +358,20 @@ class StepFn:
         """``clip``: the gradients' total norm (returned), and each gradient scaled to it."""
         assert self._clip is not None
         if self._distributed_params:
-            return _clip.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+            return grad_norm.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
                                         self._backend.collective_device)
         return torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
 
     def _load_comm_state(self, state: TrainState) -> None:
         memory = state.transforms_state.get("comm_hook")
         if isinstance(memory, PowerSGDMemory):
-            _comm_hooks.load(self._comm, memory, self._backend.device)  # type: ignore[arg-type]  # set with _comm
+            ddp.load(self._comm, memory, self._backend.device)  # type: ignore[arg-type]  # set with _comm
         self._comm_record = memory
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients to scale in place: under sharding, each DTensor's local shard."""
         if self._distributed_params:
-            return _clip.local_gradients(params)
+            return grad_norm.local_gradients(params)
         return [p.grad for p in params if p.grad is not None]
 
     def _group_lrs(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ Per micro-batch ``k`` (its global index in the epoch, ``transforms.invariant.glo
     leaf      the gradients flattened into one buffer, pushed on the stack (binary counter)
     -- last micro-batch of the window only --
     fold      the stack's sum: this rank's subtree
-    reduce    collectives.canonical_all_reduce (butterfly; no DDP, whose order is not fixed)
+    reduce    distributed.canonical_all_reduce (butterfly; no DDP, whose order is not fixed)
     scale     grads *= 1/N, N the global item count (L micro-batches for a mean loss)
     then      unscale, clip, check, update, adjust, zero as StepFn does
 
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
-from accelfn.backends import _fsdp, _fsdp_grads
+from accelfn import distributed
 from accelfn.backends._interpreter import _NULL, StepFn, foreign_state
 from accelfn.data.tree import map_tensors, num_samples
+from accelfn.distributed import fsdp
 from accelfn.errors import TransformError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Step, detach
@@ -62,7 +62,7 @@ def check_conditions(backend: Backend) -> None:
     with different numbers of intra-op threads (a collective), or CUDA without deterministic
     algorithms. What no process can see (the thread count of another run) the docs ask for."""
     threads = torch.get_num_threads()
-    same = collectives.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
+    same = distributed.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
     problems = [] if same else [f"the processes run different numbers of intra-op threads (this one {threads})"]
     if backend.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
         problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
@@ -74,7 +74,7 @@ def check_conditions(backend: Backend) -> None:
 
 def broadcast_model(model: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers copied into every rank's model, in place (a collective)."""
-    if collectives.world_size() == 1:
+    if distributed.world_size() == 1:
         return
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -118,7 +118,7 @@ class InvariantStepFn(StepFn):
         # shard_params(): FSDP2's reduce-scatter off; whole gradients taken after each backward
         # (backends._fsdp_grads), this rank's pieces of the canonical sum handed back as DTensors
         self._whole_grads: list[torch.Tensor] | None = None
-        self._no_sync = ((lambda: _fsdp.no_gradient_sync(state.model)) if self._sharded and self._world > 1
+        self._no_sync = ((lambda: fsdp.no_gradient_sync(state.model)) if self._sharded and self._world > 1
                          else (lambda: _NULL))
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
@@ -211,7 +211,7 @@ class InvariantStepFn(StepFn):
             grads, totals = root.grads, root.sums
         else:
             root = fold(window.nodes) if window.nodes else self._identity(len(names))
-            grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
+            grads, totals = distributed.canonical_all_reduce([root.grads, root.sums])
         global_count = float(totals[1])
         correction = 1.0 / global_count if global_count > 0 else 0.0
         self._put_grads(grads)
@@ -271,7 +271,7 @@ class InvariantStepFn(StepFn):
         parameters' ``.grad`` (under ``shard_params()``, FSDP2's whole gradients) set to None,
         so the next backward writes fresh ones."""
         if self._sharded and self._world > 1:
-            grads = _fsdp_grads.take_unsharded_grads(self._owner, self._params)
+            grads = fsdp.take_unsharded_grads(self._owner, self._params)
         else:
             grads = [p.grad for p in self._params]
             for p in self._params:
@@ -292,7 +292,7 @@ class InvariantStepFn(StepFn):
             offset += numel
         if self._sharded and self._world > 1:
             for p, whole in zip(self._params, wholes):
-                p.grad = _fsdp_grads.local_piece(whole, p)
+                p.grad = fsdp.local_piece(whole, p)
             self._whole_grads = wholes
         else:
             for p, whole in zip(self._params, wholes):

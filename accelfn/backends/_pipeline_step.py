@@ -38,9 +38,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
-from accelfn.backends import _clip, _pipeline, _pipeline_eval
+from accelfn import distributed
 from accelfn.backends._interpreter import StepFn, foreign_state
+from accelfn.distributed import grad_norm, pipeline
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Step, detach, unpack
@@ -141,7 +141,7 @@ class PipelineStepFn(StepFn):
                 f"this pipelined step function holds {len(self._pending)} micro-batches of the open window, and "
                 f"the state is at its micro-batch {position}: a pipelined window is run by the step function "
                 "that began it; close windows before saving (checkpoints save between updates)")
-        inputs, targets = _pipeline.split_batch(batch)
+        inputs, targets = pipeline.split_batch(batch)
         if self._policy.casts_inputs:
             inputs = tuple(t.to(self._policy.param_dtype) if t.is_floating_point() else t for t in inputs)
         self._pending.append((inputs, targets))
@@ -269,7 +269,7 @@ class PipelineStepFn(StepFn):
         and the metric names of the last stages, the same on every rank (one exchange)."""
         sums = self._sums
         mine = [self._failure, list(sums.names), sums.is_sum] if self._last else [self._failure, None, None]
-        seen = collectives.exchange(mine, device=self._backend.collective_device)
+        seen = distributed.exchange(mine, device=self._backend.collective_device)
         failed = list(dict.fromkeys(f for f, _, _ in seen if f is not None))
         if failed:
             raise TypeError(failed[0])
@@ -311,7 +311,7 @@ class PipelineStepFn(StepFn):
         finite, transforms_state = True, state.transforms_state
         if self._skip is not None or self._scaling is not None:  # one verdict: each rank saw its stage only
             inv_scale = 1.0 / self._scale if self._scaling is not None else 1.0
-            found_inf = collectives.reduce(numerics.unscale_and_check(grads, inv_scale), "sum")
+            found_inf = distributed.reduce(numerics.unscale_and_check(grads, inv_scale), "sum")
             finite = not bool(found_inf.item())
             transforms_state = {**transforms_state, "skips": transforms_state["skips"].record(finite)}
             metrics["skipped"] = 0 if finite else 1
@@ -346,7 +346,7 @@ class PipelineStepFn(StepFn):
 
     def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every stage's gradients together (one all-reduce over the pipe group)."""
-        local = _clip.local_norm(grads, norm_type, self._backend.device)
+        local = grad_norm.local_norm(grads, norm_type, self._backend.device)
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pipe)
             return local
@@ -383,23 +383,23 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
     placed, cut into stages and pruned to this rank's, and the step function.
 
     Raises:
-        ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``, and
+        ValueError, NotImplementedError: from ``pipeline.check`` and ``pipeline.cut``, and
             for a model on the meta device, before anything changes.
     """
-    _pipeline.check(pp, backend.world_size, backend.device)
+    pipeline.check(pp, backend.world_size, backend.device)
     if any(t.is_meta for t in [*state.model.parameters(), *state.model.buffers()]):
         raise NotImplementedError(
             "pipeline() of a model built on the meta device is not built yet (each rank would fill only its "
             "stages); build the model on the CPU: prepare cuts it and each rank keeps only its stages")
-    _pipeline.check_not_cut(state.model)
-    _pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
-    mesh = _pipeline.world_mesh(backend.device, backend.world_size, pp)
+    pipeline.check_not_cut(state.model)
+    pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
+    mesh = pipeline.world_mesh(backend.device, backend.world_size, pp)
     backend._place_state(state, policy)
     for tensor in [*state.model.parameters(), *state.model.buffers()]:  # every rank starts from rank 0's model
         dist.broadcast(tensor.data, src=0)
     for transform in step.transforms:
         state = transform.init(state)
-    stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size, mesh)
+    stages = pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size, mesh)
     step_fn = PipelineStepFn(backend, step, state, mesh, stages)
-    _pipeline_eval.keep(state.model, stages, pp.num_stages, step_fn._pipe, step_fn._last_rank, backend.device)
+    pipeline.keep(state.model, stages, pp.num_stages, step_fn._pipe, step_fn._last_rank, backend.device)
     return state, step_fn

@@ -18,17 +18,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch.utils.data import DataLoader
 
-from accelfn import collectives
-from accelfn.backends import (
-    _comm_hooks,
-    _deepspeed,
-    _distributed,
-    _fsdp,
-    _materialize,
-    _pipeline,
-    _pipeline_step,
-    _tensor_parallel,
-)
+from accelfn import distributed
+from accelfn.backends import _deepspeed, _pipeline_step
 from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn, broadcast_model, check_conditions
 from accelfn.backends._placement import (
@@ -38,11 +29,11 @@ from accelfn.backends._placement import (
     rebind_optimizer,
     unchanged,
 )
-from accelfn.backends.env import LaunchEnv, with_launch_defaults
-from accelfn.collectives import ProcessContext
 from accelfn.data import blocks
 from accelfn.data.batches import EpochBatches, check_eval_loader, epoch_batches, even_out
 from accelfn.data.tree import map_tensors
+from accelfn.distributed import ProcessContext, ddp, fsdp, meta, pipeline, process_group, tensor_parallel
+from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms import (
@@ -128,7 +119,7 @@ class Backend(ProcessContext, abc.ABC):
                             f"Policy), got {type(program).__name__}")
         if not policy.autocast:
             return contextlib.nullcontext()
-        return _fsdp.training_forward(torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype))
+        return fsdp.training_forward(torch.autocast(device_type=self.device.type, dtype=policy.compute_dtype))
 
     def precision(self, step: Step) -> Policy:
         """The precision policy this backend runs ``step`` under: the program's
@@ -191,19 +182,19 @@ class Backend(ProcessContext, abc.ABC):
         if self.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(f"the {self.name} backend does not support tensor_parallel(); use the cpu "
                                       "or cuda backend")
-        _fsdp.check_available()
-        _tensor_parallel.check(tp, shard, self.world_size)
-        _tensor_parallel.resolve(tp, model)
+        fsdp.check_available()
+        tensor_parallel.check(tp, shard, self.world_size)
+        tensor_parallel.resolve(tp, model)
 
     def split_model(self, state: TrainState, tp: TensorParallel, shard: ShardParams | None, policy: Policy) -> None:
         """Splits ``state.model`` in place over the ``"tensor"`` dimension of the world's mesh as
         ``tp`` asks (``parallelize_module``), then, with ``shard``, shards it over the ``"data"``
         dimension (FSDP2; nothing to shard when that dimension has one rank); the optimizer is
         pointed at the new parameters. Called after ``check_tensor_parallel``."""
-        mesh = _tensor_parallel.world_mesh(self.device, self.world_size, tp)
-        _tensor_parallel.split_model(state.model, state.optimizer, tp, mesh)
+        mesh = tensor_parallel.world_mesh(self.device, self.world_size, tp)
+        tensor_parallel.split_model(state.model, state.optimizer, tp, mesh)
         if shard is not None and mesh["data"].size() > 1:
-            _fsdp.shard_model(state.model, state.optimizer, shard, policy, mesh["data"], broadcast=False)
+            fsdp.shard_model(state.model, state.optimizer, shard, policy, mesh["data"], broadcast=False)
 
     def data_coordinates(self, step: Step) -> tuple[int, int]:
         """``(data rank, data world size)`` of this process under ``step``: its rank and the world
@@ -220,8 +211,8 @@ class Backend(ProcessContext, abc.ABC):
     def no_sync(self, wrapped: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """A context factory that suppresses the gradient all-reduce (DDP) or reduce-scatter
         (FSDP2) of non-final micro-batches."""
-        if _fsdp.is_sharded(wrapped):
-            return functools.partial(_fsdp.no_gradient_sync, wrapped)
+        if fsdp.is_sharded(wrapped):
+            return functools.partial(fsdp.no_gradient_sync, wrapped)
         return getattr(wrapped, "no_sync", contextlib.nullcontext)
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
@@ -229,7 +220,7 @@ class Backend(ProcessContext, abc.ABC):
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum of ``tensor`` over all ranks (used for the item counts of ``af.Loss``)."""
-        return collectives.reduce(tensor, "sum")
+        return distributed.reduce(tensor, "sum")
 
     def peak_memory_bytes(self) -> int | None:
         """The most device memory this process has held so far, in bytes, or None where the
@@ -300,29 +291,29 @@ class Backend(ProcessContext, abc.ABC):
         if invariant is not None:  # refused before anything is placed
             self.check_invariant(invariant)
             invariant.init(state)
-        already_sharded = _fsdp.is_sharded(state.model)
+        already_sharded = fsdp.is_sharded(state.model)
         if already_sharded and shard is None:
             raise ValueError(
                 "this state's model is sharded (it was prepared with shard_params()), so its step "
                 "must include af.shard_params() too"
             )
         if already_sharded and shard is not None:
-            _fsdp.check_same_layout(state.model, shard)
-            _fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
+            fsdp.check_same_layout(state.model, shard)
+            fsdp.refresh_precision(state.model)  # requires_grad may have changed since (pytorch#186998)
         tp = step.find(TensorParallel)
         # a meta model is materialized for shard_params/tensor_parallel; without them and without
         # placement (place_model=False) it is the user's, left where it is
-        on_meta = _materialize.is_meta(state.model) and (shard is not None or tp is not None or self.place_model)
+        on_meta = meta.is_meta(state.model) and (shard is not None or tp is not None or self.place_model)
         if on_meta:
-            _materialize.check(state.model, state.optimizer, splits=shard is not None or tp is not None)
-        already_split = _tensor_parallel.split_with(state.model) is not None
-        _tensor_parallel.check_same_split(state.model, tp)
+            meta.check(state.model, state.optimizer, splits=shard is not None or tp is not None)
+        already_split = tensor_parallel.split_with(state.model) is not None
+        tensor_parallel.check_same_split(state.model, tp)
         if tp is not None and not already_split:
             self.check_tensor_parallel(tp, shard, state.model)
         if shard is not None and not already_sharded:
             self.check_sharding(shard, state)
             if tp is None:
-                _fsdp.check_group_size(self, shard)
+                fsdp.check_group_size(self, shard)
         if not already_sharded and not already_split and not on_meta:  # placed when sharded (offloaded shards stay)
             self._place_state(state, policy)
         for transform in step.transforms:
@@ -330,25 +321,25 @@ class Backend(ProcessContext, abc.ABC):
         if tp is not None and not already_split:
             self.split_model(state, tp, shard, policy)
             if shard is not None:
-                _fsdp.remember_layout(state.model, shard)
+                fsdp.remember_layout(state.model, shard)
         elif shard is not None and not already_sharded and (self.world_size > 1 or shard.offload):
             self.shard_model(state, shard, policy)
-            _fsdp.remember_layout(state.model, shard)
+            fsdp.remember_layout(state.model, shard)
         if on_meta:  # each rank fills its own shards, module by module
-            _materialize.materialize(state.model, self.device)
+            meta.materialize(state.model, self.device)
         replicate = step.find(Replicate)
         if self.world_size > 1 and (replicate is not None or shard is not None):
-            collectives.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
+            distributed.mark_replicas(state.model)  # one model: its buffers are rank 0's where it is read
         if invariant is not None:  # no DDP: the canonical sum replaces its all-reduce
             check_conditions(self)
             if self.world_size > 1:
-                if not _fsdp.is_sharded(state.model):  # shard_model broadcast before sharding
+                if not fsdp.is_sharded(state.model):  # shard_model broadcast before sharding
                     broadcast_model(state.model)
-                collectives.mark_replicas(state.model)
+                distributed.mark_replicas(state.model)
             model = state.model
         else:
             model = self.wrap_model(state.model, replicate) if replicate is not None else state.model
-        state = _comm_hooks.attach(state, model, self.device)  # a PowerSGD hook's state: in the TrainState
+        state = ddp.attach(state, model, self.device)  # a PowerSGD hook's state: in the TrainState
         if compiled is not None:  # after DDP's wrapper, as PyTorch's DDP guidance asks
             model = self.compile_model(model, compiled)
         if invariant is not None:
@@ -464,7 +455,7 @@ class Backend(ProcessContext, abc.ABC):
 
     def _check_same_length(self, num_batches: int | None, verb: str) -> None:
         """One collective: every rank must have the same number of batches (or all unknown)."""
-        (shortest,), (longest,) = collectives.extremes([-1 if num_batches is None else num_batches],
+        (shortest,), (longest,) = distributed.extremes([-1 if num_batches is None else num_batches],
                                                        device=self.collective_device)
         if longest != shortest:
             raise ValueError(
@@ -478,15 +469,15 @@ class Backend(ProcessContext, abc.ABC):
         (``shard_params(reshard_after_forward=False)`` keeps them gathered until a backward);
         nothing for a model that is not sharded. ``af.evaluate`` calls it when it ends; call
         it after running such a model's forward yourself outside training."""
-        if _fsdp.is_sharded(model):
-            _fsdp.reshard(model)
+        if fsdp.is_sharded(model):
+            fsdp.reshard(model)
 
     def forward_is_collective(self, model: torch.nn.Module) -> bool:
         """True when every rank must run each forward of ``model`` together (a model sharded
         over several ranks all-gathers its parameters in the forward; a tensor-parallel one
         all-reduces its row-wise layers' outputs)."""
-        return self.world_size > 1 and (_fsdp.is_sharded(model) or _tensor_parallel.split_with(model) is not None
-                                       or _pipeline.cut_with(model) is not None
+        return self.world_size > 1 and (fsdp.is_sharded(model) or tensor_parallel.split_with(model) is not None
+                                       or pipeline.cut_with(model) is not None
                                        or _deepspeed.partitions_parameters(model))
 
     def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
@@ -496,10 +487,10 @@ class Backend(ProcessContext, abc.ABC):
 
         Under a ``pipeline`` cut, the ranks of one pipeline read the same data, its first reports.
         """
-        pp = _pipeline.cut_with(model)
+        pp = pipeline.cut_with(model)
         if pp is not None:
             return (*pp.data_coordinates(self.rank, self.world_size), pp.stage_of(self.rank, self.world_size) == 0)
-        tp = _tensor_parallel.split_with(model)
+        tp = tensor_parallel.split_with(model)
         if tp is None:
             return self.rank, self.world_size, True
         data_rank, data_world = tp.data_coordinates(self.rank, self.world_size)
@@ -512,7 +503,7 @@ class Backend(ProcessContext, abc.ABC):
         group at exit without waiting for ranks that went on (they would wait in their next
         collective until the timeout), unless all of them leave at once; it prints which
         rank left and how."""
-        return _distributed.user_code(what)
+        return process_group.user_code(what)
 
     def lockstep(self, items: Iterator[Any], *, replays: bool = False) -> Iterator[Any]:
         """``items`` kept in step over ranks (one tiny all-reduce per item): while any rank still
@@ -566,16 +557,16 @@ class Backend(ProcessContext, abc.ABC):
         return self._placer(batch)
 
     def _sync_ranks(self, it: Iterator[Any], *, replays: bool = False) -> Iterator[Any]:
-        return even_out(it, functools.partial(collectives.any_rank, device=self.collective_device),
+        return even_out(it, functools.partial(distributed.any_rank, device=self.collective_device),
                         self._first_item, replays=replays)
 
     def _first_item(self, item: Any, present: bool) -> tuple[bool, Any]:
         """The first round of ``lockstep``: whether any rank has an item, and the item this
         rank starts from: its own, or, when it has none, the lowest such rank's (a copy)."""
-        (lowest,), (highest,) = collectives.extremes([int(present)], device=self.collective_device)
+        (lowest,), (highest,) = distributed.extremes([int(present)], device=self.collective_device)
         if not highest or lowest:  # nobody has one, or everybody does: one all-reduce
             return bool(highest), item
-        src = collectives.exchange(present, device=self.collective_device).index(True)
+        src = distributed.exchange(present, device=self.collective_device).index(True)
         payload, message = None, None
         if self.rank == src:
             try:
@@ -584,10 +575,10 @@ class Backend(ProcessContext, abc.ABC):
             except Exception as e:  # noqa: BLE001  # told to every rank below
                 message = (f"rank {src}'s first item must be sent to the ranks that have none, but it cannot be "
                            f"pickled ({type(e).__name__}: {e}); give every rank at least one item")
-        failed = collectives.failures(message, device=self.collective_device)
+        failed = distributed.failures(message, device=self.collective_device)
         if failed:
             raise RuntimeError(failed[0])
-        sent = collectives.broadcast_object(payload, src)
+        sent = distributed.broadcast_object(payload, src)
         return True, item if present else sent
 
     @property

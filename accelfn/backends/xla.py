@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
-from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches
 from accelfn.data.tree import map_tensors
+from accelfn.distributed.env import LaunchEnv
 from accelfn.errors import LaunchError
 from accelfn.state import TrainState
 from accelfn.step import Step

@@ -30,7 +30,7 @@ from accelfn.checkpoint._codec import (
 )
 from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 

@@ -424,7 +424,7 @@ def _map_style(loader: DataLoader, shard: ShardData, *, rank: int, world_size: i
 def even_out(it: Iterator[Any], any_rank: Callable[[bool], bool],
              first: Callable[[Any, bool], tuple[bool, Any]], *, replays: bool = False) -> Iterator[Any]:
     """Keeps ranks in step over data of unknown length: one tiny all-reduce per batch
-    (``any_rank``: whether any rank still has a batch, ``collectives.any_rank``).
+    (``any_rank``: whether any rank still has a batch, ``distributed.any_rank``).
 
     While any rank still has batches, a rank that has run out replays its first batch (the
     way DistributedSampler pads by wrapping); the epoch ends for all ranks together. A rank

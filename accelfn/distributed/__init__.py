@@ -1,7 +1,7 @@
 """Collectives over ``torch.distributed`` and the cross-rank rules built on them, working
 unchanged on a world of one process; the process context every backend is."""
 
-from accelfn.collectives.agreement import (
+from accelfn.distributed.agreement import (
     Agreement,
     ArrivalError,
     all_same,
@@ -11,9 +11,9 @@ from accelfn.collectives.agreement import (
     failures,
     outcome_of_rank_0,
 )
-from accelfn.collectives.canonical import canonical_all_reduce
-from accelfn.collectives.context import ProcessContext
-from accelfn.collectives.ops import (
+from accelfn.distributed.canonical import canonical_all_reduce
+from accelfn.distributed.context import ProcessContext
+from accelfn.distributed.ops import (
     REDUCE_OPS,
     ReduceOp,
     barrier,

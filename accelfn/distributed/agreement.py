@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from accelfn.collectives.ops import default_device, exchange, rank, reduce, world_size
+from accelfn.distributed.ops import default_device, exchange, rank, reduce, world_size
 
 
 def extremes(values: Sequence[int | float], *, device: torch.device | None = None

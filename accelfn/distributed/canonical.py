@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from accelfn.collectives.ops import rank, world_size
+from accelfn.distributed.ops import rank, world_size
 
 
 def blocks(world: int) -> list[tuple[int, int]]:

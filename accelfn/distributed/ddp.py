@@ -202,3 +202,28 @@ def attach(state: TrainState, model: torch.nn.Module, device: torch.device) -> T
         load(live, memory, device)
         return state
     return state.with_transform_state(comm_hook=record(live))
+
+
+def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
+             device_ids: list[int] | None = None) -> torch.nn.Module:
+    """``model`` in ``DistributedDataParallel`` with ``replicate``'s options (one process: as is).
+
+    DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
+    ``replicate.comm_hook`` is registered on it (:func:`register`).
+
+    Raises:
+        ValueError: ``replicate.comm_state`` that its hook does not take.
+        NotImplementedError: a hook DDP refuses on this process group (bf16 over gloo).
+    """
+    if world_size == 1:
+        return model
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=replicate.bucket_cap_mb,
+        find_unused_parameters=replicate.find_unused_parameters,
+        static_graph=replicate.static_graph,
+        gradient_as_bucket_view=replicate.gradient_as_bucket_view,
+    )
+    register(ddp, replicate)
+    return ddp

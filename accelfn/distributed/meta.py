@@ -35,7 +35,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import is_dtensor
 
 
 def is_meta(model: torch.nn.Module) -> bool:

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn.backends import _fsdp
-from accelfn.collectives.stages import ATTRIBUTE, StageLayout
+from accelfn.distributed import fsdp
 from accelfn.transforms import Pipeline
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def check(pp: Pipeline, world_size: int, device: torch.device) -> None:
 def world_mesh(device: torch.device, world_size: int, pp: Pipeline) -> DeviceMesh:
     """The ``("pipe", "data")`` mesh of shape ``(size, world_size // size)``: rank ``r`` holds
     stage ``r // d`` (``d`` the data degree) and data shard ``r % d``."""
-    _fsdp.single_process_group(device)
+    fsdp.single_process_group(device)
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (pp.size, pp.data_degree(world_size)), mesh_dim_names=("pipe", "data"))
@@ -225,7 +225,7 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: 
     mine = stage_indices(pp, rank, world_size)
     prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
     setattr(model, _CUT_WITH, pp)
-    setattr(model, ATTRIBUTE, layout)
+    setattr(model, LAYOUT_ATTRIBUTE, layout)
     return [(i, modules[i]) for i in mine]
 
 
@@ -269,3 +269,172 @@ def split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         raise TypeError("under pipeline(), a batch's inputs and targets must be tensors (inputs: a tensor or a "
                         "tuple of tensors, the model's positional arguments)")
     return inputs, targets
+
+
+# -- the stages as checkpoints and exports see them -----------------------------------------
+#
+# The stages of a pipelined model as checkpoints and exports see them: which names the
+# whole model has, which ranks hold its stages, and the one collective that joins them.
+#
+# ``backend.prepare`` cuts a model for ``af.pipeline`` and leaves on it a :class:`StageLayout`
+# (the attribute ``ATTRIBUTE``); every rank's model then holds only its own stages'
+# parameters, under the whole model's names. A checkpoint is written by every rank, its own
+# stages (``checkpoint._pipelined``); an export joins the stages of the pipeline that holds
+# rank 0 (data rank 0) onto rank 0 (:func:`gather_bytes`), so what it writes is the whole
+# model's weights; a load keeps of a checkpoint what this rank's stages hold.
+
+#: the attribute of a pipelined model holding its StageLayout
+LAYOUT_ATTRIBUTE = "_accelfn_stage_layout"
+
+
+@attrs.frozen(eq=False)
+class StageLayout:
+    """Where the parts of a pipelined model live.
+
+    Attributes:
+        keys: the whole model's ``state_dict`` keys, in its order.
+        param_names: the whole optimizer's parameter names, per param group, in its order.
+        group: the process group of this rank's pipeline (one rank per pipe position).
+        ranks: the global ranks of that pipeline, by pipe position.
+        data_rank: this rank's data-parallel rank (0: the pipeline that holds rank 0).
+    """
+
+    keys: tuple[str, ...]
+    param_names: tuple[tuple[str, ...], ...]
+    group: Any
+    ranks: tuple[int, ...]
+    data_rank: int
+
+
+def stage_layout(model: torch.nn.Module) -> StageLayout | None:
+    """The StageLayout ``model`` was cut with (``af.pipeline``), or None."""
+    return getattr(model, LAYOUT_ATTRIBUTE, None)
+
+
+def gather_bytes(payload: torch.Tensor, layout: StageLayout) -> list[torch.Tensor] | None:
+    """Every stage's ``payload`` (a 1-D uint8 CPU tensor) of the pipeline that holds rank 0,
+    in pipe order, on rank 0; None on its other ranks. Two collectives over that pipeline's
+    group (its ranks call it; the other pipelines do not)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(layout.group) == "nccl" \
+        else torch.device("cpu")
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in layout.ranks]
+    dist.all_gather(lengths, length, group=layout.group)
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload.to(device)
+    first = layout.ranks[0]
+    received = [torch.empty_like(padded) for _ in layout.ranks] if dist.get_rank() == first else None
+    dist.gather(padded, received, dst=first, group=layout.group)
+    if received is None:
+        return None
+    return [r[:int(n)].cpu() for r, n in zip(received, lengths)]
+
+
+# -- the forward of a cut model outside training (af.evaluate) ----------------------------
+#
+# The forward of a pipelined model outside training (``af.evaluate``): the stages run
+# forward only, through the schedule's forward-only path (``schedule.eval``), and the last
+# stage's output is broadcast over the pipe group, so that every rank's ``fn`` sees it.
+#
+# ``_pipeline_step.prepare`` leaves on the cut model its ``(stage index, module)`` pairs and
+# its pipe group (:data:`ATTRIBUTE`, a plain attribute: not a submodule, so the model's
+# ``state_dict`` is unchanged). Per call, on every rank of one pipeline::
+#
+#     schedule   ScheduleGPipe (ScheduleLoopedBFS with several stages per rank) of one
+#                micro-batch, made once per input shape on stages of its own, .eval(*inputs)
+#     output     the last stage's output: its shape and dtype, then its values, broadcast
+#                from the last stage over the pipe group (two broadcasts)
+
+#: the attribute of a cut model holding its _Stages
+STAGES_ATTRIBUTE = "_accelfn_pipeline_stages"
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+           torch.uint8, torch.int8, torch.int16)
+_MAX_DIMS = 8
+
+
+@attrs.define(eq=False)
+class _Stages:
+    """This rank's stages of a cut model, and what running them forward needs."""
+
+    stages: list[tuple[int, torch.fx.GraphModule]]
+    num_stages: int
+    group: Any
+    last_rank: int
+    device: torch.device
+    schedules: dict[Any, Any] = attrs.Factory(dict)
+
+
+def keep(model: torch.nn.Module, stages: list[tuple[int, torch.fx.GraphModule]], num_stages: int, group: Any,
+         last_rank: int, device: torch.device) -> None:
+    """Leaves on ``model`` what :func:`forward_of` needs (a plain attribute, not a submodule)."""
+    object.__setattr__(model, STAGES_ATTRIBUTE, _Stages(stages, num_stages, group, last_rank, device))
+
+
+class PipelinedForward:
+    """``forward(*inputs) -> output``: the whole model's forward of a pipelined model, on
+    every rank of its pipeline (a collective over the pipe group).
+
+    ``af.evaluate`` hands it to ``fn`` in place of the model: ``fn(model, batch)`` calls
+    ``model(inputs)`` as for an unsharded model. Every rank of a pipeline must call it
+    alike (the same number of times, with inputs of the same shapes: they read the same data).
+
+    Args (of a call):
+        *inputs: the model's positional arguments, tensors of shape ``(batch, ...)``, on the
+            backend's device (the first stage reads them; the other stages' are ignored but for
+            their shapes).
+
+    Returns:
+        The last stage's output, shape ``(batch, ...)``, the same on every rank of the pipeline.
+
+    Raises:
+        TypeError: an input that is not a tensor, or keyword arguments.
+        ValueError: an output of more than 8 dimensions or of an unusual dtype.
+    """
+
+    def __init__(self, model: torch.nn.Module, stages: _Stages):
+        self.module = model
+        self._stages = stages
+
+    def __call__(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs or not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise TypeError("a pipelined model's forward takes its inputs as positional tensors (batch first), "
+                            "without keyword arguments: call model(inputs) or model(*inputs) in fn")
+        s = self._stages
+        indices = [i for i, _ in s.stages]
+        schedule = self._schedule(tuple((tuple(t.shape), t.dtype) for t in inputs))
+        output = schedule.eval(*inputs) if 0 in indices else schedule.eval()
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=s.device)
+        if s.num_stages - 1 in indices:
+            output = output.detach()
+            if output.ndim > _MAX_DIMS or output.dtype not in _DTYPES:
+                raise ValueError(f"af.evaluate of a pipelined model: the last stage's output has shape "
+                                 f"{tuple(output.shape)} and dtype {output.dtype}; at most {_MAX_DIMS} dimensions "
+                                 "of a usual dtype are broadcast to the other stages")
+            header[0], header[1] = output.ndim, _DTYPES.index(output.dtype)
+            header[2:2 + output.ndim] = torch.tensor(output.shape, dtype=torch.int64)
+        dist.broadcast(header, src=s.last_rank, group=s.group)
+        ndim = int(header[0])
+        if s.num_stages - 1 not in indices:
+            shape = [int(n) for n in header[2:2 + ndim]]
+            output = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=s.device)
+        output = output.contiguous()
+        dist.broadcast(output, src=s.last_rank, group=s.group)
+        return output
+
+    def _schedule(self, key: Any) -> Any:
+        """The forward-only schedule of one micro-batch of ``key``'s input shapes (made once)."""
+        s = self._stages
+        if key not in s.schedules:
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+
+            stages = [PipelineStage(module, i, s.num_stages, s.device, group=s.group) for i, module in s.stages]
+            s.schedules[key] = (ScheduleGPipe(stages[0], 1) if len(stages) == 1
+                                else ScheduleLoopedBFS(list[Any](stages), 1))
+        return s.schedules[key]
+
+
+def forward_of(model: torch.nn.Module) -> PipelinedForward | None:
+    """The pipelined forward of ``model`` (cut by ``af.pipeline``), or None for another model."""
+    stages = getattr(model, STAGES_ATTRIBUTE, None)
+    return None if stages is None else PipelinedForward(model, stages)

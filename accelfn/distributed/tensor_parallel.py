@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from accelfn.backends import _fsdp
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import fsdp, is_dtensor
 from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ def check(tp: TensorParallel, shard: ShardParams | None, world_size: int) -> Non
 
 def world_mesh(device: torch.device, world_size: int, tp: TensorParallel) -> DeviceMesh:
     """The ``("data", "tensor")`` mesh of the world (a single-process group made first on one process)."""
-    _fsdp.single_process_group(device)
+    fsdp.single_process_group(device)
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (tp.data_degree(world_size), tp.size), mesh_dim_names=("data", "tensor"))
@@ -135,7 +134,7 @@ def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: Te
     else:  # equal on every rank already: each cuts its own part (no scatter, which meta tensors cannot do)
         parallelize_module(model, mesh["tensor"], plan, src_data_rank=None)
     split = dict(model.named_parameters())
-    _fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
+    fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)
 
 

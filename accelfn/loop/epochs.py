@@ -9,17 +9,17 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.backends.base import Backend
-from accelfn.backends.env import with_launch_defaults
 from accelfn.checkpoint import Checkpoints
+from accelfn.distributed.env import with_launch_defaults
 from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
-from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.planning.report import check_before_run, show_plan
+from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
 from accelfn.step import Step
@@ -145,7 +145,7 @@ def run(
             checkpoint directory that is a file; on every rank, metrics whose names differ
             across ranks.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
-        RuntimeError: (``collectives.ArrivalError``) a collective: some rank did not call
+        RuntimeError: (``distributed.ArrivalError``) a collective: some rank did not call
             ``run`` within the collective timeout, or called another collective API (each
             rank's call named, at once).
         PlanError: the plan has errors (each named with its fix), before anything is prepared.
@@ -179,7 +179,7 @@ def run(
     if plan:
         check_before_run(with_launch_defaults(step, backend.env, warn=False), state, data, backend, epochs, max_steps)
     if backend.world_size > 1:  # a rank busy alone before run (data preparation) may take the whole timeout
-        collectives.arrive("af.run", backend.env.timeout_s)
+        distributed.arrive("af.run", backend.env.timeout_s)
     with backend.user_code("af.run"):
         return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
                     log_every, config, hooks, profile, continue_after_stop)
@@ -223,7 +223,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
                             Hooks(hooks, backend, state.step), profiler)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
-        collectives.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
+        distributed.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
         ended = True
     finally:
         try:

@@ -17,8 +17,8 @@ import torch
 
 import accelfn as af
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.collectives.canonical import blocks
 from accelfn.data.blocks import block_indices
+from accelfn.distributed.canonical import blocks
 from accelfn.transforms.invariant import Layout, Node, TreeWindow, fold, push
 from tests.helpers import launch as _launch
 from tests.helpers.pool import Pools

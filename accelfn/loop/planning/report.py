@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
-from accelfn.backends.env import LaunchEnv, with_launch_defaults
+from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
