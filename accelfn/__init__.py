@@ -6,39 +6,42 @@ from accelfn.checkpoint import (
     Checkpoints,
     Snapshot,
     load,
+    load_model,
     restore,
     save,
     save_model,
     snapshot,
 )
 from accelfn.cli.launcher import launch
-from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, TransformError
+from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, PlanError, PlanWarning, TransformError
 from accelfn.evaluate import evaluate
 from accelfn.loop import (
     Hook,
+    Plan,
     Profile,
     Stop,
     UpdateCount,
     count_updates,
     find_batch_size,
+    plan,
     run,
 )
-from accelfn.loop import Plan, plan
-from accelfn.errors import PlanError, PlanWarning
 from accelfn.seed import set_seed
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
-from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, TensorBoard, Tracker, WandB
-from accelfn.tracking import RayTrain
+from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, RayTrain, TensorBoard, Tracker, WandB
 from accelfn.transforms import (
     Accumulate,
     Clip,
     ClipValue,
     Compile,
+    Invariant,
+    Pipeline,
     Replicate,
     ShardData,
     ShardParams,
     SkipNonfinite,
+    TensorParallel,
     Transform,
     WithPrecision,
     accumulate,
@@ -46,16 +49,15 @@ from accelfn.transforms import (
     clip_value,
     compile,
     compose,
+    invariant,
+    pipeline,
     replicate,
     shard_data,
     shard_params,
     skip_nonfinite,
+    tensor_parallel,
     with_precision,
 )
-from accelfn.transforms import TensorParallel, tensor_parallel
-from accelfn.transforms import Pipeline, pipeline
-from accelfn.checkpoint import load_model
-from accelfn.transforms import Invariant, invariant
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import random
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn import distributed
-from accelfn.backends._interpreter import _NULL, StepFn, foreign_state
+from accelfn.backends._interpreter import _NULL, InterpreterStepFn, UpdateTail, foreign_state
 from accelfn.data.tree import map_tensors, num_samples
 from accelfn.distributed import fsdp
 from accelfn.errors import TransformError
@@ -57,34 +56,10 @@ WINDOW = "tree_window"
 LAYOUT = "invariant"
 
 
-def check_conditions(backend: Backend) -> None:
-    """Warns (on the main process) where a condition of the guarantee is not met here: ranks
-    with different numbers of intra-op threads (a collective), or CUDA without deterministic
-    algorithms. What no process can see (the thread count of another run) the docs ask for."""
-    threads = torch.get_num_threads()
-    same = distributed.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
-    problems = [] if same else [f"the processes run different numbers of intra-op threads (this one {threads})"]
-    if backend.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-        problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
-    if problems and backend.is_main_process:
-        warnings.warn(f"invariant(): {'; '.join(problems)}: the run is correct but may differ bit for bit from "
-                      "the same run on another number of processes (docs/14-invariant.md, Conditions)",
-                      RuntimeWarning, stacklevel=4)
-
-
-def broadcast_model(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers copied into every rank's model, in place (a collective)."""
-    if distributed.world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
-
-
-class InvariantStepFn(StepFn):
+class InvariantStepFn(InterpreterStepFn):
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` under ``invariant()``.
 
-    As :class:`StepFn`, but the update's gradient is summed over the global micro-batches
+    As :class:`InterpreterStepFn`, but the update's gradient is summed over the global micro-batches
     in one tree that does not depend on the world size (module docstring). Metrics are the
     update's over all ranks (``loss``, the user's metrics, ``grad_norm``: the same value on
     every rank); ``num_samples`` and ``num_items`` are this rank's, as elsewhere.
@@ -92,7 +67,7 @@ class InvariantStepFn(StepFn):
     Raises (of a call):
         TransformError: the run was started with another micro-batch size or number of
             micro-batches per update (``W * A``) than this one (a resume that cannot be exact).
-        As :class:`StepFn`.
+        As :class:`InterpreterStepFn`.
     """
 
     def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
@@ -101,15 +76,16 @@ class InvariantStepFn(StepFn):
         assert spec is not None
         self._seed = spec.seed
         self._rank, self._world = backend.rank, backend.world_size
-        self._reduce_gradients = None  # the canonical sum replaces it
         self._data_parallel = self._world > 1
+        # every rank holds the same gradients (no reduce_gradients: the canonical sum replaces it)
+        self._tail = UpdateTail(backend, step, state, grads=self._grads, clip_norm=self._clip_grad_norm,
+                                verdict_over_ranks=self._distributed_params, skips_agree=True)
         # the count of either kind travels in the tree's sums, so no collective waits on it, but the
         # kinds must agree (a mean loss adds 1 per micro-batch, an af.Loss its count): checked when
         # the first window closes, where every rank arrives (one whose leaves a resumed subtree
         # holds runs no forward), before the first update
         self._loss_kind_agreed = True  # not at the first forward (StepFn._forward)
         self._kinds_checked = self._world == 1
-        self._skips_agree = True  # every rank holds the same gradients
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
         self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))

@@ -7,11 +7,9 @@ from typing import ClassVar
 import torch
 
 from accelfn.backends.base import Backend
-from accelfn.distributed import ddp, fsdp, process_group
+from accelfn.distributed import ddp, process_group
 from accelfn.distributed.env import LaunchEnv
-from accelfn.state import TrainState
-from accelfn.transforms import Replicate, ShardParams
-from accelfn.transforms.precision import Policy
+from accelfn.transforms import Replicate
 
 
 class CPU(Backend):
@@ -45,17 +43,3 @@ class CPU(Backend):
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         return ddp.wrap_ddp(model, replicate, self.world_size)
-
-    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        if shard.offload:
-            raise NotImplementedError(
-                "shard_params(offload=True) moves sharded parameters and optimizer state from the "
-                "GPU to CPU memory; on the cpu backend they are in CPU memory already. Remove "
-                "offload=True (or run on the cuda backend)"
-            )
-        fsdp.check_available()
-
-    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
-        shard_size = shard.shard_degree(self.world_size, self.local_world_size)
-        fsdp.shard_model(state.model, state.optimizer, shard, policy,
-                          fsdp.mesh(self.device, self.world_size, shard_size))

@@ -8,10 +8,9 @@ import torch
 
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
-from accelfn.distributed import ddp, fsdp, process_group
+from accelfn.distributed import ddp, process_group
 from accelfn.distributed.env import LaunchEnv
-from accelfn.state import TrainState
-from accelfn.transforms import Policy, Replicate, ShardParams
+from accelfn.transforms import Policy, Replicate
 
 
 class CUDA(Backend):
@@ -65,14 +64,6 @@ class CUDA(Backend):
         # a model left where the user put it (maybe over several GPUs) is wrapped where it is
         device_ids = [self.device.index] if self.place_model else None
         return ddp.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
-
-    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        fsdp.check_available()
-
-    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
-        shard_size = shard.shard_degree(self.world_size, self.local_world_size)
-        fsdp.shard_model(state.model, state.optimizer, shard, policy,
-                          fsdp.mesh(self.device, self.world_size, shard_size))
 
     def peak_memory_bytes(self) -> int | None:
         """The CUDA caching allocator's peak of allocated memory on this device since the

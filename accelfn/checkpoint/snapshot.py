@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from concurrent.futures import wait
 from types import MappingProxyType
 from typing import Any
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from accelfn.data._workers import SeededFetch, worker_generator
 from accelfn.data import batches
+from accelfn.data._workers import SeededFetch, worker_generator
 from accelfn.data.batches import _shuffles
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, Invariant, ShardData

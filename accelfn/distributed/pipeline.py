@@ -15,42 +15,22 @@ and exports are the unsharded model's). The stages run through
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn.distributed import fsdp
+from accelfn.distributed.mesh import Mesh
+from accelfn.distributed.phases import ModelPhase
 from accelfn.transforms import Pipeline
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    from accelfn.distributed.phases import Preparation
 
 
 #: the attribute of a prepared model that holds the Pipeline it was cut with
 _CUT_WITH = "_accelfn_pipeline"
-
-
-def check(pp: Pipeline, world_size: int, device: torch.device) -> None:
-    """Raises before anything changes if ``pp`` cannot run in a world of ``world_size`` on ``device``.
-
-    Raises:
-        ValueError: the world size is not a multiple of ``pp.size``.
-        NotImplementedError: another device than CPU/CUDA.
-    """
-    if device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"pipeline() runs on the cpu and cuda backends, not on {device.type}")
-    pp.data_degree(world_size)
-
-
-def world_mesh(device: torch.device, world_size: int, pp: Pipeline) -> DeviceMesh:
-    """The ``("pipe", "data")`` mesh of shape ``(size, world_size // size)``: rank ``r`` holds
-    stage ``r // d`` (``d`` the data degree) and data shard ``r % d``."""
-    fsdp.single_process_group(device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (pp.size, pp.data_degree(world_size)), mesh_dim_names=("pipe", "data"))
 
 
 def _module_path(node: torch.fx.Node) -> tuple[str, ...]:
@@ -180,9 +160,8 @@ def _check_disjoint(model: torch.nn.Module, modules: list[torch.fx.GraphModule])
                     "(a copy of its own per stage), or move the split points so one stage uses it")
 
 
-def stage_indices(pp: Pipeline, rank: int, world_size: int) -> list[int]:
-    """The stages ``rank`` runs: ``p, p + size, ...`` for its pipeline position ``p``."""
-    position = pp.stage_of(rank, world_size)
+def stage_indices(pp: Pipeline, position: int) -> list[int]:
+    """The stages the rank at pipe position ``position`` runs: ``position, position + size, ...``."""
     return list(range(position, pp.num_stages, pp.size))
 
 
@@ -206,9 +185,10 @@ def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: Iterab
             del optimizer.state[p]
 
 
-def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: Pipeline, rank: int,
-                  world_size: int, mesh: DeviceMesh) -> list[tuple[int, torch.fx.GraphModule]]:
-    """Cuts ``model``, prunes it and ``optimizer`` to this rank's stages, leaves on it the
+def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: Pipeline, mesh: Mesh,
+                  rank: int, group: Any) -> list[tuple[int, torch.fx.GraphModule]]:
+    """Cuts ``model``, prunes it and ``optimizer`` to the stages of ``rank`` (its place on
+    ``mesh``'s pipe dimension, whose process group is ``group``), leaves on it the
     ``StageLayout`` checkpoints read, and returns its stages as ``(stage index, module)`` pairs.
 
     Raises:
@@ -216,17 +196,57 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: 
     """
     modules = cut(model, pp)
     names = {id(p): n for n, p in model.named_parameters()}
-    group = mesh["pipe"].get_group()
     layout = StageLayout(
         keys=tuple(model.state_dict()),
         param_names=tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
-        group=group, ranks=tuple(dist.get_global_rank(group, i) for i in range(pp.size)),
-        data_rank=pp.data_coordinates(rank, world_size)[0])
-    mine = stage_indices(pp, rank, world_size)
+        group=group, ranks=mesh.ranks_along("pipe", rank), data_rank=mesh.data_coordinates(rank)[0])
+    mine = stage_indices(pp, mesh.coordinates(rank)["pipe"])
     prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
     setattr(model, _CUT_WITH, pp)
     setattr(model, LAYOUT_ATTRIBUTE, layout)
     return [(i, modules[i]) for i in mine]
+
+
+class Cut(ModelPhase):
+    """``pipeline()``'s model phase: the placed model cut into stages, each rank keeping its own.
+
+    Checked first (the device, a model not on the meta device and not cut before, the cut
+    itself: every error of the trace and the split points before anything changes); applied
+    after placement: rank 0's parameters and buffers broadcast (every rank starts from the
+    same model), then the model and optimizer pruned to this rank's stages (``prep.stages``).
+    """
+
+    name: ClassVar[str] = "pipeline"
+
+    def __init__(self, spec: Pipeline):
+        self.spec = spec
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Cut | None:
+        spec = prep.step.find(Pipeline)
+        return None if spec is None else cls(spec)
+
+    def check(self, prep: Preparation) -> None:
+        """Raises NotImplementedError for another device than CPU/CUDA or a model on the meta
+        device; ValueError for a model cut before, or one the split points cannot cut."""
+        if prep.hardware.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"pipeline() runs on the cpu and cuda backends, not on {prep.hardware.device.type}")
+        if any(t.is_meta for t in [*prep.state.model.parameters(), *prep.state.model.buffers()]):
+            raise NotImplementedError(
+                "pipeline() of a model built on the meta device is not built yet (each rank would fill only its "
+                "stages); build the model on the CPU: prepare cuts it and each rank keeps only its stages")
+        check_not_cut(prep.state.model)
+        cut(prep.state.model, self.spec)  # every error of the cut, before anything changes
+
+    def apply(self, prep: Preparation) -> None:
+        model, rank = prep.state.model, prep.hardware.rank
+        for tensor in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's model
+            dist.broadcast(tensor.data, src=0)
+        group = prep.mesh.group(prep.hardware.device, "pipe")
+        prep.stages = prepare_model(model, prep.state.optimizer, self.spec, prep.mesh, rank, group)
+        last_rank = prep.mesh.ranks_along("pipe", rank)[-1]
+        keep(model, prep.stages, self.spec.num_stages, group, last_rank, prep.hardware.device)
+        prep.forward_is_collective = True
 
 
 def cut_with(model: torch.nn.Module) -> Pipeline | None:

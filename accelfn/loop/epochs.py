@@ -212,7 +212,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
         state = state.replace(stopped=None)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step,
-                   copies=backend.world_size // backend.data_coordinates(step)[1])
+                   copies=backend.world_size // backend.mesh(step).data_size)
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:
