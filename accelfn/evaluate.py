@@ -13,6 +13,7 @@ from accelfn.backends.base import Backend
 from accelfn.data.batches import keyed_batches
 from accelfn.data.tree import map_tensors
 from accelfn.distributed import pipeline
+from accelfn.distributed.phases import layout
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 
@@ -117,9 +118,10 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
     distributed.sync_buffers(model, backend.collective_device)  # one model: rank 0's buffers on every rank
     cast = _input_cast(model)
     keys, outputs = [], []
-    data_rank, data_world, leads = backend.model_data_coordinates(model)  # a tensor-parallel group reads one shard
+    # the mesh it was prepared with: a tensor-parallel group, a pipeline reads one shard
+    data_rank, data_world, leads, collective = layout(model, backend.rank, backend.world_size)
     batches = keyed_batches(data, rank=data_rank, world_size=data_world)
-    if backend.forward_is_collective(model):
+    if collective:
         batches = _in_step(backend, batches)
     pipelined = pipeline.forward_of(model)  # a model cut into stages: fn calls their forward
     runs: Any = model if pipelined is None else pipelined

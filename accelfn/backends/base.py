@@ -11,9 +11,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
-import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
@@ -29,14 +28,11 @@ from accelfn.distributed import ProcessContext, fsdp, process_group
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.mesh import agreed as agreed_mesh
-from accelfn.distributed.phases import Preparation, prepared, remember
+from accelfn.distributed.phases import Preparation, remember
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, Invariant, Replicate, ShardData, WithPrecision
+from accelfn.transforms import Invariant, Replicate, ShardData, WithPrecision
 from accelfn.transforms.precision import Policy, parse_policy
-
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 class Backend(ProcessContext, abc.ABC):
     """An interpreter of Steps on one kind of hardware, and this process's place in the world.
@@ -156,8 +152,6 @@ class Backend(ProcessContext, abc.ABC):
         device has no allocator statistics (CPU: the process's RSS is reported instead)."""
         return None
 
-    # -- the generic part ----------------------------------------------------------------
-
     def check_replicate(self, replicate: Replicate) -> None:
         """Raises NotImplementedError if this backend cannot replicate as ``replicate`` asks
         (before anything is placed); every option is taken on CPU and CUDA."""
@@ -175,8 +169,8 @@ class Backend(ProcessContext, abc.ABC):
             world_size: the world to ask for (None: this process's).
         """
         world = self.world_size if world_size is None else world_size
-        prep = Preparation(self, step, state, self.precision(step), Mesh.of(step, world, min(world, self.local_world_size)),
-                           state.model)
+        mesh = Mesh.of(step, world, min(world, self.local_world_size))
+        prep = Preparation(self, step, state, self.precision(step), mesh, state.model)
         return unsupported(prep, acting(prep))
 
     def mesh(self, step: Step) -> Mesh:
@@ -189,30 +183,17 @@ class Backend(ProcessContext, abc.ABC):
         """
         return Mesh.of(step, self.world_size, self.local_world_size)
 
-    # -- the generic part ----------------------------------------------------------------
-
     def prepare(self, step: Step, state: TrainState) -> tuple[TrainState, StepFn]:
         """Places the state on this backend's device and specializes ``step`` for it.
 
         Adds the transforms ``accelfn launch`` asked for (``--precision``, ``--accumulate``,
         ``--compile``) where the program has none of their kind, builds the program's mesh,
-        then runs the model phases (``backends._phases.PHASES``): every acting phase is
-        checked before any changes anything, each transform's entry is added to
-        ``transforms_state``, and the phases apply in their fixed order::
-
-            deepspeed        a DeepSpeed engine places, partitions and wraps the model
-            place            the model to the device (cast for bf16-true)
-            pipeline         cut into stages, each rank keeping its own
-            tensor_parallel  the plan's layers split over the tensor dimension
-            shard_params     FSDP2 over the data dimensions (the optimizer pointed at the shards)
-            materialize      a model built on the meta device filled, each rank its own shards
-            invariant        rank 0's model broadcast (no DDP: the canonical sum replaces it)
-            replicate        DDP (with its comm hook) around the model the step calls
-            compile          torch.compile of the model the step calls
-
-        The step function is chosen once (``backends._phases.INTERPRETERS``): DeepSpeed's,
-        the pipeline's, invariant's, or the interpreter's; its ``step`` attribute is the
-        program it runs.
+        then runs the model phases of ``backends._phases.PHASES`` (docs/04 lists them):
+        every acting phase is checked before any changes anything, each transform's entry is
+        added to ``transforms_state``, and the phases apply in their fixed order (deepspeed,
+        place, pipeline, tensor_parallel, shard_params, materialize, invariant, replicate,
+        compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
+        ``step`` attribute is the program it runs.
 
         Args:
             step: the program.
@@ -283,7 +264,8 @@ class Backend(ProcessContext, abc.ABC):
         """
         shard = step.find(ShardData)
         if step.find(Invariant) is not None:
-            self._active = self._blocks(data, step, epoch, start)
+            self._active = blocks.epoch_blocks(data, step, rank=self.rank, world_size=self.world_size, epoch=epoch,
+                                               start=start, place=self.place)
             return self._active
         # a transform whose step pairs the ranks' collectives up at every update
         coupling = next((t for t in step.transforms if t.couples_ranks), None) if self.world_size > 1 else None
@@ -293,17 +275,8 @@ class Backend(ProcessContext, abc.ABC):
             place=self.place, sync=self._sync_ranks if shard is not None or coupling is not None else None,
         )
         if shard is None and coupling is not None:
-            self._check_same_length(self._active.num_batches, coupling.verb)
+            distributed.same_length(self._active.num_batches, coupling.verb, device=self.collective_device)
         return self._active
-
-    def _blocks(self, data: Iterable[Any], step: Step, epoch: int, start: int) -> EpochBatches:
-        """This rank's blocks of micro-batches under ``invariant()`` (``data.blocks``)."""
-        shard, accumulate = step.find(ShardData), step.find(Accumulate)
-        n = accumulate.num_micro_batches if accumulate is not None else 1
-        total = blocks.num_batches(data, world_size=self.world_size, num_micro_batches=n)  # type: ignore[arg-type]  # checked there
-        loader = blocks.block_loader(data, seed=shard.seed if shard is not None else 0, rank=self.rank,  # type: ignore[arg-type]  # as above
-                                     world_size=self.world_size, num_micro_batches=n, epoch=epoch, start=start)
-        return EpochBatches(loader, num_batches=total, start=start, place=self.place)
 
     def eval_batches(self, data: DataLoader) -> Iterator[Any]:
         """This rank's device-placed batches of ``data``, for an evaluation loop of your own.
@@ -343,42 +316,12 @@ class Backend(ProcessContext, abc.ABC):
         finally:
             self._active = previous
 
-    def _check_same_length(self, num_batches: int | None, verb: str) -> None:
-        """One collective: every rank must have the same number of batches (or all unknown)."""
-        (shortest,), (longest,) = distributed.extremes([-1 if num_batches is None else num_batches],
-                                                       device=self.collective_device)
-        if longest != shortest:
-            raise ValueError(
-                f"under {verb}() every rank must run the same number of micro-batches, but the "
-                f"ranks' data have between {shortest} and {longest} batches per epoch (-1: unknown); "
-                "add af.shard_data() to split one dataset evenly over the ranks"
-            )
-
     def reshard(self, model: torch.nn.Module) -> None:
         """Shards again the parameters a sharded model gathered in forwards without a backward
         (``shard_params(reshard_after_forward=False)`` keeps them gathered until a backward);
         nothing for a model that is not sharded. ``af.evaluate`` calls it when it ends; call
         it after running such a model's forward yourself outside training."""
-        if fsdp.is_sharded(model):
-            fsdp.reshard(model)
-
-    def forward_is_collective(self, model: torch.nn.Module) -> bool:
-        """True when every rank must run each forward of ``model`` together: ``prepare`` split or
-        sharded the parameters its forward uses over several ranks (FSDP2's all-gathers, tensor
-        parallelism's all-reduces, a pipeline's stages, DeepSpeed's ZeRO-3 gathers)."""
-        record = prepared(model)
-        return self.world_size > 1 and record is not None and record.forward_is_collective
-
-    def model_data_coordinates(self, model: torch.nn.Module) -> tuple[int, int, bool]:
-        """``(data rank, data world size, leads)`` for running ``model`` outside a Step
-        (``af.evaluate``), from the mesh of the program ``prepare`` last prepared it with: the
-        ranks of one pipeline or tensor-parallel group read the same data and only the first of
-        them (``leads``) reports the outputs; a model never prepared: ``(rank, world_size, True)``.
-        """
-        record = prepared(model)
-        if record is None:
-            return self.rank, self.world_size, True
-        return (*record.mesh.data_coordinates(self.rank), record.mesh.leads(self.rank))
+        fsdp.reshard(model)
 
     def user_code(self, what: str) -> contextlib.AbstractContextManager[None]:
         """The context ``af.run`` and ``af.evaluate`` run the user's code in (loss, hooks,
@@ -441,29 +384,9 @@ class Backend(ProcessContext, abc.ABC):
         return self._placer(batch)
 
     def _sync_ranks(self, it: Iterator[Any], *, replays: bool = False) -> Iterator[Any]:
-        return even_out(it, functools.partial(distributed.any_rank, device=self.collective_device),
-                        self._first_item, replays=replays)
-
-    def _first_item(self, item: Any, present: bool) -> tuple[bool, Any]:
-        """The first round of ``lockstep``: whether any rank has an item, and the item this
-        rank starts from: its own, or, when it has none, the lowest such rank's (a copy)."""
-        (lowest,), (highest,) = distributed.extremes([int(present)], device=self.collective_device)
-        if not highest or lowest:  # nobody has one, or everybody does: one all-reduce
-            return bool(highest), item
-        src = distributed.exchange(present, device=self.collective_device).index(True)
-        payload, message = None, None
-        if self.rank == src:
-            try:
-                payload = map_tensors(lambda t: t.detach().cpu(), item)
-                pickle.dumps(payload)
-            except Exception as e:  # noqa: BLE001  # told to every rank below
-                message = (f"rank {src}'s first item must be sent to the ranks that have none, but it cannot be "
-                           f"pickled ({type(e).__name__}: {e}); give every rank at least one item")
-        failed = distributed.failures(message, device=self.collective_device)
-        if failed:
-            raise RuntimeError(failed[0])
-        sent = distributed.broadcast_object(payload, src)
-        return True, item if present else sent
+        device = self.collective_device
+        return even_out(it, functools.partial(distributed.any_rank, device=device),
+                        functools.partial(distributed.first_item, rank=self.rank, device=device), replays=replays)
 
     @property
     def collective_device(self) -> torch.device:

@@ -9,7 +9,9 @@ from accelfn.distributed.agreement import (
     arrive,
     extremes,
     failures,
+    first_item,
     outcome_of_rank_0,
+    same_length,
 )
 from accelfn.distributed.canonical import canonical_all_reduce
 from accelfn.distributed.context import ProcessContext
@@ -37,6 +39,6 @@ __all__ = [
     "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
     "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather",
     "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce",
-    "split_between_processes", "sync_buffers", "world_size",
+    "same_length", "first_item", "split_between_processes", "sync_buffers", "world_size",
     "canonical_all_reduce",
 ]

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn.distributed import is_dtensor
+from accelfn.distributed.ops import mark_replicas
 from accelfn.distributed.phases import ModelPhase
 from accelfn.distributed.process_group import leave_at_exit
 from accelfn.transforms import ShardParams
@@ -391,6 +392,8 @@ class Shard(ModelPhase):
     def apply(self, prep: Preparation) -> None:
         model, spec = prep.state.model, self.spec
         assert spec is not None
+        if prep.hardware.world_size > 1:
+            mark_replicas(model)  # one model: its buffers are rank 0's where it is read
         if self.sharded:
             refresh_precision(model)  # requires_grad may have changed since (pytorch#186998)
             prep.forward_is_collective = prep.mesh.shard > 1

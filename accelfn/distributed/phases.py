@@ -117,15 +117,27 @@ class ModelPhase:
 @attrs.frozen
 class Prepared:
     """What ``prepare`` leaves on a model it prepared: the mesh of its program, and whether
-    its forward is a collective (``af.evaluate`` and ``backend.forward_is_collective`` read it).
+    its forward is a collective (``af.evaluate`` reads it, to run the model outside a Step).
 
     Attributes:
         mesh: the program's mesh.
-        forward_is_collective: every rank must run each forward together.
+        forward_is_collective: every rank must run each forward together (FSDP2's all-gathers,
+            tensor parallelism's all-reduces, a pipeline's stages, DeepSpeed's ZeRO-3 gathers).
     """
 
     mesh: Mesh
     forward_is_collective: bool
+
+
+def layout(model: torch.nn.Module, rank: int, world_size: int) -> tuple[int, int, bool, bool]:
+    """``(data rank, data world size, leads, forward is collective)`` of ``model`` at ``rank``,
+    from the mesh of the program ``prepare`` last prepared it with: the ranks of one pipeline or
+    tensor-parallel group read the same data and only the first of them (``leads``) reports;
+    a model never prepared: ``(rank, world_size, True, False)``."""
+    record = prepared(model)
+    if record is None:
+        return rank, world_size, True, False
+    return (*record.mesh.data_coordinates(rank), record.mesh.leads(rank), world_size > 1 and record.forward_is_collective)
 
 
 def prepared(model: torch.nn.Module) -> Prepared | None:
