@@ -376,7 +376,8 @@ class Backend(ProcessContext, abc.ABC):
         if optimizer.state:  # re-cast existing moments to the parameters' device and dtype
             optimizer.load_state_dict(optimizer.state_dict())
 
-    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0) -> EpochBatches:
+    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0,
+                data_state: Any = None) -> EpochBatches:
         """This rank's device-placed micro-batches of ``epoch``, as ``(batch, is_last)`` pairs.
 
         Args:
@@ -384,6 +385,9 @@ class Backend(ProcessContext, abc.ABC):
             step: the program (its ``shard_data``, if any, shards the data).
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
+            data_state: a stream's readers' saved state at ``start`` (``TrainState.data_state``),
+                from which the epoch continues instead of reading those micro-batches again;
+                the returned iterable's ``readers`` hold the state as the epoch goes on.
 
         The backend remembers the iterable it returns last (the one piece of state it keeps
         between calls): ``gather_for_metrics`` reads its position to drop the padding of an
@@ -410,6 +414,7 @@ class Backend(ProcessContext, abc.ABC):
         self._active = epoch_batches(
             data, shard, rank=data_rank, world_size=data_world, epoch=epoch, start=start,
             place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
+            data_state=data_state,
         )
         if shard is None and parallel is not None:
             self._check_same_length(self._active.num_batches, parallel.verb)

@@ -1,0 +1,56 @@
+"""Pooled scenarios of tests/data/test_streams_ranks.py: streams under shard_data() + replicate() on
+every rank of a real 2- or 3-process world (tests/helpers/streams.py's items and read logs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+import accelfn as af
+from tests.helpers import streams as S
+
+STREAMS = {"hf4": lambda log: S.hf_stream(4), "hf1": lambda log: S.hf_stream(1), "stream": lambda log: S.Stream(),
+           "stateful": lambda log: S.StatefulStream(log=str(log))}
+
+
+def _loader(kind: str, log: Path, workers: int) -> DataLoader:
+    log.mkdir(parents=True, exist_ok=True)
+    return DataLoader(STREAMS[kind](log), batch_size=S.BATCH, num_workers=workers, collate_fn=S.Collate(log))
+
+
+def read_once(out: str, kinds: list[str], workers: list[int]) -> dict[str, list[list[int]]]:
+    """Epoch 0 of each stream kind with each number of workers, as ``run`` reads it on this rank
+    (``backend.batches``: ranks kept in step); the reads are logged under ``out/KIND-WORKERS``.
+    Returns this rank's batches' ids per ``KIND-WORKERS``."""
+    backend = af.backends.auto()
+    step = af.compose(af.shard_data(), af.replicate())(af.train_step(S.loss_fn([])))
+    return {f"{kind}-{w}": [batch["id"].tolist() for batch, _ in
+                            backend.batches(_loader(kind, Path(out) / f"{kind}-{w}", w), step, 0)]
+            for kind in kinds for w in workers}
+
+
+def resume(out: str, kind: str, workers: int, stop: int) -> dict[str, Any]:
+    """One epoch uninterrupted; then ``stop`` updates with a checkpoint there
+    (``Checkpoints`` + ``max_steps``), and a fresh state resumed from it (``resume="auto"``).
+    Reads are logged under ``out/whole``, ``out/part`` and ``out/rest``. Returns this rank's
+    ids the step saw in each run and whether the parameters are bitwise those of the
+    uninterrupted run."""
+    backend = af.backends.auto()
+    root = Path(out)
+
+    def train(name: str, **options: Any) -> tuple[list[int], af.TrainState]:
+        seen: list[int] = []
+        step = af.compose(af.shard_data(), af.replicate())(af.train_step(S.loss_fn(seen)))
+        state = af.run(step, S.fresh_state(), _loader(kind, root / name, workers), backend=backend, epochs=1,
+                       progress=False, **options)
+        return seen, state
+
+    whole, uninterrupted = train("whole")
+    part, _ = train("part", checkpoints=af.Checkpoints(root / "ckpt", every_steps=stop), max_steps=stop)
+    rest, resumed = train("rest", checkpoints=af.Checkpoints(root / "ckpt", every_steps=1000), resume="auto")
+    return {"whole": whole, "part": part, "rest": rest,
+            "same": all(torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(),
+                                                           resumed.model.parameters()))}
