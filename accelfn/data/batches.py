@@ -14,7 +14,7 @@ import itertools
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
 import torch
@@ -203,7 +203,7 @@ class EpochBatches:
             raise TypeError("the number of batches of this data is not known in advance")
         return max(self.num_batches - self.start, 0)
 
-    def __iter__(self) -> Iterator[tuple[Any, bool]]:
+    def __iter__(self) -> Generator[tuple[Any, bool], None, None]:
         it: Iterator[Any] = start_iterating(self._source)
         if self._sync is not None:
             it = self._sync(it)

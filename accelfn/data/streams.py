@@ -41,7 +41,7 @@ import itertools
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -145,8 +145,13 @@ def hf_part(dataset: Any, *, rank: int, world_size: int, epoch: int, num_workers
     part = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
     part.set_epoch(epoch)
     if rank == 0:
-        _warn_hf_rule(dataset.num_shards, part.num_shards, world_size, num_workers)
+        _warn_hf_rule(_num_shards(dataset), _num_shards(part), world_size, num_workers)
     return part
+
+
+def _num_shards(dataset: Any) -> int:
+    """A ``datasets.IterableDataset``'s shards (``num_shards``; ``n_shards`` before datasets 3.x's rename)."""
+    return int(getattr(dataset, "num_shards", None) or dataset.n_shards)
 
 
 def _warn_hf_rule(shards: int, per_process: int, world_size: int, num_workers: int) -> None:
@@ -314,7 +319,7 @@ def epoch_stream(loader: DataLoader, *, seed: int, rank: int, world_size: int, e
     if is_hf_stream(dataset):
         reader: Any = hf_part(dataset, rank=rank, world_size=world_size, epoch=epoch, num_workers=workers)
     else:
-        reader = ShardedIterable(dataset, rank=rank, world_size=world_size)
+        reader = ShardedIterable(cast(Iterable[Any], dataset), rank=rank, world_size=world_size)
     generator = worker_generator(seed, epoch, rank)
     expected = header("shard_data", world_size=world_size, rank=rank, num_workers=workers, epoch=epoch)
     saved, reason = usable_state(data_state, expected) if start else (None, None)

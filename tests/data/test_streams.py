@@ -234,3 +234,24 @@ def test_a_readers_state_that_is_not_json_and_tensors_is_refused_at_the_save(tmp
     with pytest.raises(TypeError, match=r"cannot save 'data_state\.state\.dataset\.cursor'.*never pickled"):
         af.save(state, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_run_called_again_continues_the_stream_of_the_live_state(tmp_path: Path, workers: int) -> None:
+    """A run stopped by max_steps keeps its readers in the state (data_state): run again on the
+    same state, it continues the stream from them (no save in between), reading nothing again."""
+    if workers:
+        S.torchdata_loader()
+    whole_log, log = tmp_path / "whole", tmp_path / "log"
+    whole_log.mkdir(), log.mkdir()
+    whole, _, _ = _run(_loader("hf", whole_log, workers=workers))
+    seen: list[int] = []
+    step = af.shard_data()(af.train_step(S.loss_fn(seen)))
+    loader = _loader("hf", log, workers=workers)
+    state = af.run(step, S.fresh_state(), loader, backend=CPU, epochs=1, max_steps=5, progress=False)
+    assert isinstance(state.data_state, af.data.Readers)
+    consumed = list(seen)
+    S.clear(log)
+    state = af.run(step, state, loader, backend=CPU, epochs=1, progress=False)
+    assert seen == whole and state.data_state is None
+    assert sorted(S.logged(log)) == sorted(whole[len(consumed):])

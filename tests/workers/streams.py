@@ -21,15 +21,15 @@ def _loader(kind: str, log: Path, workers: int) -> DataLoader:
     return DataLoader(STREAMS[kind](log), batch_size=S.BATCH, num_workers=workers, collate_fn=S.Collate(log))
 
 
-def read_once(out: str, kinds: list[str], workers: list[int]) -> dict[str, list[list[int]]]:
-    """Epoch 0 of each stream kind with each number of workers, as ``run`` reads it on this rank
+def read_once(out: str, configs: list[tuple[str, int]]) -> dict[str, list[list[int]]]:
+    """Epoch 0 of each ``(stream kind, workers)``, as ``run`` reads it on this rank
     (``backend.batches``: ranks kept in step); the reads are logged under ``out/KIND-WORKERS``.
     Returns this rank's batches' ids per ``KIND-WORKERS``."""
     backend = af.backends.auto()
     step = af.compose(af.shard_data(), af.replicate())(af.train_step(S.loss_fn([])))
     return {f"{kind}-{w}": [batch["id"].tolist() for batch, _ in
                             backend.batches(_loader(kind, Path(out) / f"{kind}-{w}", w), step, 0)]
-            for kind in kinds for w in workers}
+            for kind, w in configs}
 
 
 def resume(out: str, kind: str, workers: int, stop: int) -> dict[str, Any]:
