@@ -386,8 +386,7 @@ class Backend(ProcessContext, abc.ABC):
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
             data_state: a stream's readers' saved state at ``start`` (``TrainState.data_state``),
-                from which the epoch continues instead of reading those micro-batches again;
-                the returned iterable's ``readers`` hold the state as the epoch goes on.
+                continued from instead of reading those micro-batches again (``data.streams``).
 
         The backend remembers the iterable it returns last (the one piece of state it keeps
         between calls): ``gather_for_metrics`` reads its position to drop the padding of an
@@ -413,9 +412,7 @@ class Backend(ProcessContext, abc.ABC):
         data_rank, data_world = self.data_coordinates(step)
         self._active = epoch_batches(
             data, shard, rank=data_rank, world_size=data_world, epoch=epoch, start=start,
-            place=self.place, sync=self._sync_ranks if shard is not None or replicated else None,
-            data_state=data_state,
-        )
+            place=self.place, sync=self._sync_ranks if shard is not None or replicated else None, data_state=data_state)
         if shard is None and parallel is not None:
             self._check_same_length(self._active.num_batches, parallel.verb)
         return self._active
