@@ -25,7 +25,9 @@ position in the stream with its dataset's ``state_dict()`` when it has one); wit
 torchdata's ``StatefulDataLoader`` (which reads the epoch then) and its ``state_dict()``,
 its workers' dataset states taken with each batch. A resumed epoch loads that state into
 the rebuilt readers and continues where they stopped; it reads no item again, but for a
-dataset without ``state_dict()``, whose items before the position are read and skipped.
+dataset without ``state_dict()``, whose items before the position are read and skipped
+(``datasets`` itself resumes inside its current shard as its ``state_dict()`` says, reading
+a generator's or a file's shard from its start up to the saved example).
 Without torchdata, a stream read by workers has no state to save: a resumed epoch reads
 its first batches again and skips them (a RuntimeWarning says so).
 

@@ -60,21 +60,23 @@ def test_every_item_is_read_once_per_epoch_on_every_world_size(read: Any, kind: 
     assert sorted(real) == list(range(S.N))
 
 
-@pytest.mark.parametrize(("world_size", "kind", "workers"),
-                         [(2, "hf4", 2), (2, "stateful", 2), (3, "hf1", 0)])
+@pytest.mark.parametrize(("world_size", "kind", "workers", "parallel"),
+                         [(2, "hf4", 2, "replicate"), (2, "stateful", 2, "replicate"), (3, "hf1", 0, "replicate"),
+                          (2, "hf4", 0, "shard_params")])
 def test_a_run_resumed_from_its_checkpoint_reads_the_uninterrupted_batches(
-        pool: Pools, tmp_path: Path, world_size: int, kind: str, workers: int) -> None:
+        pool: Pools, tmp_path: Path, world_size: int, kind: str, workers: int, parallel: str) -> None:
     """Stopped after 3 updates with a checkpoint (Checkpoints + max_steps) and resumed by a fresh
-    state (resume="auto"): on every rank the step sees exactly the batches the uninterrupted run
-    sees after its 3rd, the parameters are bitwise the same, and the resumed readers collate
-    only items not consumed before the stop (at most one batch per reader again; here none)."""
+    state (resume="auto"), also from a sharded checkpoint (shard_params): on every rank the
+    step sees exactly the batches the uninterrupted run sees after its 3rd, the parameters
+    are bitwise the same, and the resumed readers collate only items not consumed before the
+    stop (at most one batch per reader again; here none)."""
     S.datasets_module()
     S.torchdata_loader()
     ranks = pool.call(*_pool(world_size), function="streams:resume", out=str(tmp_path), kind=kind, workers=workers,
-                      stop=3, timeout_s=240)
+                      stop=3, parallel=parallel, timeout_s=240)
     for rank in ranks:
         assert rank["part"] == rank["whole"][:3 * S.BATCH] and rank["rest"] == rank["whole"][3 * S.BATCH:]
-        assert rank["same"]
+        assert rank["same"] and rank["sharded"] == (parallel == "shard_params")
     consumed = Counter(i for rank in ranks for i in rank["part"])
     reads = S.logged(tmp_path / "rest")
     reread = Counter(reads) & consumed

@@ -32,9 +32,10 @@ def read_once(out: str, configs: list[tuple[str, int]]) -> dict[str, list[list[i
             for kind, w in configs}
 
 
-def resume(out: str, kind: str, workers: int, stop: int) -> dict[str, Any]:
+def resume(out: str, kind: str, workers: int, stop: int, parallel: str = "replicate") -> dict[str, Any]:
     """One epoch uninterrupted; then ``stop`` updates with a checkpoint there
-    (``Checkpoints`` + ``max_steps``), and a fresh state resumed from it (``resume="auto"``).
+    (``Checkpoints`` + ``max_steps``), and a fresh state resumed from it (``resume="auto"``),
+    under ``replicate()`` or ``shard_params()`` (a sharded checkpoint).
     Reads are logged under ``out/whole``, ``out/part`` and ``out/rest``. Returns this rank's
     ids the step saw in each run and whether the parameters are bitwise those of the
     uninterrupted run."""
@@ -43,7 +44,8 @@ def resume(out: str, kind: str, workers: int, stop: int) -> dict[str, Any]:
 
     def train(name: str, **options: Any) -> tuple[list[int], af.TrainState]:
         seen: list[int] = []
-        step = af.compose(af.shard_data(), af.replicate())(af.train_step(S.loss_fn(seen)))
+        shards = af.replicate() if parallel == "replicate" else af.shard_params()
+        step = af.compose(af.shard_data(), shards)(af.train_step(S.loss_fn(seen)))
         state = af.run(step, S.fresh_state(), _loader(kind, root / name, workers), backend=backend, epochs=1,
                        progress=False, **options)
         return seen, state
@@ -51,6 +53,7 @@ def resume(out: str, kind: str, workers: int, stop: int) -> dict[str, Any]:
     whole, uninterrupted = train("whole")
     part, _ = train("part", checkpoints=af.Checkpoints(root / "ckpt", every_steps=stop), max_steps=stop)
     rest, resumed = train("rest", checkpoints=af.Checkpoints(root / "ckpt", every_steps=1000), resume="auto")
-    return {"whole": whole, "part": part, "rest": rest,
-            "same": all(torch.equal(a, b) for a, b in zip(uninterrupted.model.parameters(),
-                                                           resumed.model.parameters()))}
+    return {"whole": whole, "part": part, "rest": rest, "sharded": (root / "ckpt" / f"step_{stop:08d}" / "dcp").is_dir(),
+            "same": all(torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a,
+                                    b.full_tensor() if hasattr(b, "full_tensor") else b)
+                        for a, b in zip(uninterrupted.model.parameters(), resumed.model.parameters()))}
