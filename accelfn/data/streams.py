@@ -27,7 +27,9 @@ its workers' dataset states taken with each batch. A resumed epoch loads that st
 the rebuilt readers and continues where they stopped; it reads no item again, but for a
 dataset without ``state_dict()``, whose items before the position are read and skipped
 (``datasets`` itself resumes inside its current shard as its ``state_dict()`` says, reading
-a generator's or a file's shard from its start up to the saved example).
+a generator's or a file's shard from its start up to the saved example). A ``datasets``
+stream shuffled through a buffer (``.shuffle()``) resumes by reading again instead: its
+``state_dict()`` does not keep the buffer, whose examples would be lost.
 Without torchdata, a stream read by workers has no state to save: a resumed epoch reads
 its first batches again and skips them (a RuntimeWarning says so).
 
@@ -262,16 +264,18 @@ def header(reader: str, *, world_size: int, rank: int, num_workers: int, epoch: 
 def usable_state(data_state: Any, expected: Mapping[str, Any]) -> tuple[Any, str | None]:
     """The saved readers' state of ``data_state`` (``TrainState.data_state``: None, a saved
     mapping or live :class:`Readers`) if it belongs to the readers ``expected`` describes,
-    and otherwise None with the reason (None when there is nothing saved)."""
+    and otherwise None with the reason."""
     if data_state is None:
-        return None, "the checkpoint holds no state of the stream's readers"
+        return None, ("the checkpoint holds no state of the stream's readers (written without shard_data(), or by "
+                      "an accelfn before it)")
     saved = data_state if isinstance(data_state, Mapping) else data_state.state_dict()
     if not isinstance(saved, Mapping) or "state" not in saved:
         return None, "the checkpoint's data_state is not a readers' state"
     differ = [f"{key} {saved.get(key)!r} in the checkpoint, {expected[key]!r} here"
               for key in _HEADER if saved.get(key) != expected[key]]
     if differ:
-        return None, f"the checkpoint's readers differ ({'; '.join(differ)})"
+        return None, (f"the checkpoint's readers differ ({'; '.join(differ)}): their state applies to the same "
+                      "processes and DataLoader workers only, and other readers read the stream in another order")
     return saved["state"], None
 
 
@@ -279,10 +283,24 @@ def warn_replay(batches: int, epoch: int, reason: str) -> None:
     """The RuntimeWarning of a resumed stream that reads its first ``batches`` again."""
     warnings.warn(
         f"resuming epoch {epoch} of a stream at micro-batch {batches} by reading its first {batches} batches again "
-        f"and skipping them: {reason}. With the same number of processes and DataLoader workers (and torchdata "
-        "installed, for workers: pip install 'accelfn[streaming]'), a checkpoint of shard_data()'s stream holds "
-        "its readers' state and the resumed epoch continues from it",
+        f"and skipping them: {reason}",
         RuntimeWarning, stacklevel=4)
+
+
+def _buffer_shuffled(dataset: Any) -> bool:
+    """True if a ``datasets.IterableDataset`` shuffles through a buffer (``.shuffle()``), whose
+    examples its ``state_dict()`` does not keep: a resume from it would lose them (datasets'
+    documented limit). Read from its chain of example iterables (``ex_iterable(s)``)."""
+    pending = [getattr(dataset, "_ex_iterable", None)]
+    while pending:
+        ex = pending.pop()
+        if ex is None:
+            continue
+        if type(ex).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        pending.append(getattr(ex, "ex_iterable", None))
+        pending.extend(getattr(ex, "ex_iterables", None) or ())
+    return False
 
 
 def _loader_state(it: Iterator[Any]) -> Any:
@@ -325,6 +343,9 @@ def epoch_stream(loader: DataLoader, *, seed: int, rank: int, world_size: int, e
     generator = worker_generator(seed, epoch, rank)
     expected = header("shard_data", world_size=world_size, rank=rank, num_workers=workers, epoch=epoch)
     saved, reason = usable_state(data_state, expected) if start else (None, None)
+    if saved is not None and is_hf_stream(dataset) and _buffer_shuffled(dataset):
+        saved, reason = None, ("datasets does not save the examples in an IterableDataset.shuffle() buffer, which a "
+                               "resume from its state_dict() would lose (and the same seed gives the same order again)")
     if workers == 0:
         if saved is not None:
             reader.load_state_dict(saved)
@@ -337,7 +358,7 @@ def epoch_stream(loader: DataLoader, *, seed: int, rank: int, world_size: int, e
         if stateful is None:
             if start and rank == 0:
                 warn_replay(start, epoch, f"its {workers} DataLoader workers' state can be saved only with torchdata "
-                                          "installed")
+                                          "installed (pip install 'accelfn[streaming]')")
             return _Skipping(rebuild(loader, dataset=reader, generator=generator), start)
         with warnings.catch_warnings():  # torchdata's own call of a deprecated torch API, nothing to act on
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)

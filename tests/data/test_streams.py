@@ -27,7 +27,8 @@ CPU = af.backends.CPU(af.backends.LaunchEnv())
 
 def _loader(kind: str, log: Path, *, workers: int, shards: int = 4, cls: type[DataLoader] = DataLoader,
             **options: Any) -> DataLoader:
-    dataset: Any = {"hf": lambda: S.hf_stream(shards), "stream": S.Stream, "stateful": lambda: S.StatefulStream(log=str(log)),
+    dataset: Any = {"hf": lambda: S.hf_stream(shards), "stream": S.Stream,
+                    "hf_shuffled": lambda: S.hf_stream(shards).shuffle(seed=1, buffer_size=8), "stateful": lambda: S.StatefulStream(log=str(log)),
                     "items": S.Items}[kind]()
     return cls(dataset, batch_size=S.BATCH, num_workers=workers, collate_fn=S.Collate(log), **options)
 
@@ -255,3 +256,16 @@ def test_run_called_again_continues_the_stream_of_the_live_state(tmp_path: Path,
     state = af.run(step, state, loader, backend=CPU, epochs=1, progress=False)
     assert seen == whole and state.data_state is None
     assert sorted(S.logged(log)) == sorted(whole[len(consumed):])
+
+
+def test_a_shuffled_datasets_stream_resumes_by_reading_again(tmp_path: Path) -> None:
+    """datasets' state_dict() does not keep an IterableDataset.shuffle() buffer (a resume from it
+    loses those examples), so a shuffled stream resumes by reading its first batches again: the
+    same seed gives the same order, the run is exact, and a RuntimeWarning says why."""
+    whole_log, log = tmp_path / "whole", tmp_path / "log"
+    whole_log.mkdir(), log.mkdir()
+    whole, _, uninterrupted = _run(_loader("hf_shuffled", whole_log, workers=0))
+    assert sorted(whole) == list(range(S.N)) and whole != list(range(S.N))
+    with pytest.warns(RuntimeWarning, match=r"IterableDataset\.shuffle\(\) buffer"):
+        before, after, resumed = _run(_loader("hf_shuffled", log, workers=0), stop=5, path=tmp_path / "ckpt", log=log)
+    assert before + after == whole and torch.equal(resumed.model.weight, uninterrupted.model.weight)
