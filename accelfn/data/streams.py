@@ -41,6 +41,7 @@ is saved.
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import sys
 import warnings
@@ -76,8 +77,10 @@ class ShardedIterable(IterableDataset):
         self._start: Mapping[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self._position,
-                "dataset": self.dataset.state_dict() if self.stateful else None}  # type: ignore[attr-defined]  # checked
+        # a copy: a dataset may hand out the dict it goes on updating, and this state is kept
+        # while the stream is read on (a batch ahead)
+        inner = copy.deepcopy(self.dataset.state_dict()) if self.stateful else None  # type: ignore[attr-defined]  # checked
+        return {"position": self._position, "dataset": inner}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._start = state_dict
@@ -391,4 +394,11 @@ def own_loader(loader: DataLoader, *, rank: int, world_size: int, epoch: int, st
         return None
     if saved is not None:
         loader.load_state_dict(saved)  # type: ignore[attr-defined]  # a StatefulDataLoader
-    return Readers(loader, _loader_state, expected, initial=saved, ahead=ahead)
+    # without workers, its state holds the dataset's own state_dict(), which may be the dict
+    # the dataset goes on updating: copied, since it is kept while the loader reads ahead
+    state_of = _loader_state if loader.num_workers or not ahead else _copied_loader_state
+    return Readers(loader, state_of, expected, initial=saved, ahead=ahead)
+
+
+def _copied_loader_state(it: Iterator[Any]) -> Any:
+    return copy.deepcopy(_loader_state(it))

@@ -269,3 +269,33 @@ def test_a_shuffled_datasets_stream_resumes_by_reading_again(tmp_path: Path) -> 
     with pytest.warns(RuntimeWarning, match=r"IterableDataset\.shuffle\(\) buffer"):
         before, after, resumed = _run(_loader("hf_shuffled", log, workers=0), stop=5, path=tmp_path / "ckpt", log=log)
     assert before + after == whole and torch.equal(resumed.model.weight, uninterrupted.model.weight)
+
+
+class _LiveState(S.StatefulStream):
+    """A stream whose state_dict() hands out the very dict its iterator goes on updating."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = {"next": 0}
+
+    def state_dict(self) -> dict[str, int]:
+        return self.live
+
+    def __iter__(self) -> Any:
+        for item in super().__iter__():
+            self.live["next"] = self.next
+            yield item
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_a_state_dict_that_goes_on_changing_is_saved_as_it_was(tmp_path: Path, shard: bool) -> None:
+    """A dataset whose state_dict() returns a dict it keeps updating: the state kept for the
+    batches consumed is a copy, not the live dict a batch ahead, so the resume skips nothing
+    (under shard_data, and in a StatefulDataLoader of one's own)."""
+    loader_class = S.torchdata_loader() if not shard else DataLoader
+    whole_log, log = tmp_path / "whole", tmp_path / "log"
+    whole_log.mkdir(), log.mkdir()
+    whole, _, _ = _run(loader_class(_LiveState(), batch_size=S.BATCH, collate_fn=S.Collate(whole_log)), shard=shard)
+    before, after, _ = _run(loader_class(_LiveState(), batch_size=S.BATCH, collate_fn=S.Collate(log)), shard=shard,
+                            stop=5, path=tmp_path / "ckpt", log=log)
+    assert before + after == whole == list(range(S.N))
