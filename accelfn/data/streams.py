@@ -386,11 +386,13 @@ def own_loader(loader: DataLoader, *, rank: int, world_size: int, epoch: int, st
     :class:`Readers` of its own ``state_dict()``: from the start of the epoch, or resumed at
     ``start`` from ``data_state`` when that is its saved state (loaded with its
     ``load_state_dict``). None when it is resumed without such a state (the caller reads
-    its first ``start`` batches again). ``ahead``: the epoch is read a batch ahead (data of
-    unknown length)."""
+    its first ``start`` batches again; a RuntimeWarning on rank 0 says why). ``ahead``: the
+    epoch is read a batch ahead (data of unknown length)."""
     expected = header("loader", world_size=world_size, rank=rank, num_workers=loader.num_workers, epoch=epoch)
-    saved, _ = usable_state(data_state, expected) if start else (None, None)
+    saved, reason = usable_state(data_state, expected) if start else (None, None)
     if start and saved is None:
+        if rank == 0:
+            warn_replay(start, epoch, reason or "")
         return None
     if saved is not None:
         loader.load_state_dict(saved)  # type: ignore[attr-defined]  # a StatefulDataLoader
