@@ -313,14 +313,19 @@ def _test(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``accelfn`` argument parser (its ``--help`` documents every flag)."""
+    # allow_abbrev=False everywhere: an argument after SCRIPT that starts like a flag of ours
+    # (`--n`, `--timeout`, `--master`) is the script's, never an abbreviation to expand or an
+    # "ambiguous option" error (argparse classifies every argument before the script's REMAINDER
+    # takes them); ours are spelled out in full
     parser = argparse.ArgumentParser(
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,plan,config,env,test}")
 
     launch = commands.add_parser(
-        "launch", help="run a script on N processes per node (drives torch.distributed.run)",
+        "launch", allow_abbrev=False, help="run a script on N processes per node (drives torch.distributed.run)",
         description="Runs SCRIPT on --nproc-per-node processes on each of --nnodes nodes through "
         "torch.distributed.run (torchrun). Workers get RANK, LOCAL_RANK, WORLD_SIZE, "
         "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and ACCELFN_BACKEND, ACCELFN_PRECISION, "
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=_launch, parser=launch)
 
     plan = commands.add_parser(
-        "plan", help="print what a launch would do, hold and break on, training nothing (af.plan)",
+        "plan", allow_abbrev=False, help="print what a launch would do, hold and break on, training nothing (af.plan)",
         description="Runs SCRIPT unchanged in one process that stands for the launch's "
         "--nproc-per-node x --nnodes processes: af.run prints af.plan(...) for that world size "
         "(updates, samples per rank, memory per rank, collectives per update, misconfigurations) "
@@ -363,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan, parser=plan)
 
     config = commands.add_parser(
-        "config", help="write a YAML launch config for `accelfn launch`",
+        "config", allow_abbrev=False, help="write a YAML launch config for `accelfn launch`",
         description="Writes a launch config: the flags given, the defaults for the rest (or, with "
         "--interactive, answers read from standard input).",
     )
@@ -378,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(run=_write_config, parser=config)
 
     env = commands.add_parser(
-        "env", help="print versions, devices, backends and the launch config (for bug reports)",
+        "env", allow_abbrev=False, help="print versions, devices, backends and the launch config (for bug reports)",
         description="Prints accelfn, torch, Python and platform versions, devices, which "
         "distributed backends this installation can use, the launch environment and the "
         "active launch config.",
@@ -389,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(run=_report, parser=env)
 
     test = commands.add_parser(
-        "test", help="check this machine end to end: training, backends, precisions, checkpoints, collectives",
+        "test", allow_abbrev=False, help="check this machine end to end: training, backends, precisions, checkpoints, collectives",
         description="Trains a tiny model on 1 process and on --nproc-per-node processes (2 when the "
         "config says 1) with the launch config in effect, and prints one line per check: PASS, FAIL or "
         "SKIP. Checks: shard_data + replicate + accumulate + clip equals 1 process on the whole batch; "
