@@ -95,13 +95,14 @@ def test_script_options_that_start_like_a_launcher_flag_are_the_scripts() -> Non
     `--shard`, `--master`, ...), alone, with a value or with `=value`, reaches the script
     unchanged: no abbreviation is expanded, no "ambiguous option" error stops the command."""
     assert _script_commands() == ["launch", "plan"]
+    parser = cli.build_parser()
     for command in _script_commands():
         flags = {o for a in _subparser(command)._actions for o in a.option_strings}  # noqa: SLF001
         prefixes = sorted({flag[:n] for flag in flags for n in range(2, len(flag) + 1)} - {"--"})
         assert {"--n", "--timeout", "--shard", "--master", "--nproc", "-m"} <= set(prefixes)
         for prefix in prefixes:
             for script_args in ([prefix], [prefix, "7"], [f"{prefix}=7"], ["--lr", "3", prefix]):
-                args = cli.build_parser().parse_args([command, "--nproc-per-node", "2", "t.py", *script_args])
+                args = parser.parse_args([command, "--nproc-per-node", "2", "t.py", *script_args])
                 assert (args.command, args.script, args.nproc_per_node) == (command, "t.py", 2)
                 assert args.script_args == script_args, (command, script_args)
 
