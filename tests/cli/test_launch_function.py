@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tests.helpers import launched
 from tests.helpers import programs as P
 
 pytestmark = pytest.mark.multiprocess
+DOUBLE = lambda x: 2 * x  # noqa: E731 (a lambda defined in a file: spawned workers cannot import it by name)
 
 
 def test_a_function_trains_on_two_spawned_processes_and_rank_0s_result_comes_back():
@@ -76,3 +79,52 @@ def test_bad_arguments_are_refused_before_any_process_starts():
         af.launch(launched.loader_length, 4, start_method="thread")
     with pytest.raises(ValueError, match="nproc_per_node=0: must be >= 1"):
         af.launch(launched.loader_length, 4, nproc_per_node=0)
+
+
+def test_what_spawned_workers_cannot_receive_is_refused_by_name_before_any_starts():
+    """A lambda, a nested function, or an argument that cannot be pickled gets a TypeError that
+    names it and the fix (not pickle's raw error from inside torch's agent), at once."""
+    def nested() -> int:
+        return 1
+
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=r"launch\(...\): fn \(<lambda>\) cannot be sent to the spawned workers: "
+                                        r"PicklingError: .*Define '<lambda>' with `def` at the top level"):
+        af.launch(DOUBLE, 3, nproc_per_node=2, start_method="spawn")
+    with pytest.raises(TypeError, match=r"fn \(.*nested\) cannot be sent .*start_method=\"fork\""):
+        af.launch(nested, start_method="forkserver")
+    with pytest.raises(TypeError, match=r"launch\(...\): argument 1 \(lock\) cannot be sent to the spawned "
+                                        r"workers: TypeError: cannot pickle '_thread.lock' object"):
+        af.launch(launched.loader_length, 4, threading.Lock(), start_method="spawn")
+    assert time.monotonic() - started < 5  # no worker was started
+
+
+def test_a_result_that_cannot_be_sent_back_is_a_type_error_naming_it():
+    """A worker whose function returns an unpicklable object raises TypeError naming the function and
+    the type (torch's agent alone fails after the return, as if the worker died without an exception)."""
+    with pytest.raises(TypeError, match=r"launch\(...\): returns_a_lock returned a _thread.lock that cannot be "
+                                        r"sent back to the launching process"):
+        af.launch(launched.returns_a_lock, nproc_per_node=1, timeout_s=60)
+
+
+def test_a_script_without_a_main_guard_is_refused_instead_of_launching_again_in_every_worker(tmp_path):
+    """A script that calls af.launch at its top level (no `if __name__ == "__main__":`) fails with
+    a LaunchError saying to add the guard: its spawned worker, importing the script, does not start
+    workers of its own, and nothing runs the function or prints its result."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        import accelfn as af
+
+        def world():
+            return af.backends.auto().world_size
+
+        print("result", af.launch(world, nproc_per_node=1, timeout_s=60))
+    """))
+    done = _launch.python(script, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "result" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"accelfn.errors.LaunchError: af.launch was called again while a spawned worker was importing "
+                    f"{script}: its top level, which calls af.launch, runs in every worker. Put the code that "
+                    "starts the workers under `if __name__ == \"__main__\":` (as multiprocessing's spawn start "
+                    "method requires), e.g. `if __name__ == \"__main__\": print(af.launch(fn, nproc_per_node=2))`")
