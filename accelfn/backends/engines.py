@@ -86,7 +86,7 @@ def detect(env: Mapping[str, str]) -> World:
     """
     _torchrun_pair(env)
     world = next((w for w in (adapter(env) for adapter in ENGINES) if w is not None), World())
-    claims = [(names, n) for names, n in _claims(env) if n > world.world_size]
+    claims = [(names, n) for names, n in _claims(env, world) if n > world.world_size]
     if claims:
         names, n = claims[0]
         seen = (f"{world.engine} says {world.world_size}" if world.engine != "none"
@@ -210,14 +210,23 @@ def _mpi(engine: str, env: Mapping[str, str], names: tuple[str, str, str, str]) 
 ENGINES: tuple[Adapter, ...] = (torchrun, slurm, open_mpi, mpich, kubeflow)
 
 
-def _claims(env: Mapping[str, str]) -> list[tuple[str, int]]:
-    """What each engine's variables say the number of processes is, where they say one."""
+def _claims(env: Mapping[str, str], world: World) -> list[tuple[str, int]]:
+    """What each engine's variables say the number of processes is, where they say one.
+
+    A Slurm job's task count is no claim on a torchrun world started outside a step (by
+    ``accelfn launch`` or ``af.launch`` in the batch script of ``sbatch --ntasks=N``, or in an
+    ``salloc`` shell): that launcher is one process of the job, not N tasks, and the world it
+    starts is its own. Inside a step (``srun accelfn launch``) each task is a launcher, so the
+    count is a claim there.
+    """
+    in_step = bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
     found = []
-    for names in (("SLURM_NTASKS",), ("SLURM_NPROCS",), ("OMPI_COMM_WORLD_SIZE",), ("PMI_SIZE",),
-                  ("WORLD_SIZE",)):
-        text = env.get(names[0], "")
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE"):
+        text = env.get(name, "")
+        if name.startswith("SLURM_") and world.engine == "torchrun" and not in_step:
+            continue
         if text.isdigit():
-            found.append((f"{names[0]}={text}", int(text)))
+            found.append((f"{name}={text}", int(text)))
     return found
 
 

@@ -130,6 +130,24 @@ def test_an_engine_that_says_more_processes_than_accelfn_sees_is_an_error(variab
         LaunchEnv.from_env(variables)
 
 
+# what the batch script of `sbatch --ntasks=4` (no step: no SLURM_STEP_ID) holds
+SBATCH_NTASKS_4 = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_PROCID": "0",
+                   "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "vm"}
+
+
+def test_a_launch_from_a_batch_script_forms_its_own_world() -> None:
+    """The workers of `accelfn launch --nproc-per-node 2` (or af.launch) started by the batch
+    script of `sbatch --ntasks=4` are a torchrun world of 2: the job's 4 tasks are no claim on
+    it outside a step; inside a step (`srun --ntasks=4 accelfn launch`, four launchers) they are."""
+    worker = dict(SBATCH_NTASKS_4, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert world(LaunchEnv.from_env(worker)) == ("torchrun", 1, 2, 1, 2, "127.0.0.1", 29500)
+    with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 says this job has 4 processes, but torchrun says 2"):
+        LaunchEnv.from_env(dict(worker, SLURM_STEP_ID="0"))
+    with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 says .* no engine's variables place this process"):
+        LaunchEnv.from_env(SBATCH_NTASKS_4)  # `python train.py` alone in the batch script: still refused
+
+
 def test_one_task_of_an_engine_is_one_process() -> None:
     """`srun --ntasks=1` and `mpirun -np 1`: a world of one, no rendezvous needed."""
     single = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
