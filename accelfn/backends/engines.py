@@ -103,6 +103,25 @@ def detect(env: Mapping[str, str]) -> World:
     return world
 
 
+def placement(env: Mapping[str, str]) -> World | None:
+    """Where an engine other than torchrun placed this process, when it says the job has
+    several processes: a launcher it started (``srun accelfn launch``, a Kubeflow pod whose
+    command is ``accelfn launch``, ``mpirun accelfn launch``) is one node of that many.
+
+    Returns:
+        World | None: the engine's world; None for one process, where no engine's variables
+        are set, or inside torchrun's workers (a launch started there is a job of its own).
+
+    Raises:
+        LaunchError: an engine's variables are incomplete or not numbers (as :func:`detect`).
+    """
+    if torchrun(env) is not None:
+        return None
+    _torchrun_pair(env)
+    world = next((w for w in (adapter(env) for adapter in ENGINES) if w is not None), None)
+    return world if world is not None and world.world_size > 1 else None
+
+
 def _torchrun_pair(env: Mapping[str, str]) -> None:
     given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
     if len(given) == 1:

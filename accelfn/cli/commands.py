@@ -111,10 +111,12 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None) -> _precedence.Resolved:
+def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None,
+                   placed: bool = True) -> _precedence.Resolved:
     """The launch config in effect for ``args`` (flags, environment, files, defaults; see
-    ``accelfn.cli.config.resolve``); the files read are announced on ``stderr``."""
-    resolved = _precedence.resolve(_given(args), config_file=args.config)
+    ``accelfn.cli.precedence.resolve``; ``placed``: joining the job of an engine that started
+    this process); the files read are announced on ``stderr``."""
+    resolved = _precedence.resolve(_given(args), config_file=args.config, placed=placed)
     if stderr is not None and resolved.files and args.config is None:
         print(f"accelfn: using the launch config {', '.join(map(str, resolved.files))} (pass --config to "
               "choose another)", file=stderr)
@@ -306,7 +308,7 @@ def _report(args: argparse.Namespace) -> int:
 # -- accelfn test ---------------------------------------------------------------------------
 
 def _test(args: argparse.Namespace) -> int:
-    return self_test(_active_config(args, stderr=sys.stderr).config, fault=args.fault)
+    return self_test(_active_config(args, stderr=sys.stderr, placed=False).config, fault=args.fault)
 
 
 # -- the parser -----------------------------------------------------------------------------

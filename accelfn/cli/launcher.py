@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import orjson
 
 from accelfn.backends._distributed import user_code
+from accelfn.backends.engines import World, placement
 from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
 from accelfn.cli.config import LaunchConfig
 from accelfn.errors import LaunchError
@@ -71,6 +72,8 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         ValueError: an unknown ``start_method``; a bad ``nproc_per_node``, ``backend`` or
             ``timeout_s`` (as ``accelfn launch`` checks them).
         LaunchError: a worker that died without an exception, or a rendezvous that failed;
+            an engine that started this process as one of several (a Kubeflow pod of a
+            PyTorchJob, a task of an ``srun`` step, an ``mpirun`` rank: each would train alone);
             ``launch`` called while a spawned worker imports the script (a script without
             ``if __name__ == "__main__":``, whose top level each worker runs again).
         BaseException: the exception a worker raised (its class, rebuilt from its arguments;
@@ -98,6 +101,7 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         config.check()
     except LaunchError as e:
         raise ValueError(f"launch(...): {e}") from None
+    _refuse_a_placed_process(placement(os.environ))
     if start_method != "fork":
         _check_picklable(fn, args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -113,6 +117,22 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         except ChildFailedError as e:
             raise _worker_failure(Path(failures), e) from None
     return results[0]
+
+
+def _refuse_a_placed_process(world: World | None) -> None:
+    """Raises LaunchError where an engine started this process as one of several (``world``,
+    from ``engines.placement``): ``launch`` starts a world on this machine alone, so each of
+    the engine's processes would train alone on the whole data set."""
+    if world is None:
+        return
+    taken = ", ".join(f"{name}={value}" for name, value in world.taken[:2])
+    raise LaunchError(
+        f"af.launch starts workers on this machine alone, but {world.engine} ({taken}) started this process as "
+        f"process {world.rank} of {world.world_size}: each of them would start a world of its own and train alone on "
+        "the whole data set. Make the engine's command `accelfn launch --nproc-per-node N script.py` (it joins the "
+        f"{world.world_size} processes' nodes into one world), or call af.launch from one process (`srun "
+        "--ntasks=1`, a single pod, or unset the engine's variables)"
+    )
 
 
 def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:

@@ -69,6 +69,25 @@ def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:
         assert r["sum_of_ranks_plus_one"] == 3.0
 
 
+def test_two_kubeflow_pods_running_accelfn_launch_form_one_world(tmp_path: Path) -> None:
+    """Two "pods" of a Kubeflow PyTorchJob v1 on loopback (RANK 0|1, WORLD_SIZE 2, MASTER_ADDR,
+    MASTER_PORT, no LOCAL_RANK), each running `accelfn launch --nproc-per-node 1`, join one world
+    of 2 in which pod r is rank r, instead of each training alone in a world of 1."""
+    port = str(_launch.free_port())
+    procs = [
+        _launch.start("launch", "--backend", "cpu", "--nproc-per-node", "1", "--timeout-s", "60",
+                      _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"pod{pod}", cwd=tmp_path,
+                      env=_launch.environment(RANK=str(pod), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for pod in (0, 1)
+    ]
+    for proc in procs:
+        _launch.assert_ok(_launch.finish(proc))
+    ranks = _launch.read_ranks(tmp_path, 2)
+    assert [(r["tag"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"]) for r in ranks] == [
+        ("pod0", 0, 2, 0, 1), ("pod1", 1, 2, 0, 1)]
+    assert all(r["sum_of_ranks_plus_one"] == 3.0 for r in ranks)
+
+
 def test_script_with_a_stray_local_rank_option_runs(two_jobs: list[Path]) -> None:
     """A script that declares --local_rank and parses strictly gets only its own arguments, unchanged."""
     for rank, r in enumerate(_launch.read_ranks(two_jobs[0], 2)):
