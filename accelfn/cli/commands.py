@@ -33,6 +33,7 @@ from accelfn.backends.env import (
     LaunchEnv,
     launcher_environment,
 )
+from accelfn.cli import _loopback
 from accelfn.cli import config as _config
 from accelfn.cli import precedence as _precedence
 from accelfn.cli._environment import availability, devices, package_versions
@@ -130,7 +131,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = resolved.config
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
-    torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
+    config.check()
     # torchrun's workers inherit this process's environment (the config already holds the
     # variables set there, below the flags)
     for name, value in config.worker_env().items():
@@ -145,7 +146,10 @@ def _launch(args: argparse.Namespace) -> int:
         os.environ.pop(PRECISION_FROM_ENV, None)
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
-    return run_torchrun(torchrun_args, config)
+    os.environ.update(_loopback.worker_variables(config, os.environ))
+    with _loopback.rendezvous_store(config) as port:  # a job on this machine listens on loopback alone
+        script = [*(["--module"] if args.module else []), args.script, *args.script_args]
+        return run_torchrun([*config.torchrun_args(loopback_port=port), *script], config)
 
 
 # -- accelfn plan ---------------------------------------------------------------------------

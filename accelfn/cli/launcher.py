@@ -23,6 +23,7 @@ import orjson
 from accelfn.backends._distributed import user_code
 from accelfn.backends.engines import World, placement
 from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
+from accelfn.cli import _loopback
 from accelfn.cli.config import LaunchConfig
 from accelfn.errors import LaunchError
 
@@ -108,10 +109,12 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
-    elastic = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
-                            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                            start_method=start_method, rdzv_configs={"join_timeout": timeout_s})
-    with tempfile.TemporaryDirectory(prefix="accelfn-launch-") as failures, _worker_environment(config, failures):
+    with (tempfile.TemporaryDirectory(prefix="accelfn-launch-") as failures, _worker_environment(config, failures),
+          _loopback.rendezvous_store(config) as port):  # the job listens on loopback alone
+        elastic = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
+                                rdzv_backend="c10d", rdzv_endpoint=f"{_loopback.LOOPBACK}:{port}",
+                                local_addr=_loopback.LOOPBACK, max_restarts=0, start_method=start_method,
+                                rdzv_configs={"join_timeout": timeout_s})
         try:
             results = elastic_launch(elastic, _run_worker)(fn, args, failures)
         except ChildFailedError as e:
@@ -199,7 +202,7 @@ def _worker_environment(config: LaunchConfig, failures: str) -> Iterator[None]:
     saved = dict(os.environ)
     try:
         for name, value in {**config.worker_env(), **launcher_environment(config.backend),
-                            FAILURES_ENV: failures}.items():
+                            **_loopback.worker_variables(config, os.environ), FAILURES_ENV: failures}.items():
             if value is None:
                 os.environ.pop(name, None)
             else:

@@ -12,17 +12,37 @@ import torch
 
 import accelfn
 from accelfn.backends import LaunchEnv
+from accelfn.cli import _loopback
 from accelfn.cli import commands as cli
 from accelfn.cli import config as launch_config
 from accelfn.cli.config import LaunchConfig
 from accelfn.errors import LaunchError
 
 
-def test_one_node_without_a_port_uses_a_standalone_rendezvous_on_a_free_port() -> None:
-    """One node with no port or endpoint gets torchrun's --standalone (c10d on localhost:0)."""
-    args = LaunchConfig(nproc_per_node=4).torchrun_args()
-    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--standalone",
+def test_one_node_without_a_port_meets_at_the_launchers_loopback_store() -> None:
+    """One node with no port or endpoint meets at the c10d store the launcher hosts on 127.0.0.1
+    (its workers' address 127.0.0.1 too); without that store's port, torchrun's --standalone."""
+    args = LaunchConfig(nproc_per_node=4).torchrun_args(loopback_port=41000)
+    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "127.0.0.1:41000", "--rdzv-id", "accelfn", "--local-addr", "127.0.0.1",
                     "--rdzv-conf", "join_timeout=600"]
+    assert LaunchConfig(nproc_per_node=4).torchrun_args()[6:] == ["--standalone", "--rdzv-conf", "join_timeout=600"]
+
+
+@pytest.mark.parametrize(("fields", "on_this_machine"), [
+    ({}, True), ({"master_port": 29500}, True), ({"master_addr": "127.0.0.2", "master_port": 29500}, True),
+    ({"master_addr": "10.0.0.1", "master_port": 29500}, False), ({"rdzv_endpoint": "localhost:29400"}, False),
+    ({"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 29500}, False),
+])
+def test_only_a_job_on_this_machine_alone_is_put_on_loopback(fields: dict, on_this_machine: bool) -> None:
+    """One node (no endpoint, no address but a loopback one) hosts its rendezvous on loopback and
+    puts gloo on the loopback interface, unless GLOO_SOCKET_IFNAME is set; other jobs are torch's."""
+    config = LaunchConfig(**fields)
+    assert _loopback.on_this_machine(config) is on_this_machine
+    interface = _loopback.loopback_interface()
+    expected = {"GLOO_SOCKET_IFNAME": interface} if on_this_machine and interface else {}
+    assert _loopback.worker_variables(config, {}) == expected
+    assert _loopback.worker_variables(config, {"GLOO_SOCKET_IFNAME": "eth1"}) == {}
 
 
 def test_master_address_and_port_give_a_static_rendezvous() -> None:

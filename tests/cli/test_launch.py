@@ -11,6 +11,7 @@ import pytest
 
 from accelfn.cli import commands as cli
 from tests.helpers import launch as _launch
+from tests.helpers import sockets
 from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
@@ -27,10 +28,11 @@ def write_config(*flags: str | Path) -> None:
 @pytest.fixture(scope="module")
 def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Two `accelfn launch --nproc-per-node 2 hello.py` jobs started together; the first one's
-    script also gets a stray `--tag=--nproc-per-node=7` (one launch, two tests' claims)."""
+    script also gets a stray `--tag=--nproc-per-node=7`, the second's records the sockets its
+    processes listen on (one launch, several tests' claims)."""
     outs = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
     procs = []
-    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], [])):
+    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], ["--sockets"] if sockets.available() else [])):
         procs.append(_launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
                                    _launch.WORKERS / "hello.py", "--out", out, *extra, cwd=out))
     for proc in procs:
@@ -48,6 +50,22 @@ def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Path]) -> None:
         assert ranks[0]["master_port"] == ranks[1]["master_port"]
         ports.append(ranks[0]["master_port"])
     assert ports[0] != ports[1]
+
+
+def test_a_job_on_one_machine_listens_on_loopback_alone(two_jobs: list[Path]) -> None:
+    """No process of `accelfn launch --nproc-per-node 2` (the launcher, with torchrun's rendezvous
+    store; rank 0, with the process group's store; each rank's gloo sockets, which the workers
+    put on the loopback interface) listens outside 127.0.0.0/8 while the job runs; and there
+    are such sockets to look at."""
+    if not sockets.available():
+        pytest.skip("reading listening sockets needs Linux's /proc/net/tcp")
+    assert [r["gloo_socket_ifname"] for r in _launch.read_ranks(two_jobs[1], 2)] == ["lo", "lo"]
+    rank0 = _launch.read_ranks(two_jobs[1], 2)[0]
+    found = [tuple(s) for s in rank0["listening"]]
+    assert sockets.outside_loopback(found) == [], found
+    owners = {pid for pid, _, _ in found}
+    assert {rank0["launcher_pid"], rank0["rank_pids"][0]} <= owners, found  # the rendezvous's and the group's stores
+    assert rank0["rank_pids"][0] != rank0["launcher_pid"]
 
 
 def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ worker's exception raised in the caller."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,24 +18,45 @@ import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import launched
 from tests.helpers import programs as P
+from tests.helpers import sockets
 
 pytestmark = pytest.mark.multiprocess
 DOUBLE = lambda x: 2 * x  # noqa: E731 (a lambda defined in a file: spawned workers cannot import it by name)
 
 
-def test_a_function_trains_on_two_spawned_processes_and_rank_0s_result_comes_back():
+@pytest.fixture(scope="module")
+def trained() -> dict:
+    """af.launch(launched.train) on 2 spawned workers: its result, whether the caller's
+    environment is as it was, and the sockets this process listened on before."""
+    before = dict(os.environ)
+    listening = sockets.listening([os.getpid()]) if sockets.available() else []
+    result = af.launch(launched.train, P.PER_RANK_BATCH, nproc_per_node=2, timeout_s=45, start_method="spawn")
+    return {**result, "environment_restored": os.environ == before, "listening_before": listening}
+
+
+def test_a_function_trains_on_two_spawned_processes_and_rank_0s_result_comes_back(trained: dict):
     """2 spawned workers x batch 3 under shard_data + replicate + accumulate + clip equal one
     process with batch 6 (1e-6), as `accelfn launch` does; the workers saw the launch's
     timeout, and the caller's environment is as it was."""
-    before = dict(__import__("os").environ)
-    result = af.launch(launched.train, P.PER_RANK_BATCH, nproc_per_node=2, timeout_s=45, start_method="spawn")
-    assert __import__("os").environ == before
+    result = trained
+    assert result["environment_restored"]
     assert (result["rank"], result["world_size"], result["timeout_s"]) == (0, 2, "45")
     reference = P.parameters(P.train_case("e2_acc2_clip", af.backends.CPU(af.backends.LaunchEnv()),
                                           2 * P.PER_RANK_BATCH))
     assert result["parameters"].keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(result["parameters"][name], value, rtol=1e-6, atol=1e-6)
+
+
+def test_the_workers_of_af_launch_and_its_rendezvous_listen_on_loopback_alone(trained: dict):
+    """While af.launch's job runs, nothing new in the calling process (torchrun's rendezvous
+    store) nor in its workers (the group's store, gloo's sockets) listens outside 127.0.0.0/8."""
+    if trained["listening"] is None:
+        pytest.skip("reading listening sockets needs Linux's /proc/net/tcp")
+    before = {(a, p) for _, a, p in trained["listening_before"]}
+    found = [tuple(s) for s in trained["listening"] if (s[1], s[2]) not in before]
+    assert sockets.outside_loopback(found) == [], found
+    assert {trained["launcher_pid"], trained["rank_pids"][0]} <= {pid for pid, _, _ in found}, found
 
 
 def test_a_workers_exception_is_raised_in_the_caller_with_its_rank():
