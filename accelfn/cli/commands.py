@@ -405,8 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
         "config says 1) with the launch config in effect, and prints one line per check: PASS, FAIL or "
         "SKIP. Checks: shard_data + replicate + accumulate + clip equals 1 process on the whole batch; "
         "each available backend and precision lowers the loss; a checkpoint saves and loads bitwise; "
-        "gather joins tensors of unequal sizes. The config's precision, accumulate and compile defaults "
-        "are left out (the checks set their own). Exits 1 when a check fails.",
+        "gather joins tensors of unequal sizes; on several processes, shard_params, tensor_parallel, "
+        "pipeline and (where installed) deepspeed over all of them equal 1 process too. The config's "
+        "precision, accumulate and compile defaults are left out (the checks set their own). Exits 1 when "
+        "a check fails.",
     )
     test.add_argument("--config", metavar="FILE",
                       help="YAML launch config (default $ACCELFN_CONFIG_FILE, else "
