@@ -68,42 +68,27 @@ def test_a_job_on_one_machine_listens_on_loopback_alone(two_jobs: list[Path]) ->
     assert rank0["rank_pids"][0] != rank0["launcher_pid"]
 
 
-def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:
-    """Two launchers with --nnodes 2 --node-rank 0|1 and one process each form a world of 2 with ranks 0 and 1."""
-    port = _launch.free_port()
+def test_two_nodes_on_loopback_form_one_world_from_flags_or_a_kubeflow_pods_variables(tmp_path: Path) -> None:
+    """Two launchers of one process each, node 0 given --nnodes 2 --node-rank 0 --master-addr
+    --master-port, node 1 only a Kubeflow PyTorchJob v1 pod's variables (RANK 1, WORLD_SIZE 2,
+    MASTER_ADDR, MASTER_PORT, no LOCAL_RANK) with `--nproc-per-node 1`, form one world of 2 with
+    ranks 0 and 1 (the pod joins the job instead of training alone in a world of its own)."""
+    port = str(_launch.free_port())
+    node0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port]
+    pod1 = _launch.environment(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = [
-        _launch.start("launch", "--backend", "cpu", "--nnodes", "2", "--node-rank", str(node),
-                      "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                      "--timeout-s", "60",
-                      _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"node{node}", cwd=tmp_path)
+        _launch.start("launch", "--backend", "cpu", *(node0 if node == 0 else []), "--nproc-per-node", "1",
+                      "--timeout-s", "60", _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"node{node}",
+                      cwd=tmp_path, env=None if node == 0 else pod1)
         for node in (0, 1)
     ]
     for proc in procs:
         _launch.assert_ok(_launch.finish(proc))
     ranks = _launch.read_ranks(tmp_path, 2)
-    assert sorted(r["tag"] for r in ranks) == ["node0", "node1"]
+    assert [r["tag"] for r in ranks] == ["node0", "node1"]
     for rank, r in enumerate(ranks):
         assert (r["rank"], r["world_size"], r["local_rank"], r["local_world_size"]) == (rank, 2, 0, 1)
         assert r["sum_of_ranks_plus_one"] == 3.0
-
-
-def test_two_kubeflow_pods_running_accelfn_launch_form_one_world(tmp_path: Path) -> None:
-    """Two "pods" of a Kubeflow PyTorchJob v1 on loopback (RANK 0|1, WORLD_SIZE 2, MASTER_ADDR,
-    MASTER_PORT, no LOCAL_RANK), each running `accelfn launch --nproc-per-node 1`, join one world
-    of 2 in which pod r is rank r, instead of each training alone in a world of 1."""
-    port = str(_launch.free_port())
-    procs = [
-        _launch.start("launch", "--backend", "cpu", "--nproc-per-node", "1", "--timeout-s", "60",
-                      _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"pod{pod}", cwd=tmp_path,
-                      env=_launch.environment(RANK=str(pod), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-        for pod in (0, 1)
-    ]
-    for proc in procs:
-        _launch.assert_ok(_launch.finish(proc))
-    ranks = _launch.read_ranks(tmp_path, 2)
-    assert [(r["tag"], r["rank"], r["world_size"], r["local_rank"], r["local_world_size"]) for r in ranks] == [
-        ("pod0", 0, 2, 0, 1), ("pod1", 1, 2, 0, 1)]
-    assert all(r["sum_of_ranks_plus_one"] == 3.0 for r in ranks)
 
 
 def test_script_with_a_stray_local_rank_option_runs(two_jobs: list[Path]) -> None:

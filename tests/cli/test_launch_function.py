@@ -78,20 +78,33 @@ def test_an_exception_that_cannot_be_rebuilt_comes_back_as_its_traceback():
 
 def test_from_a_notebook_the_workers_are_forked_and_run_functions_defined_there(tmp_path):
     """A `__main__` without a file (a notebook, python reading stdin): launch forks, so a
-    function defined there runs in the workers; each rank's (rank, world size) comes back."""
+    function defined there runs in the workers and each rank's (rank, world size) comes back;
+    one whose result cannot be pickled back raises TypeError naming the function and the type
+    (torch's agent alone fails after the return, as if the worker had died without an exception)."""
     code = textwrap.dedent("""
+        import threading
+
         import accelfn as af
 
         def where():
             backend = af.backends.auto()
             return backend.rank, backend.world_size, backend.reduce(__import__("torch").ones(1), "sum").item()
 
+        def returns_a_lock():
+            return threading.Lock()
+
         print("result", af.launch(where, nproc_per_node=2, timeout_s=60))
+        try:
+            af.launch(returns_a_lock, nproc_per_node=1, timeout_s=60)
+        except TypeError as e:
+            print("raised", e)
     """)
     done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=240,
                           env=_launch.environment(), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "result (0, 2, 2.0)" in done.stdout
+    assert ("raised launch(...): returns_a_lock returned a _thread.lock that cannot be sent back to the launching "
+            "process (TypeError: cannot pickle '_thread.lock' object)") in done.stdout, done.stdout
 
 
 def test_bad_arguments_are_refused_before_any_process_starts():
@@ -119,14 +132,6 @@ def test_what_spawned_workers_cannot_receive_is_refused_by_name_before_any_start
                                         r"workers: TypeError: cannot pickle '_thread.lock' object"):
         af.launch(launched.loader_length, 4, threading.Lock(), start_method="spawn")
     assert time.monotonic() - started < 5  # no worker was started
-
-
-def test_a_result_that_cannot_be_sent_back_is_a_type_error_naming_it():
-    """A worker whose function returns an unpicklable object raises TypeError naming the function and
-    the type (torch's agent alone fails after the return, as if the worker died without an exception)."""
-    with pytest.raises(TypeError, match=r"launch\(...\): returns_a_lock returned a _thread.lock that cannot be "
-                                        r"sent back to the launching process"):
-        af.launch(launched.returns_a_lock, nproc_per_node=1, timeout_s=60)
 
 
 def test_a_script_without_a_main_guard_is_refused_instead_of_launching_again_in_every_worker(tmp_path):

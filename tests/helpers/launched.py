@@ -4,7 +4,6 @@ name, as a spawned worker needs)."""
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 from torch.utils.data import DataLoader
@@ -50,8 +49,3 @@ class _Opaque:
 def fail_with_opaque_argument() -> None:
     """Raises an exception whose argument is no JSON value (it cannot be rebuilt elsewhere)."""
     raise ValueError(_Opaque())
-
-
-def returns_a_lock() -> threading.Lock:
-    """Returns what cannot be pickled back to the launching process."""
-    return threading.Lock()
