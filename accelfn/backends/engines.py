@@ -27,7 +27,11 @@ does); MPI's is 127.0.0.1 when every rank is on one node (else ``MASTER_ADDR`` m
 and port ``MPI_DEFAULT_PORT``.
 
 A world that looks like several processes to an engine but one to accelfn is an error, not
-a silent solo run: each process would train on the whole data set alone.
+a silent solo run: each process would train on the whole data set alone. A launcher the
+engine started as one of N (``srun accelfn launch``, a PyTorchJob pod running ``accelfn
+launch``) joins the engine's job as node RANK of N instead (``placement``, read by the
+launch config's precedence); one started by a batch script outside any step forms a world
+of its own, on which the job's task count is no claim.
 
 All functions here are pure: they take the environment as a mapping
 (``accelfn/backends/env.py`` is the one place that passes ``os.environ``).

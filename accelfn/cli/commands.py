@@ -294,13 +294,15 @@ def _report(args: argparse.Namespace) -> int:
         taken = ", ".join(f"{name}={value}" for name, value in env.engine_vars)
         out.write(f"launch engine: {env.engine}{f' ({taken})' if taken else ''}; rendezvous "
                   f"{f'{env.master_addr}:{env.master_port}' if env.master_addr else 'none'}\n")
+        placed = True
     except LaunchError as e:
         out.write(f"launch environment: invalid: {e}\n")
+        placed = False  # the engine's variables that do not place this process place no launch either
     passed = _config.launcher_set(os.environ)
     if passed:
         out.write(f"set by the launch that started this process, for its workers (not settings of a launch "
                   f"from here): {', '.join(f'{k}={v}' for k, v in passed.items())}\n")
-    resolved = _active_config(args)
+    resolved = _active_config(args, placed=placed)
     source = ", ".join(map(str, resolved.files)) or "none found, the defaults"
     out.write(f"launch config ({source}):\n")
     for line in _config.to_yaml(resolved.config).splitlines():

@@ -249,3 +249,16 @@ def test_af_launch_in_a_process_an_engine_placed_among_several_is_refused(monkey
     with pytest.raises(LaunchError, match=r"af.launch starts workers on this machine alone, but kubeflow \(RANK=1, "
                                           r"WORLD_SIZE=2\) started this process as process 1 of 2"):
         af.launch(print, nproc_per_node=2)
+
+
+def test_accelfn_env_reports_an_invalid_placement_and_goes_on(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelfn env` with a stray RANK (no WORLD_SIZE) says the launch environment is invalid and
+    still prints the launch config, the defaults (a bug report needs the rest)."""
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "launch environment: invalid: RANK is set but WORLD_SIZE is not" in out
+    assert "\n  nnodes: 1\n" in out
