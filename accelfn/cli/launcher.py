@@ -152,15 +152,12 @@ def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
             ForkingPickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             name = getattr(value, "__qualname__", type(value).__name__)
-            if what == "fn":
-                fix = (f"define {name!r} with `def` at the top level of a module or of the script (a lambda or a "
-                       "function defined inside another cannot be imported by name), or pass "
-                       "start_method=\"fork\" (Linux; a notebook's default), which copies this process instead")
-            else:
-                fix = ("pass something picklable (data, paths, tensors), or build the object inside fn, or pass "
-                       "start_method=\"fork\", which copies this process instead")
+            fix = (f"Define {name!r} with `def` at the top level of a module or of the script (a lambda or a "
+                   "function defined inside another cannot be imported by name)" if what == "fn" else
+                   "Pass something picklable (data, paths, tensors), or build the object inside fn")
             raise TypeError(f"launch(...): {what} ({name}) cannot be sent to the spawned workers: "
-                            f"{type(e).__name__}: {e}. {fix[0].upper()}{fix[1:]}") from None
+                            f"{type(e).__name__}: {e}. {fix}, or pass start_method=\"fork\" (Linux; a notebook's "
+                            "default), which copies this process instead") from None
 
 
 class _Discard(io.RawIOBase):
