@@ -192,7 +192,7 @@ def _store_on_this_machine(env: LaunchEnv) -> dist.Store | None:
     """
     if env.agent_store or env.master_port is None or not is_loopback(env.master_addr):
         return None
-    assert env.master_addr is not None  # noqa: S101 (is_loopback)
+    assert env.master_addr is not None  # is_loopback
     timeout = datetime.timedelta(seconds=env.timeout_s)
     if env.rank != 0:
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
@@ -227,8 +227,8 @@ def store_on_loopback(host: str, port: int, *, world_size: int | None = None,
         listener.listen(socket.SOMAXCONN)
     except OSError as e:
         listener.close()
-        raise LaunchError(f"cannot listen on {host}:{port} for the process group's store: {e.strerror} (another "
-                          "job, or one that has not exited yet, holds the port)") from None
+        raise LaunchError(f"cannot listen on {host}:{port} for a store of this job: {e.strerror} (another job, or "
+                          "one that has not exited yet, holds the port)") from None
     return dist.TCPStore(host, listener.getsockname()[1], world_size, True, timeout, multi_tenant=True,
                          master_listen_fd=listener.detach())
 
