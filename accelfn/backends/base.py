@@ -34,6 +34,7 @@ from accelfn.step import Step
 from accelfn.transforms import Invariant, Replicate, ShardData, WithPrecision
 from accelfn.transforms.precision import Policy, parse_policy
 
+
 class Backend(ProcessContext, abc.ABC):
     """An interpreter of Steps on one kind of hardware, and this process's place in the world.
 

@@ -114,6 +114,8 @@ class LaunchEnv:
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.
         plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
             for this many processes (that many per node) and exits without training.
+        agent_store: torchrun's agent hosts the workers' store at ``master_addr:master_port``
+            (``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 hosts none.
     """
 
     rank: int = 0
@@ -134,6 +136,7 @@ class LaunchEnv:
     plan_world_size: int | None = None
     plan_local_world_size: int | None = None
     deepspeed: str | None = None
+    agent_store: bool = False
 
     @property
     def env_rendezvous(self) -> bool:
@@ -200,6 +203,7 @@ class LaunchEnv:
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
             deepspeed=deepspeed_config,
+            agent_store=world.engine == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 
