@@ -148,3 +148,12 @@ def test_the_plan_leaves_scheduler_and_optimizer_alone() -> None:
             state.scheduler.step()
             expected.append(state.optimizer.param_groups[0]["lr"])
     assert [lrs[0] for lrs in trajectory.lrs] == expected
+
+
+def test_rounding_is_no_change() -> None:
+    """A warm-up whose last value differs from the plateau only in the last bits (as
+    DeepSpeed's WarmupLR's does) ends where the warm-up ends, not one step later."""
+    factors = [0.1, 0.4, 0.7, 1.0 - 1e-15]
+    state = _state(lambda o: S.LambdaLR(o, lambda s: factors[s] if s < len(factors) else 1.0))
+    trajectory = simulate(state.scheduler, state.optimizer, 12)
+    assert trajectory is not None and trajectory.end() == 3

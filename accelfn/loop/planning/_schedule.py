@@ -21,6 +21,7 @@ warnings silenced (torch warns that a copy's optimizer never stepped).
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -81,16 +82,22 @@ def _end(lrs: list[float], raised: bool) -> int | None:
     """One group's end in its trajectory ``lrs`` (``raised``: the trajectory stops where the
     scheduler raised)."""
     horizon = len(lrs) - 1
-    last_change = max((k for k in range(1, horizon + 1) if lrs[k] != lrs[k - 1]), default=0)
+    last_change = max((k for k in range(1, horizon + 1) if _differ(lrs[k], lrs[k - 1])), default=0)
     if horizon - last_change >= last_change:
         return last_change  # settled, for at least as long as it moved
     following = lrs[:]  # following[k]: the first value after step k that differs from lrs[k] (lrs[k]: none)
     for k in range(horizon - 1, -1, -1):
-        following[k] = lrs[k + 1] if lrs[k + 1] != lrs[k] else following[k + 1]
+        following[k] = lrs[k + 1] if _differ(lrs[k + 1], lrs[k]) else following[k + 1]
     for k in range(1, last_change):
-        if lrs[k - 1] > lrs[k] < following[k]:
+        if lrs[k - 1] > lrs[k] < following[k] and _differ(lrs[k - 1], lrs[k]) and _differ(following[k], lrs[k]):
             return k  # came down and turned back up (cosine, one-cycle, the first cycle of a cyclic one)
     return horizon if raised else None
+
+
+def _differ(a: float, b: float) -> bool:
+    """Learning rates that differ by more than rounding (a relative 1e-9: a schedule's closed
+    form and its recursive form, or log(n)/log(n), may differ in the last bits)."""
+    return not math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
 def simulate(scheduler: Any, optimizer: torch.optim.Optimizer, num_steps: int) -> Trajectory | None:
