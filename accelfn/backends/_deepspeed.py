@@ -61,6 +61,46 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
+#: torch optimizers whose update of each element reads only that element's gradient and state
+#: (and the step count): stepping them on ZeRO's flat partitions is the same update as on the
+#: whole parameters, so accelfn lets DeepSpeed's ZeRO take them (``zero_allow_untested_optimizer``)
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+def optimizer_options(optimizer: torch.optim.Optimizer, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config entries ZeRO needs for ``optimizer``: ``{"zero_allow_untested_optimizer":
+    True}`` for an elementwise torch optimizer DeepSpeed has not listed as tested (SGD,
+    RMSprop, ...: its update on ZeRO's flat partitions is exactly the whole-parameter one);
+    nothing for DeepSpeed's tested ones and its own optimizers (DeepSpeed checks those), at
+    ZeRO stage 0, or where ``config`` sets the key.
+
+    Raises:
+        TypeError: at ZeRO stage 1-3, an optimizer that is neither tested by DeepSpeed nor
+            elementwise (LBFGS, Adafactor, Muon, a subclass with its own ``step``...): ZeRO
+            steps it on flat 1-D partitions of the parameters, which changes the update of an
+            optimizer that reads a parameter's shape or whole tensor.
+    """
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # (its checker logs through a process group)
+
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if (stage == 0 or "zero_allow_untested_optimizer" in config or type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+            or type(optimizer).__module__.startswith("deepspeed.")):  # DeepSpeed's own: its checks speak for them
+        return {}
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return {"zero_allow_untested_optimizer": True}
+    raise TypeError(
+        f"deepspeed() with ZeRO stage {stage}: DeepSpeed has not tested {type(optimizer).__name__} with ZeRO, "
+        "which steps the optimizer on flat 1-D partitions of the parameters, and accelfn does not know it to "
+        "update each element on its own (as torch's Adam, AdamW, Adagrad, SGD, RMSprop, Adamax, NAdam, RAdam, "
+        "Adadelta, Rprop and ASGD do). An optimizer that reads a parameter's shape or whole tensor (LBFGS, "
+        "Adafactor, Muon, LAMB's per-parameter trust ratio) would compute another update. Use one of those, "
+        "ZeRO stage 0, or af.shard_params(); if you know yours is elementwise, set "
+        "\"zero_allow_untested_optimizer\": true in the DeepSpeed config")
+
+
 def engine_of(model: torch.nn.Module) -> Any:
     """The DeepSpeed engine ``model`` was prepared with, or None."""
     return getattr(model, ENGINE_ATTRIBUTE, None)
@@ -78,14 +118,17 @@ def prepare(backend: Backend, step: Step, state: TrainState, policy: Policy,
 
     Raises:
         NotImplementedError: DeepSpeed is not installed.
-        ValueError: the model was prepared with another DeepSpeed config before.
+        TypeError: an optimizer ZeRO would change the update of (:func:`optimizer_options`).
+        ValueError: the model was prepared with another DeepSpeed config before; a config
+            ``engine_config`` refuses.
     """
     deepspeed = import_deepspeed()
     accumulate = step.find(Accumulate)
     n = accumulate.num_micro_batches if accumulate is not None else ds.num_micro_batches or 1
     engine = engine_of(state.model)
     config = engine_config(ds, num_micro_batches=n, clip=step.find(Clip), precision=policy.name,
-                           micro_batch_size=1, world_size=backend.world_size)
+                           micro_batch_size=1, world_size=backend.world_size, scaling=policy.scaling)
+    config.update(optimizer_options(state.optimizer, config))
     if engine is None:
         groups = [list(group["params"]) for group in state.optimizer.param_groups]  # before DeepSpeed's flat ones
         deepspeed.init_distributed(dist_backend="gloo" if backend.device.type == "cpu" else "nccl",
@@ -159,6 +202,7 @@ class DeepSpeedStepFn(StepFn):
             reference = window.reference if window is not None else self._n * samples
             coefficient = count / reference
         engine.backward(loss * coefficient if coefficient != 1.0 else loss, scale_wrt_gas=False)
+        lr = engine.get_lr()[0]  # the rate this update uses: engine.step() steps the scheduler after it
         engine.step()
         self._view.open_window = not last
         weight = count if not is_sum else 1.0
@@ -174,7 +218,7 @@ class DeepSpeedStepFn(StepFn):
                                   epoch_micro_step=state.epoch_micro_step + 1,
                                   transforms_state={**state.transforms_state, "window": new_window}), NO_METRICS
         applied = bool(engine.was_step_applied())
-        metrics: dict[str, Any] = {"loss": loss_sum / total, "lr": engine.get_lr()[0], "num_samples": total_samples}
+        metrics: dict[str, Any] = {"loss": loss_sum / total, "lr": lr, "num_samples": total_samples}
         if is_sum:
             metrics["num_items"] = total
         for name, value in metric_sums.items():
