@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accelfn.backends import _comm_hooks
 from accelfn.backends.env import LaunchEnv
+from accelfn.collectives import ops
 from accelfn.errors import LaunchError
 from accelfn.transforms import Replicate
 
@@ -142,7 +143,10 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """Joins the default process group of ``env``'s world (nothing for one process).
 
     The group has a finite timeout (``env.timeout_s``), so a rank that never arrives makes
-    the others fail with an error instead of waiting forever.
+    the others fail with an error instead of waiting forever. With
+    ``env.debug_collectives`` every collective of ``accelfn.collectives`` is checked across
+    ranks first (``ops.set_debug``) and torch's debug level is DETAIL, so the group is made
+    with torch's collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
     Raises:
         LaunchError: a group already exists with another world size or rank, or the other
@@ -150,6 +154,9 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """
     if env.world_size == 1:
         return
+    if env.debug_collectives:  # each collective checked across ranks; torch's DETAIL wraps the group made below
+        ops.set_debug(True)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise LaunchError(
