@@ -17,7 +17,8 @@ Per micro-batch::
                                                       clip, overflow check, optimizer and
                                                       scheduler step, zero grad)
 
-DeepSpeed is imported on first use: it is an optional dependency (``accelfn[deepspeed]``).
+DeepSpeed is imported on first use: it is an optional dependency (``accelfn[deepspeed]``),
+installed after torch with ``pip install --no-build-isolation deepspeed``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def import_deepspeed() -> Any:
         import deepspeed
     except ImportError as e:
         raise NotImplementedError(
-            f"af.deepspeed(...) needs DeepSpeed, which is not installed here ({e}); install it with "
-            "`pip install --no-build-isolation 'accelfn[deepspeed]'` (next to the torch you have), or "
-            "use af.shard_params() (FSDP2) instead"
+            f"af.deepspeed(...) needs DeepSpeed, which is not installed here ({e}); install it after torch, "
+            "against it: `pip install --no-build-isolation deepspeed` (docs/15), or use af.shard_params() "
+            "(FSDP2) instead"
         ) from e
     return deepspeed
 

@@ -138,7 +138,8 @@ def _check_sections(config: dict[str, Any]) -> None:
     if len(problems) == 1:
         raise ValueError(f"deepspeed(config=...): {problems[0]}")
     if problems:
-        names = [f'the "{k}" section' for k in ("optimizer", "scheduler") if k in config] + ['"auto" values'] * bool(autos)
+        names = [f'the "{k}" section' for k in ("optimizer", "scheduler") if k in config]
+        names += ['"auto" values'] * bool(autos)
         raise ValueError(f"deepspeed(config=...): {' and '.join(names)} cannot be used:"
                          + "".join(f"\n- {p}" for p in problems))
 

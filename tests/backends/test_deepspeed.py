@@ -21,7 +21,8 @@ from tests.helpers import deepspeed_programs as D
 from tests.helpers import programs as P
 from tests.helpers.pool import Pools
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'accelfn[deepspeed]')")
+deepspeed = pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is not installed (after torch: pip install --no-build-isolation deepspeed)")
 
 #: the first run on a machine JIT-builds DeepSpeed's shm_comm and cpu_adam ops (4 and 10 minutes
 #: on the loaded 2-core CI machine; then cached in EXTENSIONS): past pytest's 300 s per test

@@ -62,7 +62,8 @@ def test_auto_values_are_refused_naming_each() -> None:
             "train_micro_batch_size_per_gpu: accelfn fills them") in message
     assert "give zero_optimization.reduce_bucket_size numbers" in message
     with pytest.raises(ValueError, match=r"found at zero_optimization.offload_optimizer.buffer_count\b"):
-        af.deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "buffer_count": "auto"}}})
+        af.deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                              "buffer_count": "auto"}}})
 
 
 @pytest.mark.parametrize(("config", "precision", "words"), [

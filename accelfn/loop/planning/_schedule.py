@@ -11,8 +11,10 @@ and reads the learning rate each group would have after every step. From that tr
   stays constant for at least as many steps as it took to get there (a ``StepLR`` that keeps
   halving has no end); or, for schedules that turn back up after their end (cosine
   annealing, ``OneCycleLR``), the first step at which it has come down and goes back up
-  next (a plateau between is allowed; a cyclic schedule ends its first cycle there). A schedule still falling at the horizon (``ExponentialLR``, ``StepLR``) has
-  no end; one that raises ends where it raises.
+  next (a plateau between is allowed; a cyclic schedule ends its first cycle there). A
+  schedule still falling at the horizon (``ExponentialLR``, ``StepLR``) has no end; one
+  that raises ends where it raises. Learning rates that differ only by rounding (a
+  relative 1e-9) are the same.
 
 Nothing of the user's scheduler or optimizer changes: the copy is stepped, with its
 warnings silenced (torch warns that a copy's optimizer never stepped).
