@@ -269,14 +269,15 @@ class _Background:
     def __init__(self) -> None:
         self.buffers = HostBuffers()
         self.path: Path | None = None  # the save in flight, on every rank
+        self.step = -1  # its state's step
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self, path: Path, write_files: Callable[[], None] | None) -> None:
+    def start(self, path: Path, step: int, write_files: Callable[[], None] | None) -> None:
         """Records the save of ``path`` as in flight and, on rank 0 (``write_files`` given),
         runs it in a new thread; the previous save must have been waited for."""
         assert self.path is None, "a background save is still in flight"
-        self.path, self._error = path, None
+        self.path, self.step, self._error = path, step, None
         if write_files is not None:
             self._thread = threading.Thread(target=self._run, args=(write_files,), name=f"accelfn-save-{path.name}",
                                             daemon=False)
@@ -300,10 +301,10 @@ class _Background:
         """True when this rank writes the save in flight and its thread has ended (well or not)."""
         return self._thread is not None and not self._thread.is_alive()
 
-    def wait(self, backend: ProcessContext, *, agree: bool = True) -> Path | None:
-        """Waits for the save in flight and raises its error, on every rank; returns the path
-        of the checkpoint it completed (None when none was in flight, or, without ``agree``,
-        when it failed).
+    def wait(self, backend: ProcessContext, *, agree: bool = True) -> tuple[int, Path] | None:
+        """Waits for the save in flight and raises its error, on every rank; returns the step
+        and path of the checkpoint it completed (None when none was in flight, or, without
+        ``agree``, when it failed).
 
         Args:
             backend: the process context.
@@ -315,7 +316,7 @@ class _Background:
             CheckpointError: the background write failed (on rank 0 with its cause chained;
                 on the other ranks, naming rank 0 and the step).
         """
-        thread, path, error = self._thread, self.path, self._error
+        thread, path, step, error = self._thread, self.path, self.step, self._error
         if thread is not None:
             thread.join()
             error = self._error
@@ -325,16 +326,16 @@ class _Background:
             failure = CheckpointError(f"writing the checkpoint {path} in the background failed: "
                                       f"{type(error).__name__}: {error}")
             failure.__cause__ = error
+        done = None if path is None else (step, path)
         if not agree:
             if failure is not None:
                 print(f"accelfn: {failure}", file=sys.stderr, flush=True)
                 return None
-            return path
-        step = -1 if path is None else Checkpoints.step_of(path)
+            return done
         collectives.outcome_of_rank_0(failure, lambda: CheckpointError(
             f"rank 0 failed to write the checkpoint of step {step} in the background; its error says why"),
             device=backend.collective_device)
-        return path
+        return done
 
 
 class Schedule:
@@ -367,7 +368,7 @@ class Schedule:
         self._finished: Agreement | None = None  # whether (and which) background write has ended, agreed
         if self._background is not None and backend.world_size > 1:
             self._finished = Agreement(backend.world_size, timeout_s)
-        self._completed: list[Path] = []  # complete on disk, not yet handed out by `completed`
+        self._completed: list[tuple[int, Path]] = []  # complete on disk, not yet handed out by `completed`
         self._lock: Path | None = None  # the directory's write lock, rank 0's for the whole run
         failure = None
         if backend.is_main_process:
@@ -389,11 +390,12 @@ class Schedule:
         self._wait_background()
         path = self.policy.save(state, self._backend, program=self._program)
         self.last_step = state.step
-        self._completed.append(path)
+        self._completed.append((state.step, path))
         return path
 
-    def completed(self) -> list[Path]:
-        """The checkpoints complete on disk since the last call, oldest first: a synchronous
+    def completed(self) -> list[tuple[int, Path]]:
+        """The checkpoints complete on disk since the last call, as (step, path), oldest
+        first: a synchronous
         save at once, a background one at the first update (agreed by all ranks) after its
         write ended. The same on every rank, when called at the same point on every rank."""
         done, self._completed = self._completed, []
@@ -403,9 +405,9 @@ class Schedule:
         """Waits for the background save in flight (a collective with ``agree``) and records
         its checkpoint as complete."""
         if self._background is not None:
-            path = self._background.wait(self._backend, agree=agree)
-            if path is not None:
-                self._completed.append(path)
+            done = self._background.wait(self._backend, agree=agree)
+            if done is not None:
+                self._completed.append(done)
 
     def _save_in_background(self, state: TrainState) -> Path:
         background = self._background
@@ -419,7 +421,7 @@ class Schedule:
         collected = collect(state, self._backend, self._program, to_host=buffers, path=path)
         if buffers is not None:
             buffers.synchronize()
-        background.start(path, None if collected is None else lambda: self.policy._write(path, collected.write))
+        background.start(path, state.step, None if collected is None else lambda: self.policy._write(path, collected.write))
         self.last_step = state.step
         return path
 
@@ -462,10 +464,10 @@ class Schedule:
         background = self._background
         if background is None:
             return
-        path = background.path
-        proposal = Checkpoints.step_of(path) + 1 if path is not None and background.finished() else 0
+        in_flight = background.path is not None
+        proposal = background.step + 1 if in_flight and background.finished() else 0
         agreed = self._finished.propose(proposal) if self._finished is not None else proposal
-        if agreed and path is not None and Checkpoints.step_of(path) + 1 == agreed:
+        if agreed and in_flight and background.step + 1 == agreed:
             self._wait_background()
 
     def close(self, *, ok: bool) -> None:

@@ -239,8 +239,8 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
 def _hand_out(schedule: Schedule, bar: Progress) -> None:
     """Hands each checkpoint complete on disk since the last call to the trackers (a
     background one at the update the ranks agreed it ended, on every rank together)."""
-    for path in schedule.completed():
-        bar.saved(Checkpoints.step_of(path), path)
+    for step, path in schedule.completed():
+        bar.saved(step, path)
 
 
 def _total_steps(step: Step, data: Iterable[Any], backend: Backend, state: TrainState, epochs: int | None,
