@@ -157,3 +157,23 @@ def test_rounding_is_no_change() -> None:
     state = _state(lambda o: S.LambdaLR(o, lambda s: factors[s] if s < len(factors) else 1.0))
     trajectory = simulate(state.scheduler, state.optimizer, 12)
     assert trajectory is not None and trajectory.end() == 3
+
+
+def test_a_scheduler_holding_the_model_does_not_copy_it() -> None:
+    """A scheduler of one's own that keeps a reference to the model is stepped as a copy that
+    shares the model and the parameters (the plan never copies the weights)."""
+
+    class NoCopy(torch.nn.Linear):
+        def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+            raise AssertionError("the model was copied")
+
+    class Holding(S.LambdaLR):
+        def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module):
+            self.model = model
+            super().__init__(optimizer, lambda s: max(0.0, 1 - s / MICRO))
+
+    model = NoCopy(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = af.TrainState.create(model, optimizer, scheduler=Holding(optimizer, model))
+    [problem] = _problems(state)
+    assert problem.code == "scheduler-not-finished" and "ends at scheduler step 64" in problem.what

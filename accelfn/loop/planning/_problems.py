@@ -241,7 +241,7 @@ def _scheduler(f: Facts) -> Iterable[Problem]:
     now = int(getattr(scheduler, "last_epoch", f.state.step))
     micro = f.state.micro_step + sum((e.micro_batches[0] or 0) * e.num_epochs for e in f.epochs_counted)
     horizon = 2 * max(steps, micro, steps * f.world_size) + 1
-    trajectory = simulate(scheduler, f.state.optimizer, horizon - now)
+    trajectory = simulate(scheduler, f.state.optimizer, horizon - now, shared=(f.state.model,))
     if trajectory is None:
         return
     kind = type(scheduler).__name__

@@ -102,7 +102,8 @@ def _differ(a: float, b: float) -> bool:
     return not math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
-def simulate(scheduler: Any, optimizer: torch.optim.Optimizer, num_steps: int) -> Trajectory | None:
+def simulate(scheduler: Any, optimizer: torch.optim.Optimizer, num_steps: int,
+             shared: tuple[object, ...] = ()) -> Trajectory | None:
     """Steps a copy of ``scheduler`` up to ``num_steps`` times (at most ``SIMULATION_LIMIT``).
 
     Args:
@@ -110,6 +111,9 @@ def simulate(scheduler: Any, optimizer: torch.optim.Optimizer, num_steps: int) -
             learning rates of ``optimizer``'s param groups).
         optimizer: the optimizer it drives (its param groups are read, never written).
         num_steps: steps to take, a count >= 0.
+        shared: objects the copy refers to rather than copies (the model): a scheduler of
+            one's own that holds the model does not copy it; nor are the optimizer's
+            parameters copied.
 
     Returns:
         Trajectory | None: the learning rates, or None when the scheduler cannot be copied
@@ -119,7 +123,10 @@ def simulate(scheduler: Any, optimizer: torch.optim.Optimizer, num_steps: int) -
     if not stand_in.param_groups:
         return None
     try:
-        twin = copy.deepcopy(scheduler, memo={id(optimizer): stand_in})
+        memo: dict[int, Any] = {id(obj): obj for obj in shared}
+        memo.update({id(p): p for group in optimizer.param_groups for p in group["params"]})
+        memo[id(optimizer)] = stand_in
+        twin = copy.deepcopy(scheduler, memo=memo)
     except Exception:  # noqa: BLE001  # an attribute deepcopy cannot copy: nothing to simulate
         return None
     lrs = [tuple(_lr(g["lr"]) for g in stand_in.param_groups)]
