@@ -26,7 +26,7 @@ def ray_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "ray_train.py"), str(out), *RUNS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=720)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
 
@@ -35,7 +35,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(path / "weights" / "model.safetensors")
 
 
-@pytest.mark.timeout(800)
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize("scenario", ["replicate", "shard_params"])
 def test_ray_result_holds_metrics_and_checkpoints_and_a_failure_resumes_bitwise(ray_runs: Path, scenario: str) -> None:
     """Under TorchTrainer (2 gloo workers), af.RayTrain reports the run's metrics and each
@@ -65,7 +65,7 @@ def test_ray_result_holds_metrics_and_checkpoints_and_a_failure_resumes_bitwise(
         assert torch.equal(reference[name], resumed[name]), name
 
 
-@pytest.mark.timeout(800)
+@pytest.mark.timeout(1000)
 def test_background_checkpoints_reach_ray_complete(ray_runs: Path) -> None:
     """With Checkpoints(asynchronous=True), every checkpoint Ray copies to its storage is
     complete (af.load checks every file's checksum) and holds the synchronous run's state of
