@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from accelfn import collectives
 from accelfn.checkpoint import _tensorfiles
-from accelfn.checkpoint._format import MANIFEST, ExtraTensor, ShardedTables, ShardedTensor
+from accelfn.checkpoint._format import MANIFEST
+from accelfn.checkpoint._manifest import ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
 from accelfn.collectives import ProcessContext, is_dtensor

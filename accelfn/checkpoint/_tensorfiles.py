@@ -441,3 +441,42 @@ def verify_file(path: Path, entry: FileEntry) -> None:
     if digest != expected:
         raise CheckpointError(f"{path}: {algorithm} {digest} does not match the manifest's {algorithm} {expected}; "
                               "the file is corrupted or was changed after the checkpoint was written")
+
+
+def pack_tensors(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``header`` (JSON) and ``tensors`` as bytes in a uint8 tensor, to send to another rank:
+    the JSON header with each tensor's key, dtype and shape, then the tensors' raw bytes
+    (never pickled)."""
+    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    data = orjson.dumps({**header, "tensors": [[key, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                               for key, t in tensors.items()]})
+    head = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8)
+    return torch.cat([head, *flat])
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r} from another rank")
+    return dtype
+
+
+def unpack_tensors(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and tensors ``pack_tensors`` packed.
+
+    Raises:
+        CheckpointError: a tensor of a dtype this torch does not know.
+    """
+    raw = data.numpy().tobytes()
+    (length,) = struct.unpack_from("<Q", raw)
+    header = orjson.loads(raw[8:8 + length])
+    tensors, offset = {}, 8 + length
+    for key, dtype_name, shape in header["tensors"]:
+        dtype = _dtype(dtype_name)
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        tensors[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        offset += nbytes
+    return header, tensors
