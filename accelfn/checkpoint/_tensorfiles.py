@@ -206,8 +206,8 @@ def _tensor_table(data: memoryview) -> dict[str, tuple[torch.dtype, list[int], i
             dtype, shape, (start, end) = _TORCH_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             return None
-        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
-                and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and type(start) is int and type(end) is int and 0 <= start <= end
                 and end - start == math.prod(shape) * dtype.itemsize):
             return None
         table[key] = (dtype, shape, base + start, base + end)
@@ -217,6 +217,24 @@ def _tensor_table(data: memoryview) -> dict[str, tuple[torch.dtype, list[int], i
             return None
         position = end
     return table if position == len(data) else None
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], dict[str, Any]] | None:
+    """The tensors (``key -> (dtype, shape)``) and the ``__metadata__`` of the safetensors file
+    ``path``, one another writer made (DCP's), or None where its header does not parse or does
+    not describe the file exactly (the checks of ``_tensor_table``); reads the header only."""
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            view = memoryview(data)
+            table = _tensor_table(view)
+            head = bytes(view[8:8 + struct.unpack_from("<Q", view, 0)[0]]) if table is not None else b""
+            view.release()
+    if table is None:
+        return None
+    metadata = orjson.loads(head).get("__metadata__")
+    return {key: (dtype, shape) for key, (dtype, shape, _, _) in table.items()}, metadata if isinstance(metadata, dict) else {}
 
 
 def _tensor(data: mmap.mmap, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:

@@ -394,7 +394,7 @@ def open_checkpoint(path: Path, *, into: TrainState, backend: ProcessContext | N
     directory, manifest = _agreed(backend, lambda: _manifest(path, backend))
     files = manifest.files
     if manifest.sharded is not None:  # a collective that raises on every rank alike
-        _sharded.check_files(backend, directory, files)
+        _sharded.check_files(backend, directory, files, manifest.sharded)
         files = _sharded.manifest_files(files)
         if _pipelined.stage_layout(unwrap(into.model)) is not None:  # DCP reads this rank's stages only
             manifest = attrs.evolve(manifest, sharded=_pipelined.kept_tables(manifest.sharded, into))
