@@ -27,7 +27,7 @@ snapshot's field types, counters that are ints >= 0 with no fewer micro-batches 
 updates, the stop record, RNG states the generators take, the optimizer state's structure,
 a scheduler state with its type, and transform states under the name of the transform that
 keeps each record (``STATES``). What a snapshot must be to fit one particular state is
-``snapshot.check``; the manifest's own structure is ``_format``'s schema.
+``snapshot.check``; the manifest's own structure is ``_manifest``'s schema.
 """
 
 from __future__ import annotations
@@ -543,7 +543,7 @@ def _window(window: Window, where: str) -> list[str]:
     loss = window.loss_sum
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         found.append(f"{where}.loss_sum: {describe(loss)}, must be a floating-point tensor of one element")
-    if not (isinstance(window.num_samples, int) and window.num_samples >= 0):
+    if not _is_count(window.num_samples):
         found.append(f"{where}.num_samples: {describe(window.num_samples)}, must be an int >= 0")
     return found
 

@@ -31,8 +31,8 @@ import torch
 from accelfn._version import __version__
 from accelfn.checkpoint import _atomic, _codec, _tensorfiles
 from accelfn.checkpoint._atomic import CHECKSUM, MANIFEST
-from accelfn.checkpoint._manifest import Manifest, RankEntry, ShardedTables, dumps, loads, unstructure, validated
 from accelfn.checkpoint._codec import NDARRAY, TENSOR, Encoder, decode, describe
+from accelfn.checkpoint._manifest import Manifest, RankEntry, ShardedTables, dumps, loads, unstructure, validated
 from accelfn.checkpoint._tensorfiles import ALGORITHMS, FileEntry
 from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError

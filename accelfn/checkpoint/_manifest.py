@@ -238,7 +238,7 @@ def _expected(kind: Any) -> str:
     return names.get(base, str(kind))
 
 
-def problems(error: cattrs.BaseValidationError, data: Any) -> list[str]:
+def _messages(error: cattrs.BaseValidationError, data: Any) -> list[str]:
     """Each problem of a failed structuring of ``data`` (the JSON it was given), as
     ``path: what is there, must be what``."""
     found: list[str] = []
@@ -283,7 +283,7 @@ def validated(plain: Any, cls: type) -> tuple[Any, list[str]]:
     try:
         return _converter.structure(plain, cls), []
     except cattrs.BaseValidationError as e:
-        return None, problems(e, plain)
+        return None, _messages(e, plain)
 
 
 def loads(data: bytes, cls: type) -> Any:

@@ -26,7 +26,7 @@ import orjson
 import torch
 
 from accelfn import collectives
-from accelfn.checkpoint import _format, _manifest, _tensorfiles
+from accelfn.checkpoint import _manifest, _tensorfiles
 from accelfn.checkpoint._codec import Encoder, decode
 from accelfn.checkpoint._manifest import ShardedTables, ShardedTensor
 from accelfn.checkpoint.snapshot import Snapshot, _param_names, clean_name, unwrap
