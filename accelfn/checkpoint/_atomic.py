@@ -2,9 +2,10 @@
 
 A checkpoint ``parent/name`` is written into a hidden sibling ``parent/.name.tmp-<token>``;
 its files are fsynced, ``manifest.sha256`` and then ``manifest.json`` are written last
-(each write, fsync, rename: ``write_manifest``), and the directory is fsynced. Then it is renamed to ``name``. An existing checkpoint at ``name`` is
-first renamed to ``.name.old-<token>`` and deleted only once the new one is in place; a
-crash between the two renames leaves both complete siblings, and ``resolve`` finds them.
+(each write, fsync, rename: ``write_manifest``), and the directory is fsynced. Then it is
+renamed to ``name``. An existing checkpoint at ``name`` is first renamed to
+``.name.old-<token>`` and deleted only once the new one is in place; a crash between the
+two renames leaves both complete siblings, and ``resolve`` finds them.
 Leftovers (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned up by the
 next writer. A directory is a complete checkpoint iff it holds ``manifest.json``.
 

@@ -356,7 +356,7 @@ def _scalar(value: Any) -> bool:
 
 
 def mismatches(saved: Any, live: Any, path: str, source: str, *, complete: bool = False,
-               lengths: bool = True) -> list[str]:
+               lengths: bool = True, none_fits: bool = True) -> list[str]:
     """Where the tree ``saved`` (from ``source``) cannot replace ``live``, the value it is
     loaded over: values of other kinds (a str where a number is, a bool where a str is),
     tensors and arrays of other shapes or dtypes, records of other classes. None fits
@@ -368,9 +368,12 @@ def mismatches(saved: Any, live: Any, path: str, source: str, *, complete: bool 
 
     With ``complete``, a mapping must have every key the live one has (what a
     ``load_state_dict`` reads); without ``lengths``, sequences of another length are not
-    compared (a user's ``extra`` state, whose history may grow).
+    compared (a user's ``extra`` state, whose history may grow); without ``none_fits``, None
+    fits only None (against the state an optimizer would hold, ``snapshot._probed_state``).
     """
     a, b = _kind(saved), _kind(live)
+    if not none_fits and (saved is None) != (live is None):
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
     if a is None or b is None:
         return []
     if a != b:
@@ -386,19 +389,19 @@ def mismatches(saved: Any, live: Any, path: str, source: str, *, complete: bool 
         missing = [f"{_child(path, k)}: missing from {source} ({describe(live[k])} here)"
                    for k in live if k not in saved] if complete else []
         return missing + [p for k in saved if k in live for p in mismatches(
-            saved[k], live[k], _child(path, k), source, complete=complete, lengths=lengths)]
+            saved[k], live[k], _child(path, k), source, complete=complete, lengths=lengths, none_fits=none_fits)]
     if a == "sequence":
         if len(saved) != len(live):
             return [] if not lengths else [
                 f"{path}: {describe(saved)} in {source}, {describe(live)} here ({len(saved)} items, not {len(live)})"]
-        return [p for i, (x, y) in enumerate(zip(saved, live))
-                for p in mismatches(x, y, f"{path}[{i}]", source, complete=complete, lengths=lengths)]
+        return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(
+            x, y, f"{path}[{i}]", source, complete=complete, lengths=lengths, none_fits=none_fits)]
     if a == "record":
         if type(saved) is not type(live):
             return [f"{path}: a {type(saved).__name__} in {source}, a {type(live).__name__} here"]
         return [p for f in attrs.fields(type(saved)) if f.init
                 for p in mismatches(getattr(saved, f.name), getattr(live, f.name), _join(path, f.name), source,
-                                    complete=complete, lengths=lengths)]
+                                    complete=complete, lengths=lengths, none_fits=none_fits)]
     return []
 
 

@@ -265,7 +265,8 @@ def _messages(error: cattrs.BaseValidationError, data: Any) -> list[str]:
             return
         value = data
         for key in keys:
-            if not isinstance(value, (dict, list)) or key not in (value if isinstance(value, dict) else range(len(value))):
+            present: Any = value if isinstance(value, dict) else range(len(value)) if isinstance(value, list) else ()
+            if key not in present:
                 found.append(f"{path}: missing")
                 return
             value = value[key]

@@ -304,7 +304,8 @@ def manifest_files(files: Mapping[str, FileEntry]) -> dict[str, FileEntry]:
     return {name: e for name, e in files.items() if e.group != GROUP}
 
 
-def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry], tables: ShardedTables) -> None:
+def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry],
+                tables: ShardedTables) -> None:
     """Checks the DCP files of a checkpoint before any is read: none the manifest does not list
     (DCP's reader would read them too), the size and checksum of each, the ranks sharing the
     work, and what their headers say DCP will read (``_chunk_problems``) against ``tables``
@@ -369,7 +370,8 @@ def _chunk_problems(directory: Path, names: list[str], tables: ShardedTables) ->
             if meta is None:
                 found.append(f"{where}: a tensor the manifest's sharded tables do not place")
             elif str(dtype).removeprefix("torch.") != meta.dtype:
-                found.append(f"{where}: dtype {str(dtype).removeprefix('torch.')} in the file, {meta.dtype} in {MANIFEST}")
+                found.append(f"{where}: dtype {str(dtype).removeprefix('torch.')} in the file, {meta.dtype} in "
+                             f"{MANIFEST}")
             elif not (isinstance(offsets, list) and len(offsets) == len(shape) == len(meta.shape)
                       and all(type(o) is int and 0 <= o and o + n <= g for o, n, g in zip(offsets, shape, meta.shape))):
                 found.append(f"{where}: a chunk of shape {tuple(shape)} at {offsets}, outside its shape "

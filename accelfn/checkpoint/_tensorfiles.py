@@ -234,7 +234,8 @@ def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], d
     if table is None:
         return None
     metadata = orjson.loads(head).get("__metadata__")
-    return {key: (dtype, shape) for key, (dtype, shape, _, _) in table.items()}, metadata if isinstance(metadata, dict) else {}
+    tensors = {key: (dtype, shape) for key, (dtype, shape, _, _) in table.items()}
+    return tensors, metadata if isinstance(metadata, dict) else {}
 
 
 def _tensor(data: mmap.mmap, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:

@@ -278,7 +278,7 @@ def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> l
     for index, entry in snap.optimizer["state"].items():
         where, expected = f"optimizer.state[{index}]", probed.get(index)
         if entry and expected is not None:  # an empty entry is a parameter's state before its first update
-            problems += mismatches(entry, expected, where, source, complete=True)
+            problems += mismatches(entry, expected, where, source, complete=True, none_fits=False)
         elif index in live["state"]:
             problems += mismatches(entry, live["state"][index], where, source)
     return problems
@@ -354,22 +354,25 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
     found = {}
     params = [(p, kinds[g].get((p.dtype, p.dim()))) for g, group in enumerate(optimizer.param_groups)
               for p in group["params"]]
+    metas: dict[tuple[Any, ...], torch.Tensor] = {}  # one "meta" tensor per shape and dtype
     for index, (p, stand_in) in enumerate(params):
-        entry = {} if stand_in is None else {key: _like(v, p.shape) for key, v in probe.state[stand_in].items()}
+        entry = {} if stand_in is None else {key: _like(v, p.shape, metas) for key, v in probe.state[stand_in].items()}
         if entry and all(value is not None for value in entry.values()):
             found[index] = entry
     return found
 
 
-def _like(value: Any, shape: torch.Size) -> Any:
+def _like(value: Any, shape: torch.Size, metas: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     """A stand-in's state ``value`` for a parameter of ``shape`` ("meta"; None if a dimension does not map)."""
     if not isinstance(value, torch.Tensor):
         return value
     sizes = _SIZES[:len(shape)]
     if any(n != 1 and n not in sizes for n in value.shape):
         return None
-    return torch.empty([1 if n == 1 else shape[sizes.index(n)] for n in value.shape], dtype=value.dtype,
-                       device="meta")
+    mapped = tuple(1 if n == 1 else shape[sizes.index(n)] for n in value.shape)
+    if (mapped, value.dtype) not in metas:
+        metas[mapped, value.dtype] = torch.empty(mapped, dtype=value.dtype, device="meta")
+    return metas[mapped, value.dtype]
 
 
 def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
@@ -409,7 +412,8 @@ def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
     for name, grad in snap.grads.items():
         param = params.get(name)
         if param is not None and grad.shape != param.shape:
-            problems.append(f"gradient {name!r}: shape {tuple(grad.shape)} in the checkpoint, {tuple(param.shape)} here")
+            problems.append(f"gradient {name!r}: shape {tuple(grad.shape)} in the checkpoint, "
+                            f"{tuple(param.shape)} here")
         elif param is not None and grad.dtype != param.dtype and not (is_dtensor(param) and grad.is_floating_point()):
             problems.append(f"gradient {name!r}: dtype {grad.dtype} in the checkpoint, {param.dtype} here")
     return problems
