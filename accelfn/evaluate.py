@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
-from accelfn import collectives
-from accelfn.backends import _pipeline_eval
+from accelfn import distributed
 from accelfn.backends.base import Backend
 from accelfn.data.batches import keyed_batches
 from accelfn.data.tree import map_tensors
+from accelfn.distributed import pipeline
+from accelfn.distributed.phases import layout
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 
@@ -42,7 +43,7 @@ def evaluate(
     are put back as they were afterwards, so such gradients never reach the next update.
 
     A collective: call it on every rank, not inside ``if backend.is_main_process:``; the
-    ranks first check that all of them arrived (``collectives.arrive``). Under ``replicate``
+    ranks first check that all of them arrived (``distributed.arrive``). Under ``replicate``
     and ``shard_params`` every rank then takes rank 0's buffers (BatchNorm's running
     statistics, which each rank's last training forward updated from its own batch), as
     DDP's next forward would and as ``af.save`` writes: every sample goes through one model.
@@ -82,7 +83,7 @@ def evaluate(
     Raises:
         TypeError: ``fn`` is not callable, ``state`` is not a TrainState, ``precision`` is
             neither a Step nor None, or ``fn`` returned something other than tensors.
-        RuntimeError: (``collectives.ArrivalError``) some rank did not call ``evaluate``
+        RuntimeError: (``distributed.ArrivalError``) some rank did not call ``evaluate``
             within a tenth of the collective timeout: it is a collective, call it on every rank.
         ValueError: an output whose leading dimension is not the batch size, or ``data``
             without any sample; a DataLoader without ``batch_size``; outputs of another
@@ -112,16 +113,17 @@ def _evaluate(fn: Callable[[torch.nn.Module, Any], Outputs], state: TrainState, 
               backend: Backend, precision: Step | None) -> Outputs:
     policy = backend.precision(precision) if precision is not None else None
     if backend.world_size > 1:
-        collectives.arrive("af.evaluate")
+        distributed.arrive("af.evaluate")
     model = state.model
-    collectives.sync_buffers(model, backend.collective_device)  # one model: rank 0's buffers on every rank
+    distributed.sync_buffers(model, backend.collective_device)  # one model: rank 0's buffers on every rank
     cast = _input_cast(model)
     keys, outputs = [], []
-    data_rank, data_world, leads = backend.model_data_coordinates(model)  # a tensor-parallel group reads one shard
+    # the mesh it was prepared with: a tensor-parallel group, a pipeline reads one shard
+    data_rank, data_world, leads, collective = layout(model, backend.rank, backend.world_size)
     batches = keyed_batches(data, rank=data_rank, world_size=data_world)
-    if backend.forward_is_collective(model):
+    if collective:
         batches = _in_step(backend, batches)
-    pipelined = _pipeline_eval.forward_of(model)  # a model cut into stages: fn calls their forward
+    pipelined = pipeline.forward_of(model)  # a model cut into stages: fn calls their forward
     runs: Any = model if pipelined is None else pipelined
     modes = [(module, module.training) for module in model.modules()]
     grads = [(p, p.grad) for p in model.parameters()]  # fn may take gradients (enable_grad)
@@ -204,7 +206,7 @@ def _gather_in_order(backend: Backend, keys: list[torch.Tensor], outputs: list[A
     # differ in structure (other dict keys, tuple lengths) would pair up unrelated gathers,
     # or wait forever for one another rank never starts: they fail on every rank instead.
     # A rank without samples (fewer samples than ranks) takes empty outputs shaped like
-    # another rank's. Every rank takes part in the same collectives.
+    # another rank's. Every rank takes part in the same distributed.
     templates = backend.gather_object(None if local is None else map_tensors(lambda t: t[:0].cpu(), local))
     present = [(r, t) for r, t in enumerate(templates) if t is not None]
     if not present:

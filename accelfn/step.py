@@ -39,6 +39,14 @@ class TransformBase:
     kind: ClassVar[str]
     # The lowercase constructor users call, for error messages.
     verb: ClassVar[str]
+    #: its step runs collectives over the ranks at every update, so every rank must run as many
+    #: micro-batches (replicate, shard_params, tensor_parallel, pipeline, deepspeed)
+    couples_ranks: ClassVar[bool] = False
+    #: its step function reduces the gradients over data-parallel ranks itself: the model is not
+    #: wrapped for replicate() (pipeline: one all-reduce per stage; invariant: the canonical sum)
+    reduces_gradients: ClassVar[bool] = False
+    #: an engine that places, partitions and wraps the model itself (deepspeed): prepare does not
+    engine: ClassVar[bool] = False
 
     def __call__(self, step: Step) -> Step:
         if not isinstance(step, Step):

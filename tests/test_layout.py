@@ -78,3 +78,87 @@ def test_the_checkpoint_package_is_cut_along_the_flow_of_a_save() -> None:
     """accelfn/checkpoint/ holds at most 13 modules (its __init__ included)."""
     modules = sorted(p.name for p in (ROOT / "accelfn" / "checkpoint").glob("*.py"))
     assert len(modules) <= 13, modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every accelfn module and the accelfn modules it imports at run time (imports under
+    ``if TYPE_CHECKING:`` name types only and are left out, as in the import contract)."""
+    import grimp
+
+    graph = grimp.build_graph("accelfn", exclude_type_checking_imports=True)
+    return {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """The import graph of the package has no circle (a package's ``__init__`` counts as the
+    module of its folder): every import points one way."""
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == 1:
+                circles.append(path[path.index(imported):] + [imported])
+            elif imported not in state:
+                visit(imported, [*path, imported])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_backends_hold_how_a_program_runs_on_hardware_only() -> None:
+    """accelfn/backends/ holds at most 12 modules (its __init__ included) and base.py at most 400
+    lines; what torch.distributed does to a model lives in accelfn/distributed/, below it."""
+    modules = sorted(p.name for p in (ROOT / "accelfn" / "backends").glob("*.py"))
+    assert len(modules) <= 12, modules
+    assert len((ROOT / "accelfn" / "backends" / "base.py").read_text().splitlines()) <= 400
+
+
+#: names that would mean prepare knows a parallelism: transforms, their verbs, their modules
+PARALLELISMS = ("Replicate", "ShardParams", "TensorParallel", "Pipeline", "DeepSpeed", "Invariant", "Compile",
+                "replicate", "shard_params", "tensor_parallel", "pipeline", "deepspeed", "invariant", "fsdp", "ddp",
+                "meta", "materialize", "canonical")
+
+
+def test_the_function_that_prepares_a_program_names_no_parallelism() -> None:
+    """``Backend.prepare``'s code (its docstring aside) names no transform, verb or
+    parallelism module: it runs the phase table."""
+    source = (ROOT / "accelfn" / "backends" / "base.py").read_text()
+    tree = ast.parse(source)
+    (backend,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend"]
+    (prepare,) = [n for n in backend.body if isinstance(n, ast.FunctionDef) and n.name == "prepare"]
+    body = prepare.body[1:] if ast.get_docstring(prepare) else prepare.body
+    names = {node.id for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Name)}
+    names |= {node.attr for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Attribute)}
+    assert not names & set(PARALLELISMS), names & set(PARALLELISMS)
+
+
+def _public_order(name: str) -> tuple[int, str]:
+    """Constants, then classes, then functions and modules, each alphabetically (isort's order)."""
+    return (0 if name.isupper() else 1 if name[0].isupper() else 2), name
+
+
+def test_the_package_face_is_grouped_and_sorted() -> None:
+    """accelfn/__init__.py holds only the public names: imports in groups, each under a comment
+    saying what it holds, each import's names sorted; ``__all__`` is every imported name, sorted."""
+    source = (ROOT / "accelfn" / "__init__.py").read_text()
+    tree = ast.parse(source)
+    imports = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert all(isinstance(node, (ast.ImportFrom, ast.Assign)) for node in tree.body[1:]), "imports and __all__ only"
+    imported = [alias.asname or alias.name for node in imports for alias in node.names]
+    for node in imports:
+        names = [alias.name for alias in node.names]
+        assert names == sorted(names, key=_public_order), (node.module, names)
+    lines = source.splitlines()
+    ends = [0, *(node.end_lineno or node.lineno for node in imports)]
+    groups = [node.lineno for node, end in zip(imports, ends) if node.lineno - 1 != end]  # after a blank or comment
+    assert len(groups) >= 5 and all(lines[start - 2].startswith("# ") for start in groups), groups
+    (assign,) = [node for node in tree.body if isinstance(node, ast.Assign)]
+    public = ast.literal_eval(assign.value)
+    assert public == sorted(public, key=_public_order)
+    assert sorted(public) == sorted(imported)

@@ -9,7 +9,7 @@ from accelfn.backends.auto import auto
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.cuda import CUDA
-from accelfn.backends.env import LaunchEnv
+from accelfn.distributed.env import LaunchEnv
 
 __all__ = ["CPU", "CUDA", "XLA", "Backend", "LaunchEnv", "StepFn", "auto"]
 

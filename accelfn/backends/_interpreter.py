@@ -1,9 +1,11 @@
 """The generic phase interpreter: a Step, specialized once into a step function
-(``StepFn``, or ``PlainStepFn`` for a program whose transforms add nothing to a step).
+(``InterpreterStepFn``, or ``PlainStepFn`` for a program whose transforms add nothing to a
+step); the ``StepFn`` protocol every step function follows; and the one update tail
+(``UpdateTail``) of every step function that applies its updates itself.
 
 Every backend runs this code; a backend contributes only its primitives (device, autocast,
 model wrapping, gradient reduction, graph cut). What the transforms ask for is resolved in
-``StepFn.__init__`` so that the per-micro-batch path does no dispatch on them.
+``InterpreterStepFn.__init__`` so that the per-micro-batch path does no dispatch on them.
 
 Per micro-batch, in phase order::
 
@@ -24,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from accelfn import collectives
-from accelfn.backends import _clip, _comm_hooks, _fsdp
+from accelfn import distributed
 from accelfn.data.tree import map_tensors, num_samples
+from accelfn.distributed import ddp, fsdp, grad_norm
 from accelfn.errors import NonFiniteError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Step, detach, unpack
@@ -50,6 +52,7 @@ from accelfn.transforms.precision import LossScale, Policy, SkipCount, parse_pol
 
 if TYPE_CHECKING:
     from accelfn.backends.base import Backend
+    from accelfn.distributed.phases import Preparation
 
 _NULL = contextlib.nullcontext()
 _FP32 = parse_policy("fp32")
@@ -66,7 +69,182 @@ def _add(acc: torch.Tensor | float | None, value: torch.Tensor | float) -> torch
     return value if acc is None else acc + value
 
 
-class StepFn:
+class StepFn(Protocol):
+    """``step_fn(state, batch, *, flush=False) -> (state, metrics)``: one micro-batch of ``step``.
+
+    What ``backend.prepare(step, state)`` returns: the interpreter's (``InterpreterStepFn``,
+    ``PlainStepFn``), invariant's, the pipeline's or DeepSpeed's step function, chosen once.
+    ``metrics`` is empty except after the last micro-batch of an accumulation window, where
+    the optimizer update happened (or was skipped).
+
+    Attributes:
+        step: the program it runs (with what ``accelfn launch`` added).
+    """
+
+    step: Step
+
+    def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
+        ...
+
+
+class UpdateTail:
+    """The end of every update a step function applies itself (the interpreter's, invariant's,
+    the pipeline's): given the window's gradients on the parameters, in one place::
+
+        sync      reduce_gradients (XLA; DDP and FSDP2 reduced during backward)
+        unscale   grads *= correction / loss_scale   (fused with the non-finite check under
+                  fp16 and skip_nonfinite; the verdict summed over ranks where each rank checked
+                  only its part of the gradients: shards, a split, a stage)
+        metrics   loss, lr (and lr/group{i}), num_samples, num_items, the user's means
+        clip      the step function's norm (grad_norm, measured before clipping) / clip_value
+        check     an update with inf/NaN gradients skipped: skip count, loss scale adjusted
+        update    optimizer.step(); scheduler.step()
+        zero      optimizer.zero_grad(set_to_none=True)
+        advance   counters; the window's record dropped; a PowerSGD hook's state recorded
+        errors    NonFiniteError after too many skips in a row, or a loss scale below its floor
+
+    Args:
+        backend: the backend (its reduce, graph cut).
+        step: the program (its precision, clip, clip_value, skip_nonfinite).
+        state: the state prepared (its optimizer and scheduler).
+        grads: ``grads(params) -> tensors``: the gradients to unscale in place.
+        clip_norm: ``clip_norm(params) -> norm``: clips and returns the total norm (``clip``).
+        verdict_over_ranks: sum the non-finite verdict over every rank (each saw a part).
+        skips_agree: every rank skips the same updates (the norm of a skipped update is left out).
+        reduce_gradients: averages gradients over ranks before the update (XLA), or None.
+        comm: a PowerSGD hook's live state, recorded after each update, or None.
+    """
+
+    def __init__(self, backend: Backend, step: Step, state: TrainState, *,
+                 grads: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                 clip_norm: Callable[[list[torch.Tensor]], torch.Tensor], verdict_over_ranks: bool,
+                 skips_agree: bool, reduce_gradients: Callable[[list[torch.nn.Parameter]], None] | None = None,
+                 comm: ddp.PowerSGDHook | None = None):
+        precision, skip = step.find(WithPrecision), step.find(SkipNonfinite)
+        self._backend = backend
+        self._optimizer = state.optimizer
+        self._scheduler = state.scheduler
+        self.params = [p for group in state.optimizer.param_groups for p in group["params"]]
+        self._num_groups = len(state.optimizer.param_groups)
+        # several learning rates at the start: log each group's (a fixed set of names for the run)
+        self._lr_per_group = len({float(g["lr"]) for g in state.optimizer.param_groups}) > 1
+        policy = precision.policy if precision else _FP32
+        self.scaling = policy.scaling
+        self._clip, self._clip_value = step.find(Clip), step.find(ClipValue)
+        self.guard = self.scaling is not None or skip is not None
+        self._max_skips = (
+            self.scaling.max_consecutive_skips if self.scaling is not None
+            else skip.max_consecutive_skips if skip is not None else 0
+        )
+        self._grads = grads
+        self._clip_norm = clip_norm
+        self._verdict_over_ranks = verdict_over_ranks and backend.world_size > 1
+        self._skips_agree = skips_agree
+        self._reduce_gradients = reduce_gradients
+        self._comm = comm
+        self._graph_cut = backend.graph_cut
+
+    def __call__(self, state: TrainState, correction: float | torch.Tensor, samples: int,
+                 loss_mean: torch.Tensor | float, metric_means: Mapping[str, Any], *,
+                 items: Any = None) -> tuple[TrainState, Mapping[str, Any]]:
+        """The update of a closed window: ``correction`` divides the summed gradients into the
+        window's mean; ``samples`` (``items``) are this rank's in the window."""
+        params = self.params
+        if self._reduce_gradients is not None:
+            self._reduce_gradients(params)
+        transforms_state = state.transforms_state
+        loss_scale: LossScale | None = transforms_state["loss_scale"] if self.scaling is not None else None
+        inv_scale = correction / loss_scale.scale if loss_scale is not None else correction
+
+        found_inf = None
+        if self.guard:
+            found_inf = numerics.unscale_and_check(self._grads(params), inv_scale)
+            if self._verdict_over_ranks:  # each rank checked only its part
+                found_inf = self._backend.reduce(found_inf, "sum")
+        elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
+            numerics.scale_(self._grads(params), inv_scale)
+
+        # this rank's window means, the lr this update uses, and the window's sample count
+        metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
+                                   "num_samples": samples}
+        if self._num_groups > 1:
+            metrics.update(self._group_lrs())
+        if items is not None:  # an af.Loss's items in the window on this rank (tokens, say)
+            metrics["num_items"] = items
+        for name, value in metric_means.items():
+            metrics[name] = detach(value)
+        if self._clip is not None:
+            metrics["grad_norm"] = self._clip_norm(params)
+        elif self._clip_value is not None:
+            torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
+
+        finite = True
+        if found_inf is not None:
+            finite = not bool(found_inf.item())  # the one host sync of a guarded update
+            changes: dict[str, Any] = {"skips": transforms_state["skips"].record(finite)}
+            metrics["skipped"] = 0 if finite else 1
+            if not finite and self._skips_agree:  # the norm of non-finite gradients is no norm (docs/05)
+                metrics.pop("grad_norm", None)
+            if loss_scale is not None:
+                metrics["loss_scale"] = loss_scale.scale
+                changes["loss_scale"] = loss_scale.adjust(finite, self.scaling)  # type: ignore[arg-type]  # set whenever loss_scale is
+            transforms_state = {**transforms_state, **changes}
+        if finite:
+            self._optimizer.step()
+            if self._scheduler is not None:
+                self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+
+        if "window" in transforms_state:
+            transforms_state = {k: v for k, v in transforms_state.items() if k != "window"}
+        if self._comm is not None:  # the hook's state after this update's synchronizing backward
+            transforms_state = {**transforms_state, "comm_hook": ddp.record(self._comm)}
+        new_state = state._advance(
+            step=state.step + 1 if finite else state.step,
+            micro_step=state.micro_step + 1,
+            epoch_micro_step=state.epoch_micro_step + 1,
+            transforms_state=transforms_state,
+        )
+        if self._graph_cut is not None:
+            self._graph_cut()
+        if found_inf is not None:
+            self._check_skips(new_state)
+        return new_state, metrics
+
+    def _group_lrs(self) -> dict[str, Any]:
+        """With several parameter groups: ``lr``, the learning rate of the first group this
+        update changes (one with a gradient; group 0 if none has), and, when the groups'
+        learning rates differed when the step function was made, ``lr/group{i}`` for each
+        group ``i``. Read before ``zero_grad``, while the gradients show which groups the
+        update uses. (With one group, ``lr`` is simply its learning rate.)
+        """
+        groups = self._optimizer.param_groups
+        used = next((g for g in groups if any(p.grad is not None for p in g["params"])), groups[0])
+        if not self._lr_per_group:
+            return {"lr": used["lr"]}
+        return {"lr": used["lr"], **{f"lr/group{i}": g["lr"] for i, g in enumerate(groups)}}
+
+    def _check_skips(self, state: TrainState) -> None:
+        skips: SkipCount = state.transforms_state["skips"]
+        loss_scale: LossScale | None = state.transforms_state.get("loss_scale")
+        if skips.consecutive >= self._max_skips:
+            raise NonFiniteError(
+                f"{skips.consecutive} optimizer updates in a row had inf/NaN gradients and were "
+                f"skipped (step {state.step}); the loss or the model produces non-finite values. "
+                "Check the data and the learning rate, compute the loss in fp32, or raise "
+                "max_consecutive_skips"
+            )
+        if loss_scale is not None and loss_scale.scale < self.scaling.min_scale:  # type: ignore[union-attr]  # set with loss_scale
+            raise NonFiniteError(
+                f"the fp16 loss scale fell to {loss_scale.scale:g}, below its floor "
+                f"{self.scaling.min_scale:g} (step {state.step}): the gradients are inf or NaN even "  # type: ignore[union-attr]  # as above
+                "at a scale this small, so the loss itself is probably not finite (check the data and the "
+                "learning rate), or the model overflows fp16: use with_precision('bf16'), or compute the "
+                "loss in fp32"
+            )
+
+
+class InterpreterStepFn:
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)``: one micro-batch.
 
     Made by ``backend.prepare(step, state)``. ``metrics`` is empty except after the last
@@ -93,39 +271,23 @@ class StepFn:
     def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
         accumulate = step.find(Accumulate)
         precision = step.find(WithPrecision)
-        skip = step.find(SkipNonfinite)
         self.step = step
         self._backend = backend
         self._loss_fn = step.loss_fn
         self._model = model  # what the forward calls: DDP- or otherwise wrapped
         self._owner = state.model
-        self._optimizer = state.optimizer
-        self._scheduler = state.scheduler
         self._params = [p for group in state.optimizer.param_groups for p in group["params"]]
-        self._num_groups = len(state.optimizer.param_groups)
-        # several learning rates at the start: log each group's (a fixed set of names for the run)
-        self._lr_per_group = len({float(g["lr"]) for g in state.optimizer.param_groups}) > 1
         self._n = accumulate.num_micro_batches if accumulate else 1
         self._policy: Policy = precision.policy if precision else _FP32
         self._scaling = self._policy.scaling
         self._clip = step.find(Clip)
-        self._clip_value = step.find(ClipValue)
-        self._guard = self._scaling is not None or skip is not None
-        self._max_skips = (
-            self._scaling.max_consecutive_skips if self._scaling is not None
-            else skip.max_consecutive_skips if skip is not None else 0
-        )
         shard = step.find(ShardParams)
         replicated = step.find(Replicate) is not None and backend.world_size > 1
         # sharded: gradients are DTensor shards, reduce-scattered (averaged) during backward
-        self._sharded = sharded = shard is not None and _fsdp.is_sharded(state.model)
+        self._sharded = sharded = shard is not None and fsdp.is_sharded(state.model)
         # some parameters are DTensors (shard_params, tensor_parallel): gradients are taken shard by shard
-        self._distributed_params = any(collectives.is_dtensor(p) for p in self._params)
+        self._distributed_params = any(distributed.is_dtensor(p) for p in self._params)
         self._data_parallel = data_parallel = (replicated or sharded) and backend.world_size > 1
-        # every rank skips the same updates (one rank, all-reduced gradients, or a sharded or
-        # split model's inf check summed over ranks), so a skipped update's metrics can leave
-        # grad_norm out without the ranks reducing different names
-        self._skips_agree = data_parallel or backend.world_size == 1 or self._distributed_params
         self._world_size = backend.world_size if data_parallel else 1
         self._loss_kind_agreed = not data_parallel  # checked at the first micro-batch (_agree_loss_kind)
         sync_every = shard is not None and sharded and shard.reduce_every_micro_batch
@@ -133,11 +295,18 @@ class StepFn:
             backend.no_sync(model) if data_parallel and not sync_every else lambda: _NULL)
         self._autocast = backend.autocast if self._policy.autocast else None
         self._cast_inputs = self._policy.casts_inputs
-        self._reduce_gradients = backend.reduce_gradients if replicated else None
         self._graph_cut = backend.graph_cut
-        # a PowerSGD hook's live state, and the record of it the state carries (_comm_hooks)
-        self._comm = _comm_hooks.live_state(model) if replicated else None
+        # a PowerSGD hook's live state, and the record of it the state carries (distributed.ddp)
+        self._comm = ddp.live_state(model) if replicated else None
         self._comm_record = state.transforms_state.get("comm_hook")
+        # every rank skips the same updates (one rank, all-reduced gradients, or a sharded or
+        # split model's inf check summed over ranks), so a skipped update's metrics can leave
+        # grad_norm out without the ranks reducing different names
+        self._tail = UpdateTail(
+            backend, step, state, grads=self._grads, clip_norm=self._clip_grad_norm,
+            verdict_over_ranks=self._distributed_params,
+            skips_agree=data_parallel or backend.world_size == 1 or self._distributed_params,
+            reduce_gradients=backend.reduce_gradients if replicated else None, comm=self._comm)
 
     # -- one micro-batch ---------------------------------------------------------------
 
@@ -197,7 +366,7 @@ class StepFn:
         numbers, before the first backward of the run, finds it out instead.
         """
         self._loss_kind_agreed = True
-        if not collectives.all_same([int(is_sum)], device=self._backend.collective_device):
+        if not distributed.all_same([int(is_sum)], device=self._backend.collective_device):
             raise ValueError(
                 f"loss_fn returned an af.Loss on some ranks and a plain loss on others (this is rank "
                 f"{self._backend.rank}: {'an af.Loss' if is_sum else 'a plain loss'}); the ranks reduce "
@@ -291,128 +460,37 @@ class StepFn:
     def _update(self, state: TrainState, correction: float | torch.Tensor, samples: int,
                 loss_mean: torch.Tensor | float, metric_means: Mapping[str, Any], *,
                 items: Any = None) -> tuple[TrainState, Mapping[str, Any]]:
-        params = self._params
-        if self._reduce_gradients is not None:
-            self._reduce_gradients(params)
-        transforms_state = state.transforms_state
-        loss_scale: LossScale | None = transforms_state["loss_scale"] if self._scaling is not None else None
-        inv_scale = correction / loss_scale.scale if loss_scale is not None else correction
-
-        found_inf = None
-        if self._guard:
-            found_inf = numerics.unscale_and_check(self._grads(params), inv_scale)
-            if self._distributed_params and self._backend.world_size > 1:  # each rank checked only its shards
-                found_inf = self._backend.reduce(found_inf, "sum")
-        elif isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            numerics.scale_(self._grads(params), inv_scale)
-
-        # this rank's window means, the lr this update uses, and the window's sample count
-        metrics: dict[str, Any] = {"loss": loss_mean, "lr": self._optimizer.param_groups[0]["lr"],
-                                   "num_samples": samples}
-        if self._num_groups > 1:
-            metrics.update(self._group_lrs())
-        if items is not None:  # an af.Loss's items in the window on this rank (tokens, say)
-            metrics["num_items"] = items
-        for name, value in metric_means.items():
-            metrics[name] = detach(value)
-        if self._clip is not None:
-            metrics["grad_norm"] = self._clip_grad_norm(params)
-        elif self._clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
-
-        finite = True
-        if found_inf is not None:
-            finite = not bool(found_inf.item())  # the one host sync of a guarded update
-            changes: dict[str, Any] = {"skips": transforms_state["skips"].record(finite)}
-            metrics["skipped"] = 0 if finite else 1
-            if not finite and self._skips_agree:  # the norm of non-finite gradients is no norm (docs/05)
-                metrics.pop("grad_norm", None)
-            if loss_scale is not None:
-                metrics["loss_scale"] = loss_scale.scale
-                changes["loss_scale"] = loss_scale.adjust(finite, self._scaling)  # type: ignore[arg-type]  # set whenever loss_scale is
-            transforms_state = {**transforms_state, **changes}
-        if finite:
-            self._optimizer.step()
-            if self._scheduler is not None:
-                self._scheduler.step()
-        self._optimizer.zero_grad(set_to_none=True)
-
-        if "window" in transforms_state:
-            transforms_state = {k: v for k, v in transforms_state.items() if k != "window"}
-        if self._comm is not None:  # the hook's state after this update's synchronizing backward
-            self._comm_record = _comm_hooks.record(self._comm)
-            transforms_state = {**transforms_state, "comm_hook": self._comm_record}
-        new_state = state._advance(
-            step=state.step + 1 if finite else state.step,
-            micro_step=state.micro_step + 1,
-            epoch_micro_step=state.epoch_micro_step + 1,
-            transforms_state=transforms_state,
-        )
-        if self._graph_cut is not None:
-            self._graph_cut()
-        if found_inf is not None:
-            self._check_skips(new_state)
+        new_state, metrics = self._tail(state, correction, samples, loss_mean, metric_means, items=items)
+        if self._comm is not None:  # the record this update left: not loaded into the hook again
+            self._comm_record = new_state.transforms_state.get("comm_hook")
         return new_state, metrics
 
     def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """``clip``: the gradients' total norm (returned), and each gradient scaled to it."""
         assert self._clip is not None
         if self._distributed_params:
-            return _clip.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
+            return grad_norm.clip_grad_norm(params, self._clip.max_norm, self._clip.norm_type,
                                         self._backend.collective_device)
         return torch.nn.utils.clip_grad_norm_(params, self._clip.max_norm, self._clip.norm_type)
 
     def _load_comm_state(self, state: TrainState) -> None:
         memory = state.transforms_state.get("comm_hook")
         if isinstance(memory, PowerSGDMemory):
-            _comm_hooks.load(self._comm, memory, self._backend.device)  # type: ignore[arg-type]  # set with _comm
+            ddp.load(self._comm, memory, self._backend.device)  # type: ignore[arg-type]  # set with _comm
         self._comm_record = memory
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients to scale in place: under sharding, each DTensor's local shard."""
         if self._distributed_params:
-            return _clip.local_gradients(params)
+            return grad_norm.local_gradients(params)
         return [p.grad for p in params if p.grad is not None]
 
-    def _group_lrs(self) -> dict[str, Any]:
-        """With several parameter groups: ``lr``, the learning rate of the first group this
-        update changes (one with a gradient; group 0 if none has), and, when the groups'
-        learning rates differed when the step function was made, ``lr/group{i}`` for each
-        group ``i``. Read before ``zero_grad``, while the gradients show which groups the
-        update uses. (With one group, ``lr`` is simply its learning rate.)
-        """
-        groups = self._optimizer.param_groups
-        used = next((g for g in groups if any(p.grad is not None for p in g["params"])), groups[0])
-        if not self._lr_per_group:
-            return {"lr": used["lr"]}
-        return {"lr": used["lr"], **{f"lr/group{i}": g["lr"] for i, g in enumerate(groups)}}
-
-    def _check_skips(self, state: TrainState) -> None:
-        skips: SkipCount = state.transforms_state["skips"]
-        loss_scale: LossScale | None = state.transforms_state.get("loss_scale")
-        if skips.consecutive >= self._max_skips:
-            raise NonFiniteError(
-                f"{skips.consecutive} optimizer updates in a row had inf/NaN gradients and were "
-                f"skipped (step {state.step}); the loss or the model produces non-finite values. "
-                "Check the data and the learning rate, compute the loss in fp32, or raise "
-                "max_consecutive_skips"
-            )
-        if loss_scale is not None and loss_scale.scale < self._scaling.min_scale:  # type: ignore[union-attr]  # set with loss_scale
-            raise NonFiniteError(
-                f"the fp16 loss scale fell to {loss_scale.scale:g}, below its floor "
-                f"{self._scaling.min_scale:g} (step {state.step}): the gradients are inf or NaN even "  # type: ignore[union-attr]  # as above
-                "at a scale this small, so the loss itself is probably not finite (check the data and the "
-                "learning rate), or the model overflows fp16: use with_precision('bf16'), or compute the "
-                "loss in fp32"
-            )
-
-
-class PlainStepFn(StepFn):
-    """``StepFn`` for a program whose transforms add nothing to a step (``step_function``).
+class PlainStepFn(InterpreterStepFn):
+    """``InterpreterStepFn`` for a program whose transforms add nothing to a step (``step_function``).
 
     One micro-batch per update, no loss scale, clip or non-finite check, no gradient
-    reduction: forward, backward, update, zero, with none of the interpreter's branches.
-    An ``af.Loss`` takes the general path (its count normalizes the gradient).
+    reduction: forward, backward, then the update tail, with none of the interpreter's
+    branches. An ``af.Loss`` takes the general path (its count normalizes the gradient).
     """
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
@@ -426,30 +504,19 @@ class PlainStepFn(StepFn):
         if is_sum:
             return self._whole_window(state, samples, out)
         loss.backward()
-        optimizer = self._optimizer
-        metrics: dict[str, Any] = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"], "num_samples": samples}
-        if self._num_groups > 1:
-            metrics.update(self._group_lrs())
-        if user_metrics:
-            for name, value in user_metrics.items():
-                metrics[name] = detach(value)
-        optimizer.step()
-        if self._scheduler is not None:
-            self._scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return state._advance(step=state.step + 1, micro_step=state.micro_step + 1,
-                              epoch_micro_step=state.epoch_micro_step + 1,
-                              transforms_state=state.transforms_state), metrics
+        return self._tail(state, 1.0, samples, loss.detach(), user_metrics)
 
 
-def step_function(backend: Backend, step: Step, state: TrainState, model: torch.nn.Module) -> StepFn:
-    """``step`` specialized for ``backend`` and ``state``: a PlainStepFn where nothing acts
+def step_function(backend: Backend, prep: Preparation) -> StepFn:
+    """The interpreter's step function of ``prep``'s program: a PlainStepFn where nothing acts
     between backward and update (one micro-batch per update, no loss scale, clip, non-finite
-    check, autocast, input cast, explicit gradient reduction or graph cut), else a StepFn."""
+    check, autocast, input cast, explicit gradient reduction or graph cut), else an
+    InterpreterStepFn."""
+    step = prep.step
     accumulate, precision = step.find(Accumulate), step.find(WithPrecision)
     policy = precision.policy if precision else _FP32
     plain = ((accumulate is None or accumulate.num_micro_batches == 1) and policy.scaling is None
              and not policy.autocast and not policy.casts_inputs and step.find(SkipNonfinite) is None
              and step.find(Clip) is None and step.find(ClipValue) is None and backend.graph_cut is None
              and not (step.find(Replicate) is not None and backend.world_size > 1))
-    return (PlainStepFn if plain else StepFn)(backend, step, state, model)
+    return (PlainStepFn if plain else InterpreterStepFn)(backend, step, prep.state, prep.model)

@@ -11,7 +11,7 @@ Per micro-batch ``k`` (its global index in the epoch, ``transforms.invariant.glo
     leaf      the gradients flattened into one buffer, pushed on the stack (binary counter)
     -- last micro-batch of the window only --
     fold      the stack's sum: this rank's subtree
-    reduce    collectives.canonical_all_reduce (butterfly; no DDP, whose order is not fixed)
+    reduce    distributed.canonical_all_reduce (butterfly; no DDP, whose order is not fixed)
     scale     grads *= 1/N, N the global item count (L micro-batches for a mean loss)
     then      unscale, clip, check, update, adjust, zero as StepFn does
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import random
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
-from accelfn.backends import _fsdp, _fsdp_grads
-from accelfn.backends._interpreter import _NULL, StepFn, foreign_state
+from accelfn import distributed
+from accelfn.backends._interpreter import _NULL, InterpreterStepFn, UpdateTail, foreign_state
 from accelfn.data.tree import map_tensors, num_samples
+from accelfn.distributed import fsdp
 from accelfn.errors import TransformError
 from accelfn.state import TrainState
 from accelfn.step import NO_METRICS, Step, detach
@@ -57,34 +56,10 @@ WINDOW = "tree_window"
 LAYOUT = "invariant"
 
 
-def check_conditions(backend: Backend) -> None:
-    """Warns (on the main process) where a condition of the guarantee is not met here: ranks
-    with different numbers of intra-op threads (a collective), or CUDA without deterministic
-    algorithms. What no process can see (the thread count of another run) the docs ask for."""
-    threads = torch.get_num_threads()
-    same = collectives.all_same([threads], device=backend.collective_device) if backend.world_size > 1 else True
-    problems = [] if same else [f"the processes run different numbers of intra-op threads (this one {threads})"]
-    if backend.device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-        problems.append("torch.use_deterministic_algorithms(True) is not set, so CUDA kernels may add in any order")
-    if problems and backend.is_main_process:
-        warnings.warn(f"invariant(): {'; '.join(problems)}: the run is correct but may differ bit for bit from "
-                      "the same run on another number of processes (docs/14-invariant.md, Conditions)",
-                      RuntimeWarning, stacklevel=4)
-
-
-def broadcast_model(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers copied into every rank's model, in place (a collective)."""
-    if collectives.world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
-
-
-class InvariantStepFn(StepFn):
+class InvariantStepFn(InterpreterStepFn):
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` under ``invariant()``.
 
-    As :class:`StepFn`, but the update's gradient is summed over the global micro-batches
+    As :class:`InterpreterStepFn`, but the update's gradient is summed over the global micro-batches
     in one tree that does not depend on the world size (module docstring). Metrics are the
     update's over all ranks (``loss``, the user's metrics, ``grad_norm``: the same value on
     every rank); ``num_samples`` and ``num_items`` are this rank's, as elsewhere.
@@ -92,7 +67,7 @@ class InvariantStepFn(StepFn):
     Raises (of a call):
         TransformError: the run was started with another micro-batch size or number of
             micro-batches per update (``W * A``) than this one (a resume that cannot be exact).
-        As :class:`StepFn`.
+        As :class:`InterpreterStepFn`.
     """
 
     def __init__(self, backend: Backend, step: Step, state: TrainState, model: torch.nn.Module):
@@ -101,15 +76,16 @@ class InvariantStepFn(StepFn):
         assert spec is not None
         self._seed = spec.seed
         self._rank, self._world = backend.rank, backend.world_size
-        self._reduce_gradients = None  # the canonical sum replaces it
         self._data_parallel = self._world > 1
+        # every rank holds the same gradients (no reduce_gradients: the canonical sum replaces it)
+        self._tail = UpdateTail(backend, step, state, grads=self._grads, clip_norm=self._clip_grad_norm,
+                                verdict_over_ranks=self._distributed_params, skips_agree=True)
         # the count of either kind travels in the tree's sums, so no collective waits on it, but the
         # kinds must agree (a mean loss adds 1 per micro-batch, an af.Loss its count): checked when
         # the first window closes, where every rank arrives (one whose leaves a resumed subtree
         # holds runs no forward), before the first update
         self._loss_kind_agreed = True  # not at the first forward (StepFn._forward)
         self._kinds_checked = self._world == 1
-        self._skips_agree = True  # every rank holds the same gradients
         self._cuda = backend.device.type == "cuda"
         self._layout: Layout | None = None
         self._flat_dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
@@ -118,7 +94,7 @@ class InvariantStepFn(StepFn):
         # shard_params(): FSDP2's reduce-scatter off; whole gradients taken after each backward
         # (backends._fsdp_grads), this rank's pieces of the canonical sum handed back as DTensors
         self._whole_grads: list[torch.Tensor] | None = None
-        self._no_sync = ((lambda: _fsdp.no_gradient_sync(state.model)) if self._sharded and self._world > 1
+        self._no_sync = ((lambda: fsdp.no_gradient_sync(state.model)) if self._sharded and self._world > 1
                          else (lambda: _NULL))
 
     def __call__(self, state: TrainState, batch: Any, *, flush: bool = False) -> tuple[TrainState, Mapping[str, Any]]:
@@ -211,7 +187,7 @@ class InvariantStepFn(StepFn):
             grads, totals = root.grads, root.sums
         else:
             root = fold(window.nodes) if window.nodes else self._identity(len(names))
-            grads, totals = collectives.canonical_all_reduce([root.grads, root.sums])
+            grads, totals = distributed.canonical_all_reduce([root.grads, root.sums])
         global_count = float(totals[1])
         correction = 1.0 / global_count if global_count > 0 else 0.0
         self._put_grads(grads)
@@ -271,7 +247,7 @@ class InvariantStepFn(StepFn):
         parameters' ``.grad`` (under ``shard_params()``, FSDP2's whole gradients) set to None,
         so the next backward writes fresh ones."""
         if self._sharded and self._world > 1:
-            grads = _fsdp_grads.take_unsharded_grads(self._owner, self._params)
+            grads = fsdp.take_unsharded_grads(self._owner, self._params)
         else:
             grads = [p.grad for p in self._params]
             for p in self._params:
@@ -292,7 +268,7 @@ class InvariantStepFn(StepFn):
             offset += numel
         if self._sharded and self._world > 1:
             for p, whole in zip(self._params, wholes):
-                p.grad = _fsdp_grads.local_piece(whole, p)
+                p.grad = fsdp.local_piece(whole, p)
             self._whole_grads = wholes
         else:
             for p, whole in zip(self._params, wholes):

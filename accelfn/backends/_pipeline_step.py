@@ -14,13 +14,12 @@ Per window (``n`` micro-batches of ``b_i`` samples, ``N = sum(b_i)`` on this dat
     correct    af.Loss: each stage's gradients times N * W / sum C (0 for a window without items),
                before the replicas' average: each replica's own N divided out
     data       each stage's gradients averaged over its replicas (replicate(): one all-reduce)
-    unscale    fp16: the loss was scaled on the last stage; gradients unscaled and checked
-    check      skip_nonfinite, fp16: any inf/NaN gradient on any rank skips the update everywhere
-               (one all-reduce); fp16's loss scale then adjusts alike on every rank
-    clip       the norm over every stage: sum of |g|^p over the pipe group (one all-reduce)
-    update     optimizer.step(); scheduler.step(); zero_grad(set_to_none=True)
-    metrics    the window's mean loss and the user's metrics (sample-weighted, af.Loss:
-               item-weighted), from the broadcast: the same on every stage
+    tail       the interpreter's UpdateTail: fp16's unscale (the loss was scaled on the last
+               stage) and the non-finite check, one verdict over every rank (one all-reduce),
+               so fp16's loss scale adjusts alike on every rank; clip by the norm over every
+               stage (sum of |g|^p over the pipe group, one all-reduce); optimizer and scheduler
+               step, zero_grad; the metrics: the window's mean loss and the user's metrics
+               (sample-weighted, af.Loss: item-weighted), from the broadcast: the same on every stage
 
 The gradient is ``sum_i b_i / N * grad(loss_i)``: that of one batch of the ``N`` samples; of
 an af.Loss, ``sum_{r,i} grad(total_ri) / sum_{r,i} C_ri`` over the ``W`` replicas: that of the
@@ -38,27 +37,23 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
-from accelfn.backends import _clip, _pipeline, _pipeline_eval
-from accelfn.backends._interpreter import StepFn, foreign_state
-from accelfn.errors import NonFiniteError
+from accelfn import distributed
+from accelfn.backends._interpreter import UpdateTail, foreign_state
+from accelfn.distributed import grad_norm, pipeline
 from accelfn.state import TrainState
-from accelfn.step import NO_METRICS, Step, detach, unpack
+from accelfn.step import NO_METRICS, detach, unpack
 from accelfn.transforms import (
     Accumulate,
     Clip,
-    ClipValue,
     Pipeline,
-    SkipNonfinite,
     WithPrecision,
     numerics,
     parse_policy,
 )
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from accelfn.backends.base import Backend
+    from accelfn.distributed.phases import Preparation
 
 #: the shapes and dtypes of one micro-batch's inputs and targets: one schedule per such key and count
 Key = tuple[int, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
@@ -68,7 +63,7 @@ def _key(count: int, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) ->
     return count, tuple((tuple(t.shape), t.dtype) for t in (*inputs, targets))
 
 
-class PipelineStepFn(StepFn):
+class PipelineStepFn:
     """``step_fn(state, batch, *, flush=False) -> (state, metrics)`` of a pipelined program.
 
     Made by ``backend.prepare(step, state)``. A micro-batch that does not close the window
@@ -89,8 +84,8 @@ class PipelineStepFn(StepFn):
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
     """
 
-    def __init__(self, backend: Backend, step: Step, state: TrainState, mesh: DeviceMesh,  # noqa: PLW0231
-                 stages: list[tuple[int, torch.fx.GraphModule]]):  # StepFn's own fields are not this one's
+    def __init__(self, backend: Backend, prep: Preparation):
+        step, state, mesh = prep.step, prep.state, prep.mesh
         pp = step.find(Pipeline)
         assert pp is not None
         accumulate, precision = step.find(Accumulate), step.find(WithPrecision)
@@ -98,26 +93,24 @@ class PipelineStepFn(StepFn):
         self._backend = backend
         self._pp = pp
         self._owner = state.model
-        self._optimizer = state.optimizer
-        self._scheduler = state.scheduler
         self._params = [p for g in state.optimizer.param_groups for p in g["params"]]
         self._n = accumulate.num_micro_batches if accumulate is not None else 1
         self._policy = precision.policy if precision is not None else parse_policy("fp32")
-        self._clip, self._clip_value = step.find(Clip), step.find(ClipValue)
-        self._skip = step.find(SkipNonfinite)
+        self._clip = step.find(Clip)
         self._scaling = self._policy.scaling  # fp16: the loss scaled on the last stage, unscaled after
-        self._max_skips = (self._scaling.max_consecutive_skips if self._scaling is not None
-                           else self._skip.max_consecutive_skips if self._skip is not None else 0)
         self._scale = 1.0
         self._user_loss = step.loss_fn
-        self._stages = stages
-        self._indices = [i for i, _ in stages]
+        self._stages = prep.stages
+        self._indices = [i for i, _ in prep.stages]
         self._first = 0 in self._indices
         self._last = pp.num_stages - 1 in self._indices
-        self._pipe = mesh["pipe"].get_group()
-        self._data = mesh["data"].get_group() if mesh["data"].size() > 1 else None
-        self._data_size = mesh["data"].size()
-        self._last_rank = dist.get_global_rank(self._pipe, pp.size - 1)
+        self._pipe = mesh.group(backend.device, "pipe")
+        self._data = mesh.group(backend.device, "replicate")
+        self._data_size = mesh.data_size
+        self._last_rank = mesh.ranks_along("pipe", backend.rank)[-1]
+        # each rank holds one stage's gradients: the non-finite verdict is summed over every rank
+        self._tail = UpdateTail(backend, step, state, grads=lambda params: [p.grad for p in params if p.grad is not None],
+                                clip_norm=self._clip_grad_norm, verdict_over_ranks=True, skips_agree=True)
         self._schedules: dict[Key, Any] = {}
         self._pending: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
         self._window_samples = 1
@@ -141,7 +134,7 @@ class PipelineStepFn(StepFn):
                 f"this pipelined step function holds {len(self._pending)} micro-batches of the open window, and "
                 f"the state is at its micro-batch {position}: a pipelined window is run by the step function "
                 "that began it; close windows before saving (checkpoints save between updates)")
-        inputs, targets = _pipeline.split_batch(batch)
+        inputs, targets = pipeline.split_batch(batch)
         if self._policy.casts_inputs:
             inputs = tuple(t.to(self._policy.param_dtype) if t.is_floating_point() else t for t in inputs)
         self._pending.append((inputs, targets))
@@ -269,7 +262,7 @@ class PipelineStepFn(StepFn):
         and the metric names of the last stages, the same on every rank (one exchange)."""
         sums = self._sums
         mine = [self._failure, list(sums.names), sums.is_sum] if self._last else [self._failure, None, None]
-        seen = collectives.exchange(mine, device=self._backend.collective_device)
+        seen = distributed.exchange(mine, device=self._backend.collective_device)
         failed = list(dict.fromkeys(f for f, _, _ in seen if f is not None))
         if failed:
             raise TypeError(failed[0])
@@ -285,6 +278,7 @@ class PipelineStepFn(StepFn):
         params = [p for p in self._params if p.grad is not None]
         grads = [p.grad for p in params if p.grad is not None]
         reference, count, total = window[0], window[1].clone(), window[2]
+        items = None
         if self._is_sum:  # the window's items over every replica; each replica's own R divided out
             items = count.clone()
             if self._data is not None:
@@ -304,49 +298,20 @@ class PipelineStepFn(StepFn):
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        metrics: dict[str, Any] = {"loss": loss, "lr": self._optimizer.param_groups[0]["lr"], "num_samples": samples}
-        if self._is_sum:
-            metrics["num_items"] = items
-        metrics.update((name, value.float()) for name, value in zip(self._names, user))
-        finite, transforms_state = True, state.transforms_state
-        if self._skip is not None or self._scaling is not None:  # one verdict: each rank saw its stage only
-            inv_scale = 1.0 / self._scale if self._scaling is not None else 1.0
-            found_inf = collectives.reduce(numerics.unscale_and_check(grads, inv_scale), "sum")
-            finite = not bool(found_inf.item())
-            transforms_state = {**transforms_state, "skips": transforms_state["skips"].record(finite)}
-            metrics["skipped"] = 0 if finite else 1
-            if self._scaling is not None:
-                metrics["loss_scale"] = self._scale
-                transforms_state["loss_scale"] = transforms_state["loss_scale"].adjust(finite, self._scaling)
-        if self._clip is not None:
-            norm = self._global_norm(grads, self._clip.norm_type)
-            torch.nn.utils.clip_grads_with_norm_(params, self._clip.max_norm, norm)
-            if finite:  # the norm of non-finite gradients is no norm (docs/05)
-                metrics["grad_norm"] = norm
-        elif self._clip_value is not None:
-            torch.nn.utils.clip_grad_value_(params, self._clip_value.max_value)
-        if finite:
-            self._optimizer.step()
-            if self._scheduler is not None:
-                self._scheduler.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        new_state = state._advance(step=state.step + 1 if finite else state.step, micro_step=state.micro_step + 1,
-                                   epoch_micro_step=state.epoch_micro_step + 1, transforms_state=transforms_state)
-        if self._max_skips and transforms_state["skips"].consecutive >= self._max_skips:
-            raise NonFiniteError(
-                f"{transforms_state['skips'].consecutive} optimizer updates in a row had inf/NaN gradients and were "
-                f"skipped (step {new_state.step}); the loss or the model produces non-finite values. Check the data "
-                "and the learning rate, or raise max_consecutive_skips")
-        if self._scaling is not None and transforms_state["loss_scale"].scale < self._scaling.min_scale:
-            raise NonFiniteError(
-                f"the fp16 loss scale fell to {transforms_state['loss_scale'].scale:g}, below its floor "
-                f"{self._scaling.min_scale:g} (step {new_state.step}): the gradients are inf or NaN even at a scale "
-                "this small; check the data and the learning rate, or use with_precision('bf16')")
-        return new_state, metrics
+        user_means = dict(zip(self._names, (value.float() for value in user)))
+        return self._tail(state, 1.0, samples, loss, user_means, items=items)  # the tail unscales
+
+    def _clip_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """``clip``: the norm over every stage's gradients (returned), and each gradient scaled to it."""
+        assert self._clip is not None
+        present = [p for p in params if p.grad is not None]
+        norm = self._global_norm([p.grad for p in present if p.grad is not None], self._clip.norm_type)
+        torch.nn.utils.clip_grads_with_norm_(present, self._clip.max_norm, norm)
+        return norm
 
     def _global_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every stage's gradients together (one all-reduce over the pipe group)."""
-        local = _clip.local_norm(grads, norm_type, self._backend.device)
+        local = grad_norm.local_norm(grads, norm_type, self._backend.device)
         if math.isinf(norm_type):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._pipe)
             return local
@@ -375,31 +340,3 @@ def _wrong_loss(out: Any) -> str | None:
     except (TypeError, ValueError) as e:
         return f"under pipeline(), loss_fn(output, targets): {e}"
     return None
-
-
-def prepare(backend: Backend, step: Step, state: TrainState, policy: Any,
-            pp: Pipeline) -> tuple[TrainState, PipelineStepFn]:
-    """``backend.prepare`` of a pipelined program: checked, then rank 0's model broadcast,
-    placed, cut into stages and pruned to this rank's, and the step function.
-
-    Raises:
-        ValueError, NotImplementedError: from ``_pipeline.check`` and ``_pipeline.cut``, and
-            for a model on the meta device, before anything changes.
-    """
-    _pipeline.check(pp, backend.world_size, backend.device)
-    if any(t.is_meta for t in [*state.model.parameters(), *state.model.buffers()]):
-        raise NotImplementedError(
-            "pipeline() of a model built on the meta device is not built yet (each rank would fill only its "
-            "stages); build the model on the CPU: prepare cuts it and each rank keeps only its stages")
-    _pipeline.check_not_cut(state.model)
-    _pipeline.cut(state.model, pp)  # every error of the cut, before anything changes
-    mesh = _pipeline.world_mesh(backend.device, backend.world_size, pp)
-    backend._place_state(state, policy)
-    for tensor in [*state.model.parameters(), *state.model.buffers()]:  # every rank starts from rank 0's model
-        dist.broadcast(tensor.data, src=0)
-    for transform in step.transforms:
-        state = transform.init(state)
-    stages = _pipeline.prepare_model(state.model, state.optimizer, pp, backend.rank, backend.world_size, mesh)
-    step_fn = PipelineStepFn(backend, step, state, mesh, stages)
-    _pipeline_eval.keep(state.model, stages, pp.num_stages, step_fn._pipe, step_fn._last_rank, backend.device)
-    return state, step_fn

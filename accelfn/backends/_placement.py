@@ -1,4 +1,5 @@
-"""Placement: moving the model and a batch's tensors to the backend's device, or not.
+"""Placement: moving the model (the ``Place`` model phase) and a batch's tensors to the
+backend's device, or not.
 
 A backend built with ``place_model=False`` casts the model (for a low-precision policy)
 where it is, and one built with ``place_batches=False`` hands batches on unchanged: the
@@ -10,12 +11,18 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from accelfn.data.tree import map_tensors
+from accelfn.distributed.meta import is_meta
+from accelfn.distributed.ops import is_dtensor
+from accelfn.distributed.phases import ModelPhase
 from accelfn.errors import wrong_type
+
+if TYPE_CHECKING:
+    from accelfn.distributed.phases import Preparation
 
 
 def place_on(device: torch.device) -> Callable[[Any], Any]:
@@ -81,3 +88,33 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn
     for group in optimizer.param_groups:
         group["params"] = [moved.get(id(p), p) for p in group["params"]]
     optimizer.state = defaultdict(dict, {moved.get(id(p), p): v for p, v in optimizer.state.items()})
+
+
+class Place(ModelPhase):
+    """The first model phase: the model (and any optimizer state) moved to the backend's device
+    and cast for a true low-precision policy (``bf16-true``); a backend built with
+    ``place_model=False`` casts it where it is.
+
+    Not for a model an earlier ``prepare`` split or sharded (placed then), one on the meta
+    device the backend places (filled on the device by ``distributed.meta.Materialize``), or
+    one an engine places itself (``deepspeed()``).
+    """
+
+    name: ClassVar[str] = "place"
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Place | None:
+        model, placed = prep.state.model, prep.hardware.place_model
+        if ((placed and is_meta(model)) or any(is_dtensor(p) for p in model.parameters())
+                or any(t.engine for t in prep.step.transforms)):
+            return None
+        return cls()
+
+
+    def apply(self, prep: Preparation) -> None:
+        model, optimizer, policy = prep.state.model, prep.state.optimizer, prep.policy
+        dtype = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        device = prep.hardware.device if prep.hardware.place_model else None  # None: cast where it is
+        rebind_optimizer(optimizer, move_module(model, device, dtype))
+        if optimizer.state:  # re-cast existing moments to the parameters' device and dtype
+            optimizer.load_state_dict(optimizer.state_dict())

@@ -12,7 +12,7 @@ from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.backends.cuda import CUDA
-from accelfn.backends.env import LaunchEnv
+from accelfn.distributed.env import LaunchEnv
 
 
 def auto(env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True) -> Backend:

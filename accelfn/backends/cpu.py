@@ -6,12 +6,10 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _distributed, _fsdp
 from accelfn.backends.base import Backend
-from accelfn.backends.env import LaunchEnv
-from accelfn.state import TrainState
-from accelfn.transforms import Replicate, ShardParams
-from accelfn.transforms.precision import Policy
+from accelfn.distributed import ddp, process_group
+from accelfn.distributed.env import LaunchEnv
+from accelfn.transforms import Replicate
 
 
 class CPU(Backend):
@@ -41,21 +39,7 @@ class CPU(Backend):
     def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
         env = LaunchEnv.from_env() if env is None else env
         super().__init__(env, torch.device("cpu"), place_model=place_model, place_batches=place_batches)
-        _distributed.init_process_group(env, "gloo")
+        process_group.init_process_group(env, "gloo")
 
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
-        return _distributed.wrap_ddp(model, replicate, self.world_size)
-
-    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        if shard.offload:
-            raise NotImplementedError(
-                "shard_params(offload=True) moves sharded parameters and optimizer state from the "
-                "GPU to CPU memory; on the cpu backend they are in CPU memory already. Remove "
-                "offload=True (or run on the cuda backend)"
-            )
-        _fsdp.check_available()
-
-    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
-        shard_size = shard.shard_degree(self.world_size, self.local_world_size)
-        _fsdp.shard_model(state.model, state.optimizer, shard, policy,
-                          _fsdp.mesh(self.device, self.world_size, shard_size))
+        return ddp.wrap_ddp(model, replicate, self.world_size)

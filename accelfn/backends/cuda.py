@@ -6,12 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from accelfn.backends import _distributed, _fsdp
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
-from accelfn.backends.env import LaunchEnv
-from accelfn.state import TrainState
-from accelfn.transforms import Policy, Replicate, ShardParams
+from accelfn.distributed import ddp, process_group
+from accelfn.distributed.env import LaunchEnv
+from accelfn.transforms import Policy, Replicate
 
 
 class CUDA(Backend):
@@ -51,7 +50,7 @@ class CUDA(Backend):
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
         super().__init__(env, device, place_model=place_model, place_batches=place_batches)
-        _distributed.init_process_group(env, "nccl", device)
+        process_group.init_process_group(env, "nccl", device)
 
     def check_precision(self, policy: Policy) -> None:
         super().check_precision(policy)
@@ -64,15 +63,7 @@ class CUDA(Backend):
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         # a model left where the user put it (maybe over several GPUs) is wrapped where it is
         device_ids = [self.device.index] if self.place_model else None
-        return _distributed.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
-
-    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        _fsdp.check_available()
-
-    def shard_model(self, state: TrainState, shard: ShardParams, policy: Policy) -> None:
-        shard_size = shard.shard_degree(self.world_size, self.local_world_size)
-        _fsdp.shard_model(state.model, state.optimizer, shard, policy,
-                          _fsdp.mesh(self.device, self.world_size, shard_size))
+        return ddp.wrap_ddp(model, replicate, self.world_size, device_ids=device_ids)
 
     def peak_memory_bytes(self) -> int | None:
         """The CUDA caching allocator's peak of allocated memory on this device since the

@@ -14,7 +14,7 @@ References:
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -22,13 +22,12 @@ import torch.distributed as dist
 
 from accelfn.backends._placement import check_placement
 from accelfn.backends.base import Backend
-from accelfn.backends.env import LaunchEnv
 from accelfn.data.batches import EpochBatches, epoch_batches
 from accelfn.data.tree import map_tensors
+from accelfn.distributed.env import LaunchEnv
 from accelfn.errors import LaunchError
-from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Compile, Invariant, Replicate, ShardData, ShardParams
+from accelfn.transforms import Replicate, ShardData
 from accelfn.transforms.precision import Policy
 
 # torch_xla's autocast casts to bfloat16 only on these (torch_xla.amp.autocast)
@@ -122,47 +121,37 @@ class XLA(Backend):
                 "whose autocast casts to bfloat16 only; use with_precision('bf16')"
             )
 
+    #: the model phases XLA does not run, and why
+    refusals: ClassVar[Mapping[str, str]] = {
+        # torch_xla traces every step into an XLA graph and compiles it already
+        "compile": "the xla backend does not support compile(): torch_xla already compiles each step into an XLA "
+                   "graph; remove af.compile() (or accelfn launch --compile) for XLA",
+        # the canonical sum's point-to-point exchanges and the per-micro-batch generator keys are
+        # written for gloo/NCCL and torch's CPU/CUDA RNG
+        "invariant": "the xla backend does not support invariant() (its tree of point-to-point exchanges runs over "
+                     "gloo and NCCL, its per-micro-batch RNG keys on torch's CPU and CUDA generators); use the cpu "
+                     "or cuda backend, or drop af.invariant() on XLA",
+        "shard_params": "the xla backend does not support shard_params() (FSDP2 runs on CPU and CUDA only); use "
+                        "replicate() for data parallelism on XLA, or shard with torch_xla's own SPMD FSDPv2 "
+                        "(torch_xla.experimental.spmd_fully_sharded_data_parallel) outside accelfn",
+    }
+
+    def check_replicate(self, replicate: Replicate) -> None:
+        """Raises NotImplementedError for ``replicate(comm_hook=...)``: DDP's hooks need DDP (CPU, CUDA)."""
+        if replicate.comm_hook is not None:
+            raise NotImplementedError(
+                "replicate(comm_hook=...) registers a DDP communication hook, and the XLA backend reduces "
+                "gradients with torch_xla's all-reduce, not DDP; leave comm_hook out on XLA (CPU and CUDA take it)")
+
     def wrap_model(self, model: torch.nn.Module, replicate: Replicate) -> torch.nn.Module:
         """The model itself: XLA replicates without a wrapper.
 
         With more than one rank, rank 0's parameters and buffers are broadcast first
         (``xm.broadcast_master_param``) so that replicas start equal, as under DDP.
-
-        Raises:
-            NotImplementedError: ``replicate(comm_hook=...)``: DDP's hooks need DDP (CPU, CUDA).
         """
-        if replicate.comm_hook is not None:
-            raise NotImplementedError(
-                "replicate(comm_hook=...) registers a DDP communication hook, and the XLA backend reduces "
-                "gradients with torch_xla's all-reduce, not DDP; leave comm_hook out on XLA (CPU and CUDA take it)")
         if self.world_size > 1:
             self._xm.broadcast_master_param(model)
         return model
-
-    def check_compile(self, spec: Compile) -> None:
-        """XLA has no ``compile``: torch_xla traces every step into an XLA graph and compiles
-        it already (one cached graph per micro-batch shape)."""
-        raise NotImplementedError(
-            f"the xla backend does not support {spec!r}: torch_xla already compiles each step into an "
-            "XLA graph; remove af.compile() (or accelfn launch --compile) for XLA"
-        )
-
-    def check_invariant(self, spec: Invariant) -> None:
-        """Raises NotImplementedError: the canonical sum's point-to-point exchanges and the
-        per-micro-batch generator keys are written for gloo/NCCL and torch's CPU/CUDA RNG."""
-        raise NotImplementedError(
-            f"the xla backend does not support {spec!r} (its tree of point-to-point exchanges runs over gloo and "
-            "NCCL, its per-micro-batch RNG keys on torch's CPU and CUDA generators); use the cpu or cuda backend, "
-            "or drop af.invariant() on XLA"
-        )
-
-    def check_sharding(self, shard: ShardParams, state: TrainState) -> None:
-        """Raises NotImplementedError: FSDP2 does not run on XLA devices."""
-        raise NotImplementedError(
-            "the xla backend does not support shard_params() (FSDP2 runs on CPU and CUDA only); use "
-            "replicate() for data parallelism on XLA, or shard with torch_xla's own SPMD FSDPv2 "
-            "(torch_xla.experimental.spmd_fully_sharded_data_parallel) outside accelfn"
-        )
 
     def reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Averages gradients over ranks in place: one ``xm.all_reduce`` in the graph."""
@@ -176,7 +165,8 @@ class XLA(Backend):
 
     # -- data ------------------------------------------------------------------------------
 
-    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0) -> EpochBatches:
+    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0,
+                data_state: Any = None) -> EpochBatches:
         """This rank's micro-batches of ``epoch`` on the XLA device, as ``(batch, is_last)``.
 
         Under ``shard_data()`` the host batches go through ``torch_xla``'s ``ParallelLoader``,
@@ -189,17 +179,20 @@ class XLA(Backend):
             step: the program (its ``shard_data``, if any, shards the data).
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
+            data_state: a stream's readers' saved state at ``start`` (as ``Backend.batches``);
+                such a stream is placed on the main thread, so that its readers' state is
+                taken after exactly the batches the step consumed.
 
         Raises:
             ValueError: data that ``shard_data`` cannot shard (the message says why).
         """
         shard = step.find(ShardData)
         if shard is None or not self.place_batches:
-            return super().batches(data, step, epoch, start=start)
+            return super().batches(data, step, epoch, start=start, data_state=data_state)
         host = epoch_batches(data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
-                             sync=self._sync_ranks)
-        if host.num_batches is None and self.world_size > 1:
-            return super().batches(data, step, epoch, start=start)
+                             sync=self._sync_ranks, data_state=data_state)
+        if host.num_batches is None and self.world_size > 1 or host.readers is not None:
+            return super().batches(data, step, epoch, start=start, data_state=data_state)
         self._active = EpochBatches(_ParallelLoad(host, self.device), num_batches=host.num_batches,
                                     start=host.start, place=_unchanged, padding_ranks=host.padding_ranks)
         return self._active

@@ -420,7 +420,7 @@ def _record_class(name: str, path: str) -> type:
 
 
 #: TrainState fields a snapshot holds in parts of their own; every other field is a counter
-_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped", "data_state"})
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
 #: ``TrainState.transforms_state``'s keys and the record each holds (the transform that keeps
 #: it): loss scale and skip count (``with_precision``, ``skip_nonfinite``), the open

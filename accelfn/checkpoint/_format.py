@@ -136,7 +136,7 @@ def read(directory: Path) -> Manifest:
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]
 #: Snapshot fields that differ between ranks (in each RankEntry) and those every rank shares
 #: (in the Manifest); the model's tensors go to their own table, under their own names
-PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads")
+PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads", "data_state")
 SHARED: tuple[str, ...] = tuple(f.name for f in attrs.fields(Snapshot) if f.name not in PER_RANK)
 
 
@@ -147,8 +147,14 @@ def _rank_group(rank: int) -> str:
 def rank_part(snap: Snapshot) -> RankPart:
     """This rank's entry and its tensors (open-window gradients, transform-state tensors)."""
     encoder = Encoder()
-    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK},
-                      extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
+    trees = {name: encoder.encode(getattr(snap, name), name) for name in PER_RANK if name != "data_state"}
+    try:
+        trees["data_state"] = encoder.encode(snap.data_state, "data_state")
+    except TypeError as e:
+        raise TypeError(f"{e}. The data readers' state (a stream's position: the state_dict() of its "
+                        "datasets.IterableDataset, torchdata StatefulDataLoader or IterableDataset) is stored as "
+                        "JSON values and tensors, never pickled: make the dataset's state_dict() return those") from None
+    entry = RankEntry(**trees, extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
     return entry, encoder.tensors
 
 

@@ -41,12 +41,16 @@ class RankEntry:
     ``extra``: this rank's state of each ``extra`` object whose state differs between the
     ranks (a per-rank stream position, an EMA of this rank's shards), by name; None (no
     key) when every rank's equals rank 0's, which the manifest's ``extra`` holds.
+    ``data_state``: this rank's data readers' saved state (a stream's position,
+    ``TrainState.data_state``); None (no key) when it has none, as in manifests written
+    before it existed.
     """
 
     rng: dict[str, Any]
     transforms_state: dict[str, Any]
     grads: dict[str, Any]
     extra: dict[str, Any] | None = None
+    data_state: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -186,7 +190,7 @@ def _make() -> OrjsonConverter:
     converter.register_structure_hook(float, _checked(lambda v: _is_int(v) or isinstance(v, float), "a number"))
     # a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
     # ``sharded`` key (it reads as None), a rank entry without states of its own no ``extra``
-    omitted = {FileEntry: ("rank", "xxh3_128", "sha256"), ShardedTables: ("extra",), RankEntry: ("extra",),
+    omitted = {FileEntry: ("rank", "xxh3_128", "sha256"), ShardedTables: ("extra",), RankEntry: ("extra", "data_state"),
                Manifest: ("sharded", "stopped")}
     for cls, names in omitted.items():
         omit: dict[str, Any] = {name: override(omit_if_default=True) for name in names}

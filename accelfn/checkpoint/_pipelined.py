@@ -2,7 +2,7 @@
 stages, a load keeps this rank's stages.
 
 Each rank of a pipelined state holds only its stages' parameters and optimizer state, under
-the whole model's names (``collectives.stages``). A save takes the sharded path
+the whole model's names (``distributed.stages``). A save takes the sharded path
 (``save_load``, ``_sharded``): every rank numbers its optimizer states as the whole
 optimizer does (:func:`stage_shell`), writes its tensors into the checkpoint's DCP files
 under their own names (the stages' keys do not overlap; data-parallel replicas of a stage
@@ -25,13 +25,13 @@ import attrs
 import orjson
 import torch
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.checkpoint import _manifest, _tensorfiles
 from accelfn.checkpoint._codec import Encoder, decode
 from accelfn.checkpoint._manifest import ShardedTables, ShardedTensor
 from accelfn.checkpoint.snapshot import Snapshot, _param_names, clean_name, unwrap
-from accelfn.collectives import ProcessContext
-from accelfn.collectives.stages import StageLayout, gather_bytes, stage_layout
+from accelfn.distributed import ProcessContext
+from accelfn.distributed.pipeline import StageLayout, gather_bytes, stage_layout
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
 
@@ -100,7 +100,7 @@ def merged(shell: Snapshot, tables: ShardedTables, layout: StageLayout, backend:
     model: dict[str, ShardedTensor] = {}
     whole = ShardedTables(model={}, aliases={}, optimizer={}, grads={}, extra={})
     state: dict[int, Any] = {}
-    for part in collectives.exchange(sent, device=backend.collective_device):
+    for part in distributed.exchange(sent, device=backend.collective_device):
         received = _manifest.loads(orjson.dumps(part["tables"]), ShardedTables)
         model.update(received.model)
         whole.aliases.update(received.aliases)
@@ -132,7 +132,7 @@ def whole_model(tensors: list[tuple[str, torch.Tensor]], layout: StageLayout, ba
     names, shapes and dtypes as JSON), for every rank to plan an export's files alike."""
     sent = [[k, str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors]
     found: dict[str, torch.Tensor] = {}
-    for part in collectives.exchange(sent, device=backend.collective_device):
+    for part in distributed.exchange(sent, device=backend.collective_device):
         for key, dtype_name, shape in part:
             dtype = getattr(torch, dtype_name, None)
             if not isinstance(dtype, torch.dtype):

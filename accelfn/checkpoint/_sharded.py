@@ -48,13 +48,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.checkpoint import _tensorfiles
 from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint._manifest import ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
-from accelfn.collectives import ProcessContext, is_dtensor
+from accelfn.distributed import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import TrainState
 
@@ -257,7 +257,7 @@ def announce(backend: ProcessContext, path: Path, directory: Path | None) -> Pat
     rank (a collective: rank 0 gives its ``directory``, the others None)."""
     if backend.world_size == 1:
         return directory
-    sent = collectives.exchange(directory.name if directory is not None else "", device=backend.collective_device)[0]
+    sent = distributed.exchange(directory.name if directory is not None else "", device=backend.collective_device)[0]
     return path.parent / sent if sent else None
 
 
@@ -289,11 +289,11 @@ def write_shards(backend: ProcessContext, path: Path, directory: Path, flat: dic
         files = _own_files(folder, backend.rank)
     except (Exception, dcp.api.CheckpointException) as e:  # every rank reports, so that all agree on the outcome
         error = _failure(e, backend.rank)
-    failed = collectives.failures(error, device=backend.collective_device)
+    failed = distributed.failures(error, device=backend.collective_device)
     if failed:
         what = "a rank failed to write its shards" if backend.is_main_process else "the checkpoint was not written"
         raise CheckpointError(f"{path}: {what}: {'; '.join(failed)}")
-    every = collectives.exchange(files, device=backend.collective_device)
+    every = distributed.exchange(files, device=backend.collective_device)
     return {f"{DCP_DIR}/{name}": FileEntry(group=GROUP, num_bytes=f["num_bytes"], rank=rank,
                                             **{k: v for k, v in f.items() if k != "num_bytes"})
             for rank, rank_files in enumerate(every) for name, f in rank_files.items()}
@@ -330,10 +330,10 @@ def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, Fi
 
     found = [problem for problem in _tensorfiles.in_parallel(check, names[backend.rank::backend.world_size])
              if problem]
-    problems = collectives.failures("\n".join(found) or None, device=backend.collective_device)
+    problems = distributed.failures("\n".join(found) or None, device=backend.collective_device)
     if not problems:  # the verified files' headers (small, all of them: the chunks of every tensor)
         chunks = _chunk_problems(directory, names, tables) if backend.rank == 0 else []
-        problems = collectives.failures("\n".join(chunks) or None, device=backend.collective_device)
+        problems = distributed.failures("\n".join(chunks) or None, device=backend.collective_device)
     if problems:
         raise CheckpointError("\n".join(problems))
 

@@ -13,7 +13,7 @@ Background saves follow orbax's ``AsyncCheckpointer`` and torchtitan's asynchron
   device-to-host copies run asynchronously, then synchronized), and in a multi-process world
   gather every rank's own part to rank 0 (``save_load.collect``). The gather is a
   collective, so it stays here: the background thread runs no collective, and none of its
-  work can interleave with training's collectives.
+  work can interleave with training's distributed.
 * **In the background thread** (rank 0 only): the files are written and hashed, fsynced,
   the manifest written last, the directory renamed into place and old checkpoints deleted,
   exactly as a synchronous save does, so a crash at any instant leaves the previous
@@ -31,7 +31,7 @@ Background saves follow orbax's ``AsyncCheckpointer`` and torchtitan's asynchron
 
 A sharded state's checkpoints (``shard_params``), and a pipelined state's (``pipeline``), are
 always written synchronously: every rank writes its own shards (or stages) through
-``torch.distributed.checkpoint``, whose save plans with collectives.
+``torch.distributed.checkpoint``, whose save plans with distributed.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.checkpoint import _atomic
 from accelfn.checkpoint.save_load import collect, write, writes_sharded
-from accelfn.collectives import Agreement, ProcessContext
+from accelfn.distributed import Agreement, ProcessContext
 from accelfn.errors import CheckpointError, boolean, check_directory, count_at_least_one, finite_positive, to_path
 from accelfn.state import TrainState, require_state
 
@@ -175,7 +175,7 @@ class Checkpoints:
         """
         require_state("Checkpoints.save(state)", state)
         path = self.path_for(state.step)
-        main = backend.is_main_process if backend is not None else collectives.rank() == 0
+        main = backend.is_main_process if backend is not None else distributed.rank() == 0
         with _atomic.writing(self.directory) if main else contextlib.nullcontext():
             if main:
                 self._recover()
@@ -328,7 +328,7 @@ class _Background:
                 print(f"accelfn: {failure}", file=sys.stderr, flush=True)
             return
         step = -1 if path is None else Checkpoints.step_of(path)
-        collectives.outcome_of_rank_0(failure, lambda: CheckpointError(
+        distributed.outcome_of_rank_0(failure, lambda: CheckpointError(
             f"rank 0 failed to write the checkpoint of step {step} in the background; its error says why"),
             device=backend.collective_device)
 
@@ -369,7 +369,7 @@ class Schedule:
                 self._lock = _atomic.acquire(policy.directory)
             except CheckpointError as e:
                 failure = e
-        collectives.outcome_of_rank_0(failure, lambda: CheckpointError(
+        distributed.outcome_of_rank_0(failure, lambda: CheckpointError(
             f"rank 0 cannot write in {policy.directory}: another process is writing there; rank 0's error says which"),
             device=backend.collective_device)
 

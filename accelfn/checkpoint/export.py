@@ -43,12 +43,12 @@ import orjson
 import safetensors.torch
 import torch
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn._version import __version__
 from accelfn.checkpoint import _atomic, _pipelined
 from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint.snapshot import clean_name, unwrap
-from accelfn.collectives import ProcessContext, is_dtensor
+from accelfn.distributed import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, to_path
 from accelfn.state import TrainState, require_state
 
@@ -184,7 +184,7 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             the layout's names that no export wrote (nothing is written then); rank 0 failed
             to write; some rank did
             not call ``save_model`` (for this ``directory``) within a tenth of the collective
-            timeout (``collectives.arrive``): call it on every rank, not inside
+            timeout (``distributed.arrive``): call it on every rank, not inside
             ``if backend.is_main_process:``.
         OSError: the file system refused.
 
@@ -202,11 +202,11 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     backend = backend if backend is not None else ProcessContext.default()
     if backend.world_size > 1:
         try:
-            collectives.arrive("af.save_model", detail=repr(str(directory)))
-        except collectives.ArrivalError as e:
+            distributed.arrive("af.save_model", detail=repr(str(directory)))
+        except distributed.ArrivalError as e:
             raise CheckpointError(str(e)) from None
     main = backend.is_main_process
-    collectives.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
+    distributed.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     own = dict(tensors)
     layout = _pipelined.stage_layout(unwrap(state.model))
@@ -264,7 +264,7 @@ def _finish(directory: Path, names: list[str], files: list[list[str]], total_byt
 
 def _outcome(backend: ProcessContext, failure: BaseException | None, message: str) -> None:
     """Rank 0's outcome on every rank: its ``failure`` raised there, ``message`` elsewhere."""
-    collectives.outcome_of_rank_0(failure, lambda: CheckpointError(message), device=backend.collective_device)
+    distributed.outcome_of_rank_0(failure, lambda: CheckpointError(message), device=backend.collective_device)
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import torch
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.checkpoint import _atomic, _format, _pipelined, _sharded
 from accelfn.checkpoint._format import RankPart
 from accelfn.checkpoint._manifest import Manifest
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwrap, verify
-from accelfn.collectives import ProcessContext, is_dtensor
+from accelfn.distributed import ProcessContext, is_dtensor
 from accelfn.errors import CheckpointError, check_directory, to_path
 from accelfn.state import TrainState, require_state
 from accelfn.transforms.invariant import Layout, redistribute
@@ -142,11 +142,11 @@ def _check_extra(state: TrainState) -> None:
 
 
 def _arrived(backend: ProcessContext, what: str, path: Path | None = None) -> None:
-    """Raises CheckpointError unless every rank called ``what`` for ``path`` (``collectives.arrive``)."""
+    """Raises CheckpointError unless every rank called ``what`` for ``path`` (``distributed.arrive``)."""
     if backend.world_size > 1:
         try:
-            collectives.arrive(what, detail="" if path is None else repr(str(path)))
-        except collectives.ArrivalError as e:
+            distributed.arrive(what, detail="" if path is None else repr(str(path)))
+        except distributed.ArrivalError as e:
             raise CheckpointError(str(e)) from None
 
 
@@ -198,7 +198,7 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
         to_host: copies each tensor to host memory (``checkpoints.HostBuffers``), so that
             the result no longer depends on ``state``; None leaves tensors aliasing the live
             ones, to be written at once.
-        what: the API named when a rank does not call it (``collectives.arrive``).
+        what: the API named when a rank does not call it (``distributed.arrive``).
         path: the checkpoint's path, which every rank must give alike.
 
     Raises:
@@ -210,7 +210,7 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
     assert not writes_sharded(state), "a sharded or pipelined state is saved by every rank (write)"
     _check_extra(state)
     _arrived(backend, what, path)
-    collectives.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
+    distributed.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
     parts = _gather_parts(backend, _format.rank_part(snap))
     return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
@@ -238,9 +238,9 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
         if not is_sharded(state):  # pipelined: DTensors in extra states are refused as unsharded
             _check_extra(state)
         _arrived(backend, what, path)
-        collectives.sync_buffers(state.model, backend.collective_device)
+        distributed.sync_buffers(state.model, backend.collective_device)
         failure = _write_sharded(state, path, backend, _format.transforms_record(program))
-    collectives.outcome_of_rank_0(
+    distributed.outcome_of_rank_0(
         failure, lambda: CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why"),
         device=backend.collective_device)
     return path
@@ -410,7 +410,7 @@ def _agreed(backend: ProcessContext, check: Callable[[], _T]) -> _T:
     except CheckpointError as e:
         failure = e
     if backend.world_size > 1:
-        failed = collectives.failures(None if failure is None else str(failure), device=backend.collective_device)
+        failed = distributed.failures(None if failure is None else str(failure), device=backend.collective_device)
         if failed and failure is None:
             raise CheckpointError(failed[0])
     if failure is not None:
@@ -513,7 +513,7 @@ def load(path: str | os.PathLike[str], *, into: TrainState, backend: ProcessCont
             newer format; a mismatch with ``into``; or a checkpoint saved
             mid-accumulation-window loaded by another number of processes; some rank did
             not call ``load`` (of this ``path``) within a tenth of the collective timeout: a
-            collective, call it on every rank (``collectives.arrive``).
+            collective, call it on every rank (``distributed.arrive``).
     """
     checked = to_path("load", "path", path)
     context = _context(backend)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import wait
 from types import MappingProxyType
 from typing import Any
 
@@ -32,7 +31,7 @@ from accelfn.checkpoint._codec import (
 )
 from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 
@@ -69,6 +68,8 @@ class Snapshot:
         rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
         stopped: ``{"step": int, "reason": str}`` when a hook's ``af.Stop`` ended the run
             (``TrainState.stopped``), else None (and in snapshots of accelfn before it).
+        data_state: this process's data readers' saved state (``TrainState.data_state``:
+            plain data and tensors, a stream's position), or None.
     """
 
     model: Mapping[str, Any] = attrs.field(converter=_frozen)
@@ -83,6 +84,7 @@ class Snapshot:
     grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
     rng: RngState
     stopped: Mapping[str, Any] | None = None
+    data_state: Mapping[str, Any] | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -184,7 +186,16 @@ def capture(state: TrainState, *, copy: bool,
         grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
         rng=_rng.capture(),
         stopped=None if state.stopped is None else {"step": state.stopped.step, "reason": state.stopped.reason},
+        data_state=copy_tree(saved_data_state(state.data_state), to_cpu),
     )
+
+
+def saved_data_state(value: Any) -> Mapping[str, Any] | None:
+    """``TrainState.data_state`` as a snapshot holds it: a mapping as it is, the live readers'
+    ``state_dict()`` (their state after the micro-batches consumed), or None."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    return value.state_dict()
 
 
 def snapshot(state: TrainState) -> Snapshot:
@@ -270,8 +281,7 @@ def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> l
         problems += _refused_hyperparameters(state.optimizer, hyper, here, f"optimizer.param_groups[{i}]", source)
     indices = {i for group in live_groups for i in group["params"]}
     # torch keys a parameter's state by its index, and keeps any other key as it is
-    unknown = [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]
-    if unknown:
+    if unknown := [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]:
         problems.append(f"optimizer.state: entries for parameters {_names([repr(k) for k in unknown])} in "
                         f"{source}; the optimizer has parameters 0..{len(indices) - 1}")
     probed = _probed_state(state, saved_groups) if not problems else {}
@@ -301,10 +311,10 @@ def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[st
     (``lr`` < 0, ``betas`` outside [0, 1)), or the keys of the ``live`` group its
     ``__setstate__`` (which fills in options added since) leaves out, as problems."""
     cls, options = type(optimizer), _options(type(optimizer), hyper)
+    if options is None:
+        return []
     device = next((p.device for group in optimizer.param_groups for p in group["params"]), torch.device("cpu"))
     try:
-        if options is None:
-            return []
         new = cls([torch.zeros(1, device=device, requires_grad=True)], **options)
         new.__setstate__({**new.__getstate__(), "param_groups": [{**hyper, "params": new.param_groups[0]["params"]}]})
     except ValueError as e:
@@ -315,22 +325,15 @@ def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[st
             for key in live if key != "params" and key not in new.param_groups[0]]
 
 
-#: the sizes of a stand-in parameter's dimensions (distinct primes: each dimension of a state
-#: tensor names the parameter's it follows), and the options that only place an optimizer's
-#: state on an accelerator, off for the CPU stand-ins
+#: a stand-in parameter's sizes (primes: a state tensor's sizes name the dimensions they follow)
 _SIZES = (2, 3, 5, 7, 11, 13)
-_ON_DEVICE = {"fused": None, "capturable": False, "foreach": None}
 
 
 def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The state ``state``'s optimizer would hold for each parameter (by index) after an update
-    under the hyperparameters of ``groups``: tensors as "meta" tensors of their shapes and dtypes.
-
-    Found as ``torch.distributed.checkpoint`` initializes an optimizer's state (a step on zero
-    gradients), by a new optimizer of the class over small CPU stand-ins of each kind of
-    parameter (group, dtype, number of dimensions), whose state's dimensions map back to the
-    parameter's. Empty where the class cannot be stepped so (LBFGS); a parameter with a state
-    dimension the stand-in does not explain is left out: nothing is refused by a guess."""
+    """The state ``state``'s optimizer would hold per parameter index after an update under the
+    hyperparameters of ``groups`` (tensors as "meta" ones): a step on zero gradients, as DCP
+    initializes a state, of a new optimizer over CPU stand-ins of each kind of parameter, their
+    state's sizes mapped back. Empty where it cannot step so (LBFGS); no guess is refused."""
     optimizer, cls = optimizer_of(state), type(state.optimizer)
     probes, kinds = [], []
     for group, saved in zip(optimizer.param_groups, groups):
@@ -340,8 +343,8 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
         kinds.append({(p.dtype, p.dim()): torch.zeros(_SIZES[:p.dim()], dtype=p.dtype, requires_grad=True)
                       for p in group["params"] if p.dim() <= len(_SIZES) and p.is_floating_point()})
         if kinds[-1]:
-            probes.append({"params": list(kinds[-1].values()), **options,
-                           **{k: v for k, v in _ON_DEVICE.items() if k in options}})
+            on_cpu = {k: v for k, v in {"fused": None, "capturable": False, "foreach": None}.items() if k in options}
+            probes.append({"params": list(kinds[-1].values()), **options, **on_cpu})  # CPU stand-ins
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -351,10 +354,10 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
             getattr(cls.step, "__wrapped__", cls.step)(probe)  # the step itself, without the step hooks
     except Exception:  # a probe: a class that cannot be stepped so is not checked against one
         return {}
-    found = {}
+    found: dict[int, dict[str, Any]] = {}
+    metas: dict[tuple[Any, ...], torch.Tensor] = {}  # one "meta" tensor per shape and dtype
     params = [(p, kinds[g].get((p.dtype, p.dim()))) for g, group in enumerate(optimizer.param_groups)
               for p in group["params"]]
-    metas: dict[tuple[Any, ...], torch.Tensor] = {}  # one "meta" tensor per shape and dtype
     for index, (p, stand_in) in enumerate(params):
         entry = {} if stand_in is None else {key: _like(v, p.shape, metas) for key, v in probe.state[stand_in].items()}
         if entry and all(value is not None for value in entry.values()):
@@ -369,19 +372,18 @@ def _like(value: Any, shape: torch.Size, metas: dict[tuple[Any, ...], torch.Tens
     sizes = _SIZES[:len(shape)]
     if any(n != 1 and n not in sizes for n in value.shape):
         return None
-    mapped = tuple(1 if n == 1 else shape[sizes.index(n)] for n in value.shape)
-    if (mapped, value.dtype) not in metas:
-        metas[mapped, value.dtype] = torch.empty(mapped, dtype=value.dtype, device="meta")
-    return metas[mapped, value.dtype]
+    key = (tuple(1 if n == 1 else shape[sizes.index(n)] for n in value.shape), value.dtype)
+    if key not in metas:
+        metas[key] = torch.empty(key[0], dtype=key[1], device="meta")
+    return metas[key]
 
 
 def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
           names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
-    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes
-    of tensors, and values of other kinds than the live ones they would replace (its own
-    values are checked by :func:`invalid_values`). ``source`` says where the values come from (``"manifest.json"``),
-    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default).
-    """
+    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes of
+    tensors, values of other kinds than the live ones they would replace (its own values are
+    ``invalid_values``'). ``source`` says where the values come from (``"manifest.json"``),
+    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default)."""
     model = unwrap(state.model)
     problems = _check_tensors("model", {clean_name(k): v for k, v in model.state_dict().items()}, snap.model)
     optimizer = _check_optimizer(state, snap, model)
@@ -406,8 +408,7 @@ def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
             where = f"{names.get('transforms_state', 'transforms_state')}.{key}"
             problems += mismatches(saved, state.transforms_state[key], where, source)
     params = {clean_name(n): p for n, p in model.named_parameters()}  # FSDP2 keeps grads in its reduce dtype
-    unknown = [n for n in snap.grads if n not in params]
-    if unknown:
+    if unknown := [n for n in snap.grads if n not in params]:
         problems.append(f"gradients of unknown parameters: {_names(unknown)}")
     for name, grad in snap.grads.items():
         param = params.get(name)
@@ -481,7 +482,8 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
             restored[key] = value
     _rng.restore(snap.rng)
     stopped = None if snap.stopped is None else Stopped(snap.stopped["step"], snap.stopped["reason"])
-    return state.replace(transforms_state=restored, stopped=stopped, **snap.counters)
+    data_state = None if snap.data_state is None else copy_tree(snap.data_state, own)
+    return state.replace(transforms_state=restored, stopped=stopped, data_state=data_state, **snap.counters)
 
 
 def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

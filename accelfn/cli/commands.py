@@ -24,7 +24,12 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.backends.env import (
+from accelfn.cli import config as _config
+from accelfn.cli import precedence as _precedence
+from accelfn.cli._environment import availability, devices, package_versions
+from accelfn.cli._selftest import FAULTS, self_test
+from accelfn.cli._torchrun import run_torchrun
+from accelfn.distributed.env import (
     BACKEND_NAMES,
     PLAN_LOCAL_WORLD_SIZE_ENV,
     PLAN_WORLD_SIZE_ENV,
@@ -33,11 +38,6 @@ from accelfn.backends.env import (
     LaunchEnv,
     launcher_environment,
 )
-from accelfn.cli import config as _config
-from accelfn.cli import precedence as _precedence
-from accelfn.cli._environment import availability, devices, package_versions
-from accelfn.cli._selftest import FAULTS, self_test
-from accelfn.cli._torchrun import run_torchrun
 from accelfn.errors import LaunchError
 from accelfn.transforms.precision import POLICY_NAMES
 

@@ -21,7 +21,7 @@ import attrs
 import cattrs
 import yaml
 
-from accelfn.backends.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S, parse_shard_params
+from accelfn.distributed.env import BACKEND_NAMES, DEFAULT_TIMEOUT_S, parse_shard_params
 from accelfn.errors import LaunchError
 from accelfn.transforms.deepspeed import OFFLOAD_DEVICES, STAGES, launch_config
 from accelfn.transforms.precision import POLICY_NAMES
@@ -112,7 +112,7 @@ class LaunchConfig:
         timeout_s: seconds a collective (and process group creation) may wait for a rank.
         shard_params: ``af.shard_params`` for scripts that set none, replacing their
             ``replicate()``: ``"defaults"``, or options such as ``"shard_size=node,offload=false"``
-            (see ``accelfn.backends.env.parse_shard_params``); None: the script's.
+            (see ``accelfn.distributed.env.parse_shard_params``); None: the script's.
         deepspeed_config_file: a DeepSpeed JSON/HJSON config: ``af.deepspeed(file)`` is added
             to scripts that set none (it replaces their ``replicate()``).
         zero_stage, offload_optimizer_device, offload_param_device, gradient_accumulation_steps:

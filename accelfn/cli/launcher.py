@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from accelfn.backends._distributed import user_code
-from accelfn.backends.env import DEFAULT_TIMEOUT_S, launcher_environment
 from accelfn.cli.config import LaunchConfig
+from accelfn.distributed.env import DEFAULT_TIMEOUT_S, launcher_environment
+from accelfn.distributed.process_group import user_code
 from accelfn.errors import LaunchError
 
 _R = TypeVar("_R")

@@ -33,10 +33,10 @@ from accelfn.cli.config import (
     ENGINE_ENV,
     WORKER_ENV,
     LaunchConfig,
-    launcher_set,
     _expected,
     _parse,
     _read,
+    launcher_set,
     merge,
 )
 from accelfn.errors import LaunchError

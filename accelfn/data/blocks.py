@@ -15,14 +15,14 @@ with the same ``L`` and ``b`` then sees the same samples, in the same micro-batc
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
-from accelfn.data._workers import SeededFetch, worker_generator
 from accelfn.data import batches
+from accelfn.data._workers import SeededFetch, worker_generator
 from accelfn.data.batches import _shuffles
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, Invariant, ShardData
@@ -126,3 +126,20 @@ def epoch_length(data: Any, step: Step, *, rank: int, world_size: int) -> int | 
     accumulate = step.find(Accumulate)
     return num_batches(data, world_size=world_size,
                        num_micro_batches=accumulate.num_micro_batches if accumulate is not None else 1)
+
+
+def epoch_blocks(data: Any, step: Step, *, rank: int, world_size: int, epoch: int, start: int,
+                 place: Callable[[Any], Any]) -> batches.EpochBatches:
+    """This rank's blocks of micro-batches of ``epoch`` under ``invariant()``, from micro-batch
+    ``start`` on, each placed by ``place``: ``block_loader`` with ``step``'s ``shard_data`` seed
+    and ``accumulate`` window.
+
+    Raises:
+        TypeError, ValueError: ``data`` is not a DataLoader ``invariant()`` can cut (``_check``).
+    """
+    shard, accumulate = step.find(ShardData), step.find(Accumulate)
+    n = accumulate.num_micro_batches if accumulate is not None else 1
+    total = num_batches(data, world_size=world_size, num_micro_batches=n)
+    loader = block_loader(data, seed=shard.seed if shard is not None else 0, rank=rank, world_size=world_size,
+                          num_micro_batches=n, epoch=epoch, start=start)
+    return batches.EpochBatches(loader, num_batches=total, start=start, place=place)

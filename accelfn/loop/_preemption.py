@@ -18,7 +18,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from accelfn.collectives import Agreement
+from accelfn.distributed import Agreement
 
 if TYPE_CHECKING:
     from accelfn.backends.base import Backend

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import attrs
-
 import torch
 from tqdm.auto import tqdm
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn._version import __version__
 from accelfn.backends.base import Backend
 from accelfn.step import Step
@@ -216,7 +215,7 @@ def _check_same_names(backend: Backend, names: list[str]) -> None:
     finds out first; only when they differ are the names themselves gathered, for the message.
     """
     fingerprint = zlib.crc32("\0".join(names).encode())
-    if collectives.all_same([fingerprint, len(names)], device=backend.collective_device):
+    if distributed.all_same([fingerprint, len(names)], device=backend.collective_device):
         return
     each = "; ".join(f"rank {r}: {', '.join(n)}" for r, n in enumerate(backend.gather_object(names)))
     raise ValueError(

@@ -119,7 +119,7 @@ def resume_position(opened: Opened, backend: Backend, data: Iterable[Any], progr
     world_size = opened.data_world_size
     if not position:
         return 0  # an epoch boundary: the same in any world size
-    data_rank, data_world = backend.data_coordinates(program)
+    data_rank, data_world = backend.mesh(program).data_coordinates(backend.rank)
     total = epoch_length(data, program, rank=data_rank, world_size=data_world)
     if world_size != data_world and program.find(Invariant) is not None:
         return position  # the checkpoint's counters are in this world's micro-batches already (load regroups them)

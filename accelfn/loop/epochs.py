@@ -9,17 +9,17 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.backends.base import Backend
-from accelfn.backends.env import with_launch_defaults
 from accelfn.checkpoint import Checkpoints
+from accelfn.distributed.env import with_launch_defaults
 from accelfn.errors import check_int
 from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
-from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.planning.report import check_before_run, show_plan
+from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
 from accelfn.step import Step
@@ -145,7 +145,7 @@ def run(
             checkpoint directory that is a file; on every rank, metrics whose names differ
             across ranks.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
-        RuntimeError: (``collectives.ArrivalError``) a collective: some rank did not call
+        RuntimeError: (``distributed.ArrivalError``) a collective: some rank did not call
             ``run`` within the collective timeout, or called another collective API (each
             rank's call named, at once).
         PlanError: the plan has errors (each named with its fix), before anything is prepared.
@@ -179,7 +179,7 @@ def run(
     if plan:
         check_before_run(with_launch_defaults(step, backend.env, warn=False), state, data, backend, epochs, max_steps)
     if backend.world_size > 1:  # a rank busy alone before run (data preparation) may take the whole timeout
-        collectives.arrive("af.run", backend.env.timeout_s)
+        distributed.arrive("af.run", backend.env.timeout_s)
     with backend.user_code("af.run"):
         return _run(step, state, data, backend, epochs, max_steps, checkpoints, resume, tuple(trackers), progress,
                     log_every, config, hooks, profile, continue_after_stop)
@@ -212,7 +212,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
         state = state.replace(stopped=None)
     bar = Progress(backend, trackers, show=progress, log_every=log_every,
                    total=_total_steps(step, data, backend, state, epochs, max_steps), initial=state.step,
-                   copies=backend.world_size // backend.data_coordinates(step)[1])
+                   copies=backend.world_size // backend.mesh(step).data_size)
     preemption = Preemption(backend) if schedule is not None else None
     ended = False
     try:
@@ -223,7 +223,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
                             Hooks(hooks, backend, state.step), profiler)
             if preemption is not None and preemption.requested():  # agreed during the last micro-batch
                 preemption.stop(state, schedule)
-        collectives.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
+        distributed.sync_buffers(state.model, backend.collective_device)  # the model run returns: one model
         ended = True
     finally:
         try:
@@ -259,35 +259,40 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
     profiler_step = profiler.step if profiler is not None else None
     while epochs is None or state.epoch < epochs:
         epoch, consumed = state.epoch, state.micro_step
-        for batch, last in backend.batches(data, step, epoch, start=state.epoch_micro_step):
-            state, metrics = step_once(state, batch, flush=last)
-            if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
-                state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
-            if metrics:
-                bar.update(state.step, metrics)
-                if profiler_step is not None:
-                    profiler_step()
-                if after_update is not None:  # before a checkpoint of this step, which then holds their changes
-                    bar.log(state.step, after_update(state, last))
-                    if hooks.stop_reason is not None:  # part of the state, and of its checkpoints
-                        state = state.replace(stopped=Stopped(state.step, hooks.stop_reason))
-            if preemption is not None and preemption.requested():
-                preemption.stop(state, schedule)
-            if not metrics:
-                continue
-            if schedule is not None:
-                saved = schedule.maybe_save(state)
-                if saved is None and bar.save_requested() and schedule.last_step != state.step:
-                    saved = schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
-                if saved is not None:
-                    bar.saved(state.step, saved)  # the points up to a checkpoint survive a kill after it
-            if max_steps is not None and state.step >= max_steps:
-                break
-            if state.stopped is not None:
-                if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
-                    bar.saved(state.step, schedule.save(state))
-                backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
-                return state
+        batches = backend.batches(data, step, epoch, start=state.epoch_micro_step, data_state=state.data_state)
+        # a stream's readers: their state after the micro-batches consumed goes into checkpoints
+        state = state.replace(data_state=batches.readers)
+        with contextlib.closing(iter(batches)) as reading:  # left early (max_steps, a stop, an error): its
+            # DataLoader workers end now, not when collected
+            for batch, last in reading:
+                state, metrics = step_once(state, batch, flush=last)
+                if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
+                    state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
+                if metrics:
+                    bar.update(state.step, metrics)
+                    if profiler_step is not None:
+                        profiler_step()
+                    if after_update is not None:  # before a checkpoint of this step, which then holds their changes
+                        bar.log(state.step, after_update(state, last))
+                        if hooks.stop_reason is not None:  # part of the state, and of its checkpoints
+                            state = state.replace(stopped=Stopped(state.step, hooks.stop_reason))
+                if preemption is not None and preemption.requested():
+                    preemption.stop(state, schedule)
+                if not metrics:
+                    continue
+                if schedule is not None:
+                    saved = schedule.maybe_save(state)
+                    if saved is None and bar.save_requested() and schedule.last_step != state.step:
+                        saved = schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
+                    if saved is not None:
+                        bar.saved(state.step, saved)  # the points up to a checkpoint survive a kill after it
+                if max_steps is not None and state.step >= max_steps:
+                    break
+                if state.stopped is not None:
+                    if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
+                        bar.saved(state.step, schedule.save(state))
+                    backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
+                    return state
         if max_steps is not None and state.step >= max_steps:
             return state
         if state.epoch == epoch:  # nothing (left) to read in this epoch
@@ -295,7 +300,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 _warn_empty_epoch(state, epochs)
                 if epochs is None:
                     return state
-            state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+            state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
     if max_steps is not None and backend.is_main_process:  # the job's warning: once, not per rank
         warnings.warn(
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "

@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import attrs
 
-from accelfn import collectives
+from accelfn import distributed
 from accelfn.backends.base import Backend
 from accelfn.errors import check_int, wrong_type
 from accelfn.state import TrainState
@@ -131,7 +131,7 @@ class Hooks:
                or (advanced and hook.every_steps is not None and step % hook.every_steps == 0)]
         if not due:
             return {}
-        collectives.sync_buffers(state.model, self._backend.collective_device)  # hooks read one model
+        distributed.sync_buffers(state.model, self._backend.collective_device)  # hooks read one model
         logged: dict[str, float] = {}
         reason: str | None = None
         for hook in due:
@@ -150,7 +150,7 @@ class Hooks:
 
     def _agree(self, reason: str | None) -> str | None:
         """A stop asked on any process stops every process (one scalar all-reduce per firing)."""
-        if not collectives.any_rank(reason is not None, device=self._backend.collective_device):
+        if not distributed.any_rank(reason is not None, device=self._backend.collective_device):
             return None
         return reason or "another process's hook asked to stop"
 

@@ -10,9 +10,10 @@ import attrs
 
 from accelfn.backends.base import Backend
 from accelfn.data.blocks import epoch_length
+from accelfn.distributed.mesh import Mesh
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, TensorParallel
+from accelfn.transforms import Accumulate
 
 
 @attrs.frozen
@@ -86,11 +87,12 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    data_rank, data_world = backend.data_coordinates(step)
-    if backend.env.plan_world_size is not None:  # `accelfn plan`: rank 0 of the planned world, as af.plan counts
-        tp = step.find(TensorParallel)
-        planned = backend.env.plan_world_size
-        data_rank, data_world = (0, planned) if tp is None else tp.data_coordinates(0, planned)
+    planned = backend.env.plan_world_size
+    if planned is not None:  # `accelfn plan`: rank 0 of the planned world, as af.plan counts
+        local = backend.env.plan_local_world_size or min(planned, backend.local_world_size)
+        data_rank, data_world = Mesh.of(step, planned, local).data_coordinates(0)
+    else:
+        data_rank, data_world = backend.mesh(step).data_coordinates(backend.rank)
     micro_batches = epoch_length(data, step, rank=data_rank, world_size=data_world)
     if micro_batches is None:
         if max_steps is None:

@@ -26,7 +26,9 @@ from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
+from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant
+from accelfn.transforms.pipeline import SCHEDULES, Pipeline, pipeline
 from accelfn.transforms.precision import (
     POLICY_NAMES,
     DynamicScaling,
@@ -41,8 +43,6 @@ from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
-from accelfn.transforms.pipeline import SCHEDULES, Pipeline, pipeline
-from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
 __all__ = [
     "POLICY_NAMES",

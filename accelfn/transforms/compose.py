@@ -14,12 +14,12 @@ from accelfn.transforms.compile import Compile
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
+from accelfn.transforms.pipeline import Pipeline
 from accelfn.transforms.precision import WithPrecision
 from accelfn.transforms.replicate import Replicate
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.skip_nonfinite import SkipNonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel
-from accelfn.transforms.pipeline import Pipeline
 
 if TYPE_CHECKING:
     from accelfn.step import Step

@@ -127,6 +127,8 @@ class DeepSpeed(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "deepspeed"
     verb: ClassVar[str] = "deepspeed"
+    couples_ranks: ClassVar[bool] = True
+    engine: ClassVar[bool] = True
 
     config_json: str
 

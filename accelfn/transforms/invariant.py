@@ -77,6 +77,7 @@ class Invariant(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "invariant"
     verb: ClassVar[str] = "invariant"
+    reduces_gradients: ClassVar[bool] = True
 
     seed: int = attrs.field(default=0, validator=non_negative_int)
     batch_coupled: tuple[type[torch.nn.Module], ...] = attrs.field(default=(), converter=_module_types)

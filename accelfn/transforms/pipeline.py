@@ -1,8 +1,7 @@
 """``pipeline``: pipeline parallelism, the model cut into ``size`` stages run by a schedule.
 
-The world is seen as a 2-D mesh ``(pipe, data)`` of shape ``(size, world_size // size)``;
-rank ``r`` holds stage ``r // d`` and reads data shard ``r % d`` (``d = world_size //
-size``). The data-parallel replicas of one stage are consecutive ranks (on one node, where
+``size`` is the mesh's ``pipe`` dimension, its outermost (``distributed.mesh``): rank ``r``
+holds stage ``r // d`` and reads data shard ``r % d`` (``d = world_size // size``). The data-parallel replicas of one stage are consecutive ranks (on one node, where
 their gradient all-reduce, the heavier collective, is cheapest); a pipeline's stages are
 ``d`` ranks apart, and send each other only activations (point to point), as torchtitan
 lays pipelines out. The ranks of one pipeline read the same batch: the first stage its
@@ -84,6 +83,8 @@ class Pipeline(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "pipeline"
     verb: ClassVar[str] = "pipeline"
+    couples_ranks: ClassVar[bool] = True
+    reduces_gradients: ClassVar[bool] = True
 
     split_points: tuple[str, ...] = attrs.field(converter=_split_points)
     size: int = attrs.field(validator=_size)
@@ -107,28 +108,6 @@ class Pipeline(TransformBase):
     def num_stages(self) -> int:
         """The number of stages (split points + 1)."""
         return len(self.split_points) + 1
-
-    def data_degree(self, world_size: int) -> int:
-        """The number of data-parallel replicas of each stage in a world of ``world_size``.
-
-        Raises:
-            ValueError: ``world_size`` is not a multiple of ``size``.
-        """
-        if world_size % self.size:
-            raise ValueError(
-                f"pipeline(size={self.size}): the world of {world_size} processes cannot be split into "
-                f"pipelines of {self.size} ranks; launch a multiple of {self.size} processes")
-        return world_size // self.size
-
-    def data_coordinates(self, rank: int, world_size: int) -> tuple[int, int]:
-        """``(data rank, data world size)``: the data shard ``rank`` reads (the ranks of one
-        pipeline read the same), and how many there are."""
-        degree = self.data_degree(world_size)
-        return rank % degree, degree
-
-    def stage_of(self, rank: int, world_size: int) -> int:
-        """The pipeline position of ``rank`` (its stage, or its first stage when interleaved)."""
-        return rank // self.data_degree(world_size)
 
     def __call__(self, step: Step) -> Step:
         _check_loss_fn(step)

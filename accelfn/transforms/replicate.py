@@ -109,6 +109,7 @@ class Replicate(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "replicate"
     verb: ClassVar[str] = "replicate"
+    couples_ranks: ClassVar[bool] = True
 
     bucket_cap_mb: float = attrs.field(default=25.0, validator=finite_positive)
     find_unused_parameters: bool = attrs.field(default=False, validator=boolean)

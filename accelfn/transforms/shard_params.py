@@ -104,6 +104,7 @@ class ShardParams(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "shard_params"
     verb: ClassVar[str] = "shard_params"
+    couples_ranks: ClassVar[bool] = True
 
     units: Units = attrs.field(default=None, converter=_to_units)
     reshard_after_forward: bool = attrs.field(default=True, validator=boolean)

@@ -1,15 +1,15 @@
 """``tensor_parallel``: Megatron-style tensor parallelism, each layer split over ``size`` ranks.
 
-The world is seen as a 2-D mesh ``(data, tensor)`` of shape ``(world_size // size, size)``;
-rank ``r`` sits at ``(r // size, r % size)``, so the ranks of one tensor-parallel group are
-consecutive (on one node, where the per-layer collectives are cheapest). Inside a group the
+``size`` is the mesh's ``tensor`` dimension, its innermost (``distributed.mesh``): rank ``r``
+of a world of data-parallel groups sits at ``(r // size, r % size)``, so the ranks of one
+tensor-parallel group are consecutive (on one node, where the per-layer collectives are cheapest). Inside a group the
 layers the plan names are split (``torch.distributed.tensor.parallel.parallelize_module``):
 a column-wise linear layer keeps ``out_features / size`` rows of its weight, a row-wise one
 ``in_features / size`` columns, and one all-reduce per row-wise layer joins the partial
 outputs. The ranks of a group compute one model together, so they read the same batch:
 ``shard_data`` shards over the data dimension only, and the metrics are those of each data
 shard. Data parallelism over the data dimension composes: ``shard_params`` shards what the
-plan split (FSDP2 on the ``data`` sub-mesh: 2-D FSDP x TP).
+plan split (FSDP2 on the ``shard`` sub-mesh: 2-D FSDP x TP).
 
 References:
     Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using
@@ -90,28 +90,10 @@ class TensorParallel(TransformBase):
     phase: ClassVar[Phase] = Phase.MODEL
     kind: ClassVar[str] = "tensor_parallel"
     verb: ClassVar[str] = "tensor_parallel"
+    couples_ranks: ClassVar[bool] = True
 
     plan: Plan = attrs.field(converter=_to_plan)
     size: int = attrs.field(validator=_size)
-
-    def data_degree(self, world_size: int) -> int:
-        """The number of data-parallel groups (the data dimension of the mesh) in a world of
-        ``world_size`` processes.
-
-        Raises:
-            ValueError: ``world_size`` is not a multiple of ``size``.
-        """
-        if world_size % self.size:
-            raise ValueError(
-                f"tensor_parallel(size={self.size}): the world of {world_size} processes cannot be split into "
-                f"tensor-parallel groups of {self.size} ranks; launch a multiple of {self.size} processes, or "
-                f"choose a size that divides {world_size}")
-        return world_size // self.size
-
-    def data_coordinates(self, rank: int, world_size: int) -> tuple[int, int]:
-        """``(data rank, data world size)``: which data shard ``rank`` reads, and how many there are
-        (the ranks of one tensor-parallel group read the same one)."""
-        return rank // self.size, self.data_degree(world_size)
 
     def conflicts_with(self, other: TransformBase) -> str | None:
         if isinstance(other, Replicate):

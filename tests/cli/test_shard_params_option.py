@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 import accelfn as af
 from accelfn.backends import LaunchEnv
-from accelfn.backends.env import parse_shard_params
 from accelfn.cli import commands, precedence
 from accelfn.cli import config as launch_config
+from accelfn.distributed.env import parse_shard_params
 from accelfn.errors import LaunchError
 
 

@@ -201,7 +201,7 @@ CATALOGUE: dict[str, tuple[Callable[[], Case], bool]] = {
     "iterable-empty-readers": (iterable_empty_readers, True),
     "resume-beyond-epoch": (resume_beyond_epoch, True),
     "sampler-unshardable": (sampler_unshardable, True),
-    "sharding-unsupported": (sharding_unsupported, True),
+    "shard-params-unsupported": (sharding_unsupported, True),
     "data-unshardable": (data_unshardable, True),
     "global-batch-indivisible": (global_batch_indivisible, True),
     "shard-size-indivisible": (shard_size_indivisible, True),

@@ -103,7 +103,7 @@ def test_under_accelfn_plan_the_count_is_the_planned_worlds():
     planned script is the one the real launch sizes (101 samples of batch 4 under accumulate(3):
     13 samples, 4 micro-batches, 2 updates per epoch on 8 ranks; 9 updates on one)."""
     from accelfn.backends.cpu import CPU
-    from accelfn.backends.env import LaunchEnv
+    from accelfn.distributed.env import LaunchEnv
 
     planning = CPU(LaunchEnv(plan_world_size=8, plan_local_world_size=8))
     step, loader = counting.program((101, False, "pad", 3))

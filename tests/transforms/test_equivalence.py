@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import accelfn as af
-from accelfn.backends import StepFn
+from accelfn.backends._interpreter import InterpreterStepFn
 from accelfn.backends._interpreter import PlainStepFn
 from tests.helpers.models import classification_data, loss_fn, make_mlp
 
@@ -338,7 +338,7 @@ def with_metrics(model, batch):
 @pytest.mark.parametrize("loss", [loss_fn, with_metrics, summed_loss], ids=["mean", "metrics", "af.Loss"])
 def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
     """A program without per-step transforms runs on ``PlainStepFn``, whose states, metrics and
-    parameters equal the general ``StepFn``'s bitwise, for each form of loss, with a scheduler."""
+    parameters equal the general ``InterpreterStepFn``'s bitwise, for each form of loss, with a scheduler."""
     step = af.with_precision("fp32")(af.train_step(loss))
     batches = [(x, y) for x, y in DataLoader(classification_data(20), batch_size=4)]
     runs = []
@@ -347,7 +347,7 @@ def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
         state, step_fn = cpu.prepare(step, af.TrainState.create(model, optimizer, scheduler=scheduler))
         assert type(step_fn) is PlainStepFn
         if general:
-            step_fn = StepFn(cpu, step, state, model)
+            step_fn = InterpreterStepFn(cpu, step, state, model)
         history = []
         for batch in batches:
             state, metrics = step_fn(state, batch)
@@ -365,7 +365,7 @@ def test_plain_program_step_function_equals_the_general_interpreter(loss, cpu):
     for ours, theirs in zip(plain_params, general_params):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     _, accumulating = cpu.prepare(af.accumulate(2)(af.train_step(loss)), af.TrainState.create(*build("sgd", False)[:2]))
-    assert type(accumulating) is StepFn
+    assert type(accumulating) is InterpreterStepFn
 
 
 @pytest.mark.parametrize("count", [0.5, 0.25, torch.tensor(0.5)])

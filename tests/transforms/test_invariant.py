@@ -8,7 +8,6 @@ of the whole state after every update (tests/workers/invariant.py).
 from __future__ import annotations
 
 import json
-import types
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import torch
 
 import accelfn as af
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.collectives.canonical import blocks
 from accelfn.data.blocks import block_indices
+from accelfn.distributed.canonical import blocks
 from accelfn.transforms.invariant import Layout, Node, TreeWindow, fold, push
 from tests.helpers import launch as _launch
 from tests.helpers.pool import Pools
@@ -302,17 +301,15 @@ def test_tree_window_and_layout_round_trip_through_the_codec() -> None:
 
 
 def test_the_xla_backend_refuses_invariant_before_anything_is_placed() -> None:
-    """XLA's check_invariant raises NotImplementedError naming the cpu and cuda backends
-    (on a bare instance: a real one needs torch_xla), and prepare() asks it before it places,
-    wraps or broadcasts anything (here on the CPU backend given XLA's check)."""
-    message = r"the xla backend does not support Invariant\(seed=0, batch_coupled=\(\)\) .* use the cpu or cuda backend"
-    with pytest.raises(NotImplementedError, match=message):
-        object.__new__(af.backends.XLA).check_invariant(af.invariant())
+    """XLA refuses the invariant phase naming the cpu and cuda backends, and prepare() asks
+    before it places, wraps or broadcasts anything (here on the CPU backend given XLA's
+    refusals: a real XLA one needs torch_xla)."""
+    message = r"the xla backend does not support invariant\(\) .* use the cpu or cuda backend"
     model = torch.nn.Linear(2, 2)
     state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
     params = list(model.parameters())
-    cpu = af.backends.CPU(af.backends.LaunchEnv())  # its own: the check is replaced on it
-    cpu.check_invariant = types.MethodType(af.backends.XLA.check_invariant, cpu)  # type: ignore[method-assign]
+    cpu = af.backends.CPU(af.backends.LaunchEnv())  # its own: the refusals are replaced on it
+    cpu.refusals = af.backends.XLA.refusals  # type: ignore[misc]
     with pytest.raises(NotImplementedError, match=message):
         cpu.prepare(af.compose(af.invariant(), af.replicate())(af.train_step(lambda m, b: m(b).sum())), state)
     assert list(model.parameters()) == params and "invariant" not in state.transforms_state

@@ -125,12 +125,20 @@ def test_offload_on_the_cpu_backend_is_refused_before_anything_changes(cpu: af.b
 
 
 def test_the_xla_backend_refuses_shard_params_naming_the_alternatives() -> None:
-    """XLA's check_sharding raises NotImplementedError naming replicate() and torch_xla's FSDPv2
-    (checked on a bare instance: building a real one needs torch_xla)."""
-    xla = object.__new__(af.backends.XLA)
-    with pytest.raises(NotImplementedError, match=r"the xla backend does not support shard_params\(\) .* use "
-                       r"replicate\(\) .*torch_xla.experimental.spmd_fully_sharded_data_parallel"):
-        xla.check_sharding(af.shard_params(), S.make_state())
+    """XLA refuses the shard_params phase naming replicate() and torch_xla's FSDPv2, before
+    anything changes (its refusals, given to a CPU backend: building a real XLA one needs
+    torch_xla), and the plan names the same refusal."""
+    cpu = af.backends.CPU(af.backends.LaunchEnv())
+    cpu.refusals = af.backends.XLA.refusals  # type: ignore[misc]  # this instance's own
+    state = S.make_state()
+    params = list(state.model.parameters())
+    message = (r"the xla backend does not support shard_params\(\) .* use replicate\(\) "
+               r".*torch_xla.experimental.spmd_fully_sharded_data_parallel")
+    with pytest.raises(NotImplementedError, match=message):
+        cpu.prepare(af.shard_params()(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == params
+    assert [name for name, _ in cpu.unsupported(af.shard_params()(af.train_step(P.mse)), state, world_size=2)] == [
+        "shard_params"]
 
 
 def test_one_process_trains_unsharded_exactly_as_without_shard_params(cpu: af.backends.Backend) -> None:

@@ -1,5 +1,5 @@
 """replicate(comm_hook=...) on 2 ranks against hand-written DDP loops with the same hook
-(tests/backends/test_comm_hooks.py): uncompressed, fp16/bf16 compression and PowerSGD, with
+(tests/distributed/test_comm_hooks.py): uncompressed, fp16/bf16 compression and PowerSGD, with
 PowerSGD's state resumed from a checkpoint; and the compression hooks' error measured."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _compression_error(hook: Any, unit_roundoff: float, floor: float, batch: Any
 
 
 def check(out: str) -> dict[str, Any]:
-    """Every claim of tests/backends/test_comm_hooks.py on this rank."""
+    """Every claim of tests/distributed/test_comm_hooks.py on this rank."""
     backend = af.backends.auto()
     batches = _batches(backend.rank)
     result: dict[str, Any] = {}

@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_exit.py: leaving the process group with collectives in flight.
+"""Worker for tests/distributed/test_exit.py: leaving the process group with collectives in flight.
 
 Usage: accelfn launch --nproc-per-node 2 exit_in_flight.py MODE --out DIR
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import accelfn as af
-from accelfn.backends import _distributed as _exit
+from accelfn.distributed import process_group as _exit
 from tests.helpers.sharding import build, loader, program
 
 

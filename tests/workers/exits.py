@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_exit.py: a rank that leaves by an exit, not an exception.
+"""Worker for tests/distributed/test_exit.py: a rank that leaves by an exit, not an exception.
 
 Usage: accelfn launch --nproc-per-node 2 exits.py MODE
 

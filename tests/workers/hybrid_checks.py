@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_hybrid_sharding.py: hybrid sharding on 4 processes.
+"""Worker for tests/distributed/test_hybrid_sharding.py: hybrid sharding on 4 processes.
 
 Usage: accelfn launch --nproc-per-node 4 hybrid_checks.py --out DIR
 

@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_hybrid_sharding.py: shard_size="node" on nodes of unequal size.
+"""Worker for tests/distributed/test_hybrid_sharding.py: shard_size="node" on nodes of unequal size.
 
 Usage: accelfn launch --nnodes 2 --node-rank N --nproc-per-node K ... hybrid_nodes.py --out DIR
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import accelfn as af
+from accelfn.distributed import is_dtensor
 
 B, L, EPOCHS = 2, 8, 2
 NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
@@ -111,7 +112,7 @@ def state_hash(state: af.TrainState, world_size: int) -> str:
     h = hashlib.sha256()
 
     def add(value: Any) -> None:
-        if isinstance(value, torch.Tensor) and af.collectives.is_dtensor(value):  # shard_params: the whole tensor
+        if isinstance(value, torch.Tensor) and is_dtensor(value):  # shard_params: the whole tensor
             value = value.full_tensor()  # type: ignore[attr-defined]
         if isinstance(value, torch.Tensor):
             h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -165,7 +166,7 @@ def train(out: str, variants: list[str] = list(VARIANTS)) -> dict[str, Any]:
                 points = [json.loads(line) for line in log.read_text().splitlines()]
                 results[variant] = {"hashes": hashes, "points": [[p["step"], p["loss"], p.get("grad_norm")]
                                                                  for p in points], "empty_micro_batches": empty,
-                                    "outer_rng_untouched": untouched, "dtensors": all(af.collectives.is_dtensor(p) for p in state.model.parameters())}
+                                    "outer_rng_untouched": untouched, "dtensors": all(is_dtensor(p) for p in state.model.parameters())}
                 (Path(out) / f"{variant}.json").write_text(json.dumps(results[variant]))
         return {"world_size": backend.world_size, "variants": sorted(results)}
     finally:

@@ -1,4 +1,4 @@
-"""Scenarios of tests/backends/test_meta_models.py, run on 2 ranks by the worker pool: models
+"""Scenarios of tests/distributed/test_meta_models.py, run on 2 ranks by the worker pool: models
 built on the meta device, materialized shard by shard by ``prepare``."""
 
 from __future__ import annotations

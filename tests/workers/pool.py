@@ -49,8 +49,7 @@ import torch
 import torch.distributed as dist
 
 import accelfn  # noqa: F401  (imported once for every scenario: the point of the pool)
-from accelfn.backends import _distributed
-from accelfn.collectives import agreement
+from accelfn.distributed import agreement, process_group
 from tests.helpers.pool import ADDRESS_VAR, TOKEN_VAR, receive, send
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
@@ -162,7 +161,7 @@ def serve(request: dict[str, Any], start: Start) -> dict[str, Any]:
     finally:
         if dist.is_initialized():
             if reply["ok"]:
-                _distributed.leave()  # the ranks meet, then destroy the group
+                process_group.leave()  # the ranks meet, then destroy the group
             else:
                 dist.destroy_process_group()  # a peer may be gone: no waiting (the pool ends now anyway)
         start.leave()

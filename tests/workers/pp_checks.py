@@ -1,4 +1,4 @@
-"""Scenarios of tests/backends/test_pipeline.py, run by the worker pool.
+"""Scenarios of tests/distributed/test_pipeline.py, run by the worker pool.
 
 ``train``: the residual MLP of ``tests.helpers.pipeline`` cut into 2 stages, trained under
 GPipe and under 1F1B with ``accumulate(4)`` and ``clip(1.0)`` (on 4 processes also

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import accelfn as af
+from accelfn.distributed import is_dtensor
 
 
 def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path, parallel: Any = af.replicate,
@@ -38,7 +39,7 @@ def run(backend: af.backends.Backend, loss_fn: Any, jsonl: Path, parallel: Any =
                trackers=[af.JSONL(jsonl)], progress=False)
     finally:
         if invariant:  # refused before the first update
-            assert all(torch.equal(a, b.full_tensor() if af.collectives.is_dtensor(b) else b)
+            assert all(torch.equal(a, b.full_tensor() if is_dtensor(b) else b)
                        for a, b in zip(initial, model.parameters()))
 
 

@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_shard_params.py: one launch of 2 processes runs every check.
+"""Worker for tests/distributed/test_shard_params.py: one launch of 2 processes runs every check.
 
 Usage: accelfn launch --nproc-per-node 2 shard_checks.py --out DIR
 Each rank writes DIR/rank{r}.json (metrics, byte counts, types) and DIR/rank{r}.safetensors

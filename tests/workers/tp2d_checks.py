@@ -1,4 +1,4 @@
-"""Worker for tests/backends/test_tp2d.py: 2-D FSDP2 x TP on 4 processes.
+"""Worker for tests/distributed/test_tp2d.py: 2-D FSDP2 x TP on 4 processes.
 
 Usage: accelfn launch --nproc-per-node 4 tp2d_checks.py --out DIR
 

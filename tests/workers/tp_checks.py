@@ -1,4 +1,4 @@
-"""Scenarios of tests/backends/test_tensor_parallel.py, run on 2 ranks by the worker pool.
+"""Scenarios of tests/distributed/test_tensor_parallel.py, run on 2 ranks by the worker pool.
 
 ``train``: the MLP and the byte LM of ``tests.helpers.tensor_parallel`` under
 ``shard_data + tensor_parallel(size=2) + clip(1.0)``, 20 AdamW updates each, writing the
@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 import accelfn as af
-from accelfn.backends import _clip
+from accelfn.distributed import grad_norm
 from tests.helpers import programs as P
 from tests.helpers import tensor_parallel as T
 from tests.helpers.tracking import Recorder
@@ -139,8 +139,8 @@ def clip_mixed() -> dict[str, Any]:
             param.grad = distribute_tensor(value.clone(), mesh, placements)
         params.append(param)
     expected_norm = float(torch.linalg.vector_norm(torch.cat([v.flatten() for v in full])))
-    inf_norm = float(_clip.global_norm(params, float("inf"), backend.collective_device))
-    norm = float(_clip.clip_grad_norm(params, 1.0, 2.0, backend.collective_device))
+    inf_norm = float(grad_norm.global_norm(params, float("inf"), backend.collective_device))
+    norm = float(grad_norm.clip_grad_norm(params, 1.0, 2.0, backend.collective_device))
     clipped = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for p in params]
     coefficient = min(1.0, 1.0 / (expected_norm + 1e-6))
     return {

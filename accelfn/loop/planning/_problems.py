@@ -24,7 +24,6 @@ from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import (
     Accumulate,
-    Compile,
     DeepSpeed,
     Invariant,
     Pipeline,
@@ -435,20 +434,13 @@ def _accumulate(f: Facts) -> Iterable[Problem]:
 
 @_check
 def _backend_support(f: Facts) -> Iterable[Problem]:
-    shard = f.step.find(ShardParams)
-    if shard is not None and (f.world_size > 1 or shard.offload):
-        try:
-            f.backend.check_sharding(shard, f.state)
-        except NotImplementedError as e:
-            what, _, fix = str(e).partition("; ")
-            yield Problem("sharding-unsupported", True, what, fix or "use replicate() on this backend")
-    compiled = f.step.find(Compile)
-    if compiled is not None:
-        try:
-            f.backend.check_compile(compiled)
-        except NotImplementedError as e:
-            what, _, fix = str(e).partition("; ")
-            yield Problem("compile-unsupported", True, what, fix or "drop af.compile() on this backend")
+    try:
+        refused = f.backend.unsupported(f.step, f.state, world_size=f.world_size)
+    except ValueError:  # a world the transforms cannot divide: a count problem already
+        return
+    for name, reason in refused:
+        what, _, fix = reason.partition("; ")
+        yield Problem(f"{name.replace('_', '-')}-unsupported", True, what, fix or f"drop {name}() on this backend")
 
 
 @_check

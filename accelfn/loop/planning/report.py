@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
-from accelfn.backends.env import LaunchEnv, with_launch_defaults
+from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
@@ -246,7 +246,8 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
 
 #: errors that ``prepare`` and the data already raise before the first forward, with their own
 #: exception types (NotImplementedError, ValueError) that callers catch: ``run`` leaves them to those
-RAISED_ELSEWHERE = frozenset({"precision-unsupported", "sharding-unsupported", "compile-unsupported",
+RAISED_ELSEWHERE = frozenset({"precision-unsupported", "shard-params-unsupported", "compile-unsupported",
+                              "tensor-parallel-unsupported", "pipeline-unsupported", "invariant-unsupported",
                               "sampler-unshardable", "global-batch-indivisible", "shard-size-indivisible",
                               "data-unshardable", "resume-beyond-epoch"})
 

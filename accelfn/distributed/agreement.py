@@ -10,12 +10,15 @@ the same message, so that no rank goes on into a collective the others never rea
 from __future__ import annotations
 
 import datetime
+import pickle
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
-from accelfn.collectives.ops import default_device, exchange, rank, reduce, world_size
+from accelfn.distributed.ops import broadcast_object, default_device, exchange, rank, reduce, world_size
 
 
 def extremes(values: Sequence[int | float], *, device: torch.device | None = None
@@ -233,3 +236,47 @@ class Agreement:
             return
         self._finish()
         dist.destroy_process_group(group)
+
+
+def first_item(item: Any, present: bool, *, rank: int, device: torch.device | None = None) -> tuple[bool, Any]:
+    """Whether any rank has an item, and the item this rank starts from: its own, or, when it has
+    none, a copy of the lowest such rank's (sent once, pickled, its tensors on the CPU): the
+    first round of keeping ranks' items in step (``Backend.lockstep``).
+
+    Raises:
+        RuntimeError: on every rank, when some rank has no item and the first item of the rank
+            that would send it cannot be pickled (the error named).
+    """
+    (lowest,), (highest,) = extremes([int(present)], device=device)
+    if not highest or lowest:  # nobody has one, or everybody does: one all-reduce
+        return bool(highest), item
+    src = exchange(present, device=device).index(True)
+    payload, message = None, None
+    if rank == src:
+        try:
+            payload = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), item)
+            pickle.dumps(payload)
+        except Exception as e:  # noqa: BLE001  # told to every rank below
+            message = (f"rank {src}'s first item must be sent to the ranks that have none, but it cannot be "
+                       f"pickled ({type(e).__name__}: {e}); give every rank at least one item")
+    failed = failures(message, device=device)
+    if failed:
+        raise RuntimeError(failed[0])
+    sent = broadcast_object(payload, src)
+    return True, item if present else sent
+
+
+def same_length(num_batches: int | None, verb: str, *, device: torch.device | None = None) -> None:
+    """Raises on every rank unless every rank has the same number of batches (or all an unknown
+    number): under ``verb()`` every update's collectives pair the ranks up (one all-reduce).
+
+    Raises:
+        ValueError: naming the fewest and the most batches.
+    """
+    (shortest,), (longest,) = extremes([-1 if num_batches is None else num_batches], device=device)
+    if longest != shortest:
+        raise ValueError(
+            f"under {verb}() every rank must run the same number of micro-batches, but the "
+            f"ranks' data have between {shortest} and {longest} batches per epoch (-1: unknown); "
+            "add af.shard_data() to split one dataset evenly over the ranks"
+        )

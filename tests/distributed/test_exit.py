@@ -1,7 +1,7 @@
 """Leaving the process group at exit: no abort when gloo's threads still own collectives, and no
 wait for ranks that went on when one rank's ``af.run``/``af.evaluate`` ended by an exit.
 
-Without accelfn's exit handler (``accelfn.backends._distributed``) a gloo worker thread could free a
+Without accelfn's exit handler (``accelfn.distributed.process_group``) a gloo worker thread could free a
 finished collective's tensors after the interpreter began to finalize, and the process
 aborted (``terminate called without an active exception``) after a complete run.
 """

@@ -39,12 +39,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from accelfn.backends import _comm_hooks
-from accelfn.backends.env import LaunchEnv
+from accelfn.distributed.env import LaunchEnv
 from accelfn.errors import LaunchError
-from accelfn.transforms import Replicate
 
 _registered = False
 _kept: list[dist.Work] = []  # freed by the main thread as the interpreter finalizes
@@ -185,28 +182,3 @@ def _init_method(env: LaunchEnv) -> str:
         return "env://"
     host = f"[{env.master_addr}]" if env.master_addr and ":" in env.master_addr else env.master_addr
     return f"tcp://{host}:{env.master_port}"
-
-
-def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
-             device_ids: list[int] | None = None) -> torch.nn.Module:
-    """``model`` in ``DistributedDataParallel`` with ``replicate``'s options (one process: as is).
-
-    DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
-    ``replicate.comm_hook`` is registered on it (``_comm_hooks.register``).
-
-    Raises:
-        ValueError: ``replicate.comm_state`` that its hook does not take.
-        NotImplementedError: a hook DDP refuses on this process group (bf16 over gloo).
-    """
-    if world_size == 1:
-        return model
-    ddp = DistributedDataParallel(
-        model,
-        device_ids=device_ids,
-        bucket_cap_mb=replicate.bucket_cap_mb,
-        find_unused_parameters=replicate.find_unused_parameters,
-        static_graph=replicate.static_graph,
-        gradient_as_bucket_view=replicate.gradient_as_bucket_view,
-    )
-    _comm_hooks.register(ddp, replicate)
-    return ddp

@@ -31,11 +31,17 @@ both leaves them (the later owner still draws its values, so the stream stays al
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from accelfn.collectives import is_dtensor
+from accelfn.distributed.ops import is_dtensor
+from accelfn.distributed.phases import ModelPhase
+from accelfn.transforms import ShardParams, TensorParallel
+
+if TYPE_CHECKING:
+    from accelfn.distributed.phases import Preparation
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -131,3 +137,31 @@ def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(local)
     else:
         target.copy_(full)
+
+
+class Materialize(ModelPhase):
+    """The model phase that fills a model built on the meta device, after tensor parallelism and
+    sharding split it (each rank fills only its own shards), before it is replicated.
+
+    Refused (before anything changes, :func:`check`) for a program that neither shards nor
+    splits the model; a meta model the backend does not place (``place_model=False``) and no
+    transform splits is the user's, left as it is.
+    """
+
+    name: ClassVar[str] = "materialize"
+
+    def __init__(self, splits: bool):
+        self.splits = splits
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Materialize | None:
+        if not is_meta(prep.state.model):
+            return None
+        splits = prep.step.find(ShardParams) is not None or prep.step.find(TensorParallel) is not None
+        return cls(splits) if splits or prep.hardware.place_model else None
+
+    def check(self, prep: Preparation) -> None:
+        check(prep.state.model, prep.state.optimizer, splits=self.splits)
+
+    def apply(self, prep: Preparation) -> None:
+        materialize(prep.state.model, prep.hardware.device)

@@ -1,6 +1,6 @@
 """Models built on the meta device under shard_params and tensor_parallel: 2 pooled processes.
 
-Each rank materializes only its own shards (accelfn/backends/_materialize.py); the scenarios
+Each rank materializes only its own shards (accelfn/distributed/meta.py); the scenarios
 are tests/workers/meta_checks.py's.
 """
 

@@ -1,11 +1,9 @@
-"""What the CPU (gloo) and CUDA (NCCL) backends share for ``tensor_parallel``: the device mesh
-of the whole world, built once from the transforms, and the plan applied through
-``torch.distributed.tensor.parallel.parallelize_module``.
+"""What ``tensor_parallel`` does to a model: the plan applied through
+``torch.distributed.tensor.parallel.parallelize_module`` over the mesh's ``"tensor"``
+dimension (its ranks are consecutive: ``distributed.mesh``), as the ``Split`` model phase.
 
-The mesh is ``("data", "tensor")`` of shape ``(world_size // size, size)``: the ranks of a
-tensor-parallel group are consecutive. ``tensor_parallel`` splits the plan's layers over the
-``"tensor"`` dimension; ``shard_params`` then shards every parameter (split or not) over the
-``"data"`` dimension with FSDP2 (2-D FSDP x TP, as torchtitan composes them). Accelerate's
+``shard_params`` then shards every parameter (split or not) over the data dimension with FSDP2
+(2-D FSDP x TP, as torchtitan composes them: ``distributed.fsdp.Shard``, the next phase). Accelerate's
 ``ParallelismConfig(dp_shard_size=d, tp_size=t)`` is ``shard_params()`` with
 ``tensor_parallel(plan, size=t)`` on ``d * t`` processes.
 """
@@ -14,46 +12,24 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from accelfn.backends import _fsdp
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import fsdp, is_dtensor
+from accelfn.distributed.phases import ModelPhase
 from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from accelfn.distributed.phases import Preparation
+
 #: Hugging Face ``_tp_plan`` style names that have a torch ParallelStyle of the same meaning
 HF_STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
 #: the attribute of a prepared model that holds the TensorParallel it was split with
 _SPLIT_WITH = "_accelfn_tensor_parallel"
-
-
-def check(tp: TensorParallel, shard: ShardParams | None, world_size: int) -> None:
-    """Raises before anything changes if ``tp`` cannot run in a world of ``world_size``.
-
-    Raises:
-        ValueError: the world size is not a multiple of ``tp.size``.
-        NotImplementedError: ``shard_params(shard_size=...)`` or ``offload=True`` with it.
-    """
-    tp.data_degree(world_size)
-    if shard is not None and (shard.shard_size is not None or shard.offload):
-        option = "shard_size" if shard.shard_size is not None else "offload"
-        raise NotImplementedError(
-            f"shard_params({option}=...) with tensor_parallel() is not supported (3-D HSDP x TP and offloaded "
-            "TP shards are not built yet); use shard_params() over the whole data dimension"
-        )
-
-
-def world_mesh(device: torch.device, world_size: int, tp: TensorParallel) -> DeviceMesh:
-    """The ``("data", "tensor")`` mesh of the world (a single-process group made first on one process)."""
-    _fsdp.single_process_group(device)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (tp.data_degree(world_size), tp.size), mesh_dim_names=("data", "tensor"))
 
 
 def _style(name: Any, where: str) -> Any:
@@ -113,11 +89,12 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: TensorParallel,
-                mesh: DeviceMesh, *, broadcast: bool = True) -> None:
-    """Splits ``model`` in place over ``mesh["tensor"]`` and points ``optimizer`` at its parameters.
+                mesh: DeviceMesh) -> None:
+    """Splits ``model`` in place over ``mesh`` (the 1-D tensor dimension) and points
+    ``optimizer`` at its parameters.
 
-    Rank 0's parameters and buffers are broadcast first (``broadcast``), so every rank starts
-    from the same model whatever its seed (as DDP does).
+    Rank 0's parameters and buffers are broadcast first, over the whole world, so every rank
+    starts from the same model whatever its seed (as DDP does).
 
     Raises:
         ValueError, NotImplementedError: from :func:`resolve`.
@@ -127,16 +104,66 @@ def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: Te
     plan = resolve(tp, model)  # before anything changes
     names = {id(p): name for name, p in model.named_parameters()}
     on_meta = any(t.is_meta for t in model.parameters())  # materialized after splitting (_materialize)
-    if broadcast and mesh.size() > 1 and not on_meta:
+    if dist.get_world_size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
     if plan is None:
-        tp.plan(model, mesh["tensor"])  # type: ignore[operator]  # a plan function
+        tp.plan(model, mesh)  # type: ignore[operator]  # a plan function
     else:  # equal on every rank already: each cuts its own part (no scatter, which meta tensors cannot do)
-        parallelize_module(model, mesh["tensor"], plan, src_data_rank=None)
+        parallelize_module(model, mesh, plan, src_data_rank=None)
     split = dict(model.named_parameters())
-    _fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
+    fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)
+
+
+class Split(ModelPhase):
+    """``tensor_parallel()``'s model phase: the plan's layers split over the mesh's ``"tensor"``
+    dimension, after placement and before sharding (torchtitan's order).
+
+    On a tensor dimension of one rank (``size=1``, or one process) the plan is checked and the
+    model left whole. A model split by an earlier ``prepare`` must be split the same way.
+    """
+
+    name: ClassVar[str] = "tensor_parallel"
+
+    def __init__(self, spec: TensorParallel | None, split: bool):
+        self.spec = spec
+        self.split = split
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Split | None:
+        spec, split = prep.step.find(TensorParallel), split_with(prep.state.model) is not None
+        return cls(spec, split) if spec is not None or split else None
+
+    def check(self, prep: Preparation) -> None:
+        """Raises ValueError for another split than the model's, a plan that matches no module or
+        ``"auto"`` without a model plan; NotImplementedError for a device other than CPU and CUDA,
+        ``shard_params(shard_size=...)`` or ``offload`` with it, or a style ``"auto"`` cannot map."""
+        check_same_split(prep.state.model, self.spec)
+        if self.split or self.spec is None:
+            return
+        if prep.hardware.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(f"the {prep.hardware.name} backend does not support tensor_parallel(); use the "
+                                      "cpu or cuda backend")
+        fsdp.check_available()
+        shard = prep.step.find(ShardParams)
+        if shard is not None and (shard.shard_size is not None or shard.offload):
+            option = "shard_size" if shard.shard_size is not None else "offload"
+            raise NotImplementedError(
+                f"shard_params({option}=...) with tensor_parallel() is not supported (3-D HSDP x TP and offloaded "
+                "TP shards are not built yet); use shard_params() over the whole data dimension")
+        resolve(self.spec, prep.state.model)
+
+    def apply(self, prep: Preparation) -> None:
+        if self.split or self.spec is None:
+            prep.forward_is_collective = prep.mesh.tensor > 1
+            return
+        sub = prep.mesh.device_mesh(prep.hardware.device, "tensor")
+        if sub is not None:
+            split_model(prep.state.model, prep.state.optimizer, self.spec, sub)
+            prep.forward_is_collective = True
+        else:
+            setattr(prep.state.model, _SPLIT_WITH, self.spec)
 
 
 def split_with(model: torch.nn.Module) -> TensorParallel | None:

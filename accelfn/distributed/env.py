@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from accelfn.backends.engines import detect
+from accelfn.distributed.engines import detect
 from accelfn.errors import LaunchError
 from accelfn.step import Step
 from accelfn.transforms import (
@@ -108,7 +108,7 @@ class LaunchEnv:
             or the launch config file's path (None: ``ACCELFN_PRECISION`` was set by hand).
         engine: what started this process and set the values above: ``"torchrun"``
             (``accelfn launch``), ``"slurm"``, ``"openmpi"``, ``"mpich"``, ``"kubeflow"``, or
-            ``"none"`` (one process); see ``accelfn/backends/engines.py``.
+            ``"none"`` (one process); see ``accelfn/distributed/engines.py``.
         engine_vars: the engine's variables the world was read from, ``(name, value)`` pairs.
         shard_params: ``accelfn launch --shard-params``: the ``shard_params`` transform for
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import accelfn as af
+from accelfn.distributed.mesh import Mesh
 from tests.helpers import programs as P
 from tests.helpers import tensor_parallel as T
 from tests.helpers.pool import Pools
@@ -182,9 +183,11 @@ def test_tensor_parallel_validates_its_arguments() -> None:
         af.tensor_parallel({"a": "colwise"}, size=0)
     with pytest.raises(af.TransformError, match="shard_params"):
         af.compose(af.replicate(), af.tensor_parallel({"a": "colwise"}, size=2))(af.train_step(P.mse))
-    assert af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(3, 4) == (1, 2)
-    with pytest.raises(ValueError, match="cannot be split into tensor-parallel groups of 2"):
-        af.tensor_parallel({"a": "colwise"}, size=2).data_coordinates(0, 3)
+    step = af.tensor_parallel({"a": "colwise"}, size=2)(af.train_step(P.mse))
+    assert Mesh.of(step, 4).data_coordinates(3) == (1, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel\(size=2\): one copy of the model spans 2 ranks, and the "
+                                         "world of 3 processes cannot be split"):
+        Mesh.of(step, 3)
 
 
 @pytest.fixture(scope="module")

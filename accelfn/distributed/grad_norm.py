@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accelfn.collectives import is_dtensor
+from accelfn.distributed import is_dtensor
 
 
 def local_gradients(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,22 +23,25 @@ import contextvars
 import dataclasses
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from accelfn import collectives
-from accelfn.backends._distributed import leave_at_exit
-from accelfn.collectives import ProcessContext, is_dtensor
+from accelfn.distributed import is_dtensor
+from accelfn.distributed.ops import mark_replicas
+from accelfn.distributed.phases import ModelPhase
+from accelfn.distributed.process_group import leave_at_exit
 from accelfn.transforms import ShardParams
 from accelfn.transforms.precision import Policy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from accelfn.distributed.phases import Preparation
 
 
 def fsdp2() -> ModuleType:
@@ -142,20 +145,6 @@ def single_process_group(device: torch.device) -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1, device_id=device if device.type == "cuda" else None)
         leave_at_exit()
-
-
-def mesh(device: torch.device, world_size: int, shard_size: int | None = None) -> DeviceMesh:
-    """The device mesh FSDP2 shards over: 1-D over all ranks, or, given a ``shard_size``
-    below ``world_size``, 2-D ``(replicate, shard)`` of shape ``(world_size // shard_size,
-    shard_size)`` (consecutive ranks share a copy of the model: hybrid sharding). On one
-    process, a single-process group is made first (FSDP2 needs one even there; only
-    offloading asks for FSDP on one process)."""
-    single_process_group(device)
-    from torch.distributed.device_mesh import init_device_mesh  # with FSDP2, on first use (fsdp2())
-
-    if shard_size is None or shard_size == world_size:
-        return init_device_mesh(device.type, (world_size,))
-    return init_device_mesh(device.type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def mixed_precision(policy: Policy) -> MixedPrecisionPolicy:
@@ -329,35 +318,6 @@ def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-def check_group_size(backend: ProcessContext, shard: ShardParams) -> None:
-    """Raises on every rank unless all ranks split the world into groups of one size.
-
-    ``shard_size="node"`` takes each node's ``LOCAL_WORLD_SIZE``: nodes running other
-    numbers of processes would build different meshes and wait for each other forever.
-    One all-reduce of two numbers finds it out, before anything changes.
-
-    Raises:
-        ValueError: the world is not a multiple of the group size, or the ranks' group
-            sizes differ.
-    """
-    try:
-        degree, error = shard.shard_degree(backend.world_size, backend.local_world_size), None
-    except ValueError as e:
-        degree, error = 0, e
-    (lowest,), (highest,) = collectives.extremes([degree], device=backend.collective_device)
-    if highest != lowest:
-        sizes = (f"from {lowest} to {highest} ranks" if lowest else
-                 f"{highest} on some ranks, on others a size that does not divide the world of {backend.world_size}")
-        raise ValueError(
-            f"shard_params(shard_size={shard.shard_size!r}): the ranks do not agree on the size of a "
-            f"group ({sizes}; this rank, {backend.rank}, has LOCAL_WORLD_SIZE="
-            f"{backend.local_world_size}): start the same number of processes on every node, or give "
-            "shard_size as a number that divides the world size"
-        )
-    if error is not None:
-        raise error
-
-
 #: the attribute of a model sharded by ``prepare`` that holds the ShardParams it was sharded with
 _SHARDED_WITH = "_accelfn_sharded_with"
 
@@ -387,3 +347,157 @@ def check_same_layout(model: torch.nn.Module, now: ShardParams) -> None:
 def remember_layout(model: torch.nn.Module, shard: ShardParams) -> None:
     """Records on ``model`` the ShardParams ``prepare`` sharded it with (see :func:`check_same_layout`)."""
     setattr(model, _SHARDED_WITH, shard)
+
+
+class Shard(ModelPhase):
+    """``shard_params()``'s model phase: FSDP2 over the mesh's data dimensions, after tensor
+    parallelism (torchtitan's order).
+
+    Over ``("replicate", "shard")`` when both have several ranks (hybrid sharding), else over
+    ``"shard"``; nothing is sharded on a data dimension of one rank (but with ``offload``,
+    which needs FSDP even on one process). A model sharded by an earlier ``prepare`` keeps its
+    layout (checked) and gets its precision refreshed.
+    """
+
+    name: ClassVar[str] = "shard_params"
+
+    def __init__(self, spec: ShardParams | None, sharded: bool):
+        self.spec = spec
+        self.sharded = sharded
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Shard | None:
+        spec, sharded = prep.step.find(ShardParams), is_sharded(prep.state.model)
+        return cls(spec, sharded) if spec is not None or sharded else None
+
+    def unsupported(self, prep: Preparation) -> str | None:
+        """The backend's refusal, or ``offload`` on the CPU (where the shards are in CPU memory already)."""
+        if self.spec is not None and self.spec.offload and prep.hardware.device.type == "cpu" and not self.sharded:
+            return ("shard_params(offload=True) moves sharded parameters and optimizer state from the GPU to CPU "
+                    "memory; on the cpu backend they are in CPU memory already. Remove offload=True (or run on the "
+                    "cuda backend)")
+        return super().unsupported(prep)
+
+    def check(self, prep: Preparation) -> None:
+        """Raises ValueError for a sharded model whose step has no (or another) ``shard_params``,
+        NotImplementedError for a torch without FSDP2."""
+        if self.spec is None:
+            raise ValueError("this state's model is sharded (it was prepared with shard_params()), so its step "
+                             "must include af.shard_params() too")
+        if self.sharded:
+            check_same_layout(prep.state.model, self.spec)
+            return
+        check_available()
+
+    def apply(self, prep: Preparation) -> None:
+        model, spec = prep.state.model, self.spec
+        assert spec is not None
+        if prep.hardware.world_size > 1:
+            mark_replicas(model)  # one model: its buffers are rank 0's where it is read
+        if self.sharded:
+            refresh_precision(model)  # requires_grad may have changed since (pytorch#186998)
+            prep.forward_is_collective = prep.mesh.shard > 1
+            return
+        device_mesh = prep.mesh.device_mesh(prep.hardware.device, "replicate", "shard")
+        if device_mesh is None and spec.offload:  # FSDP on one process, for its offloading
+            single_process_group(prep.hardware.device)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            device_mesh = init_device_mesh(prep.hardware.device.type, (1,), mesh_dim_names=("shard",))
+        if device_mesh is not None and (prep.mesh.shard > 1 or spec.offload):
+            split = prep.mesh.tensor > 1  # equal on every rank already: tensor parallelism broadcast it
+            shard_model(model, prep.state.optimizer, spec, prep.policy, device_mesh, broadcast=not split)
+            prep.forward_is_collective = prep.mesh.shard > 1
+        remember_layout(model, spec)
+
+
+# -- whole gradients of a sharded model, for invariant() under shard_params() ------------------
+#
+# Whole gradients of a model sharded by FSDP2, for ``invariant()`` under ``shard_params()``.
+#
+# FSDP2 reduce-scatters each unit's gradients inside its post-backward hook, with the
+# process group's reduce-scatter (an order of additions neither fixed nor exposed, which
+# also differs with the world size). Under ``invariant()`` that reduction is switched off
+# (``set_requires_gradient_sync(False)``, FSDP2's own way to accumulate without
+# communication): after a micro-batch's backward, every FSDP2 parameter keeps its whole
+# (unsharded) gradient, which :func:`take_unsharded_grads` takes, as a replicated model's
+# ``.grad``. The canonical tree sums them (``backends._invariant``); :func:`local_piece` then
+# makes each parameter's gradient this rank's piece of the sum, a view of it, as a DTensor
+# laid out as the parameter (``Shard(0)``: ``torch.chunk`` of dim 0, empty pieces for ranks
+# past the rows, as FSDP2 and DTensor cut it).
+#
+# torch's private ``FSDPState._fsdp_param_groups`` / ``FSDPParam`` are read (checked to have
+# what is used; a missing piece raises RuntimeError naming it).
+
+
+def _fsdp_params(model: torch.nn.Module) -> dict[int, Any]:
+    """Each FSDP2 parameter record of ``model``, by ``id`` of its sharded parameter."""
+    fsdp = fsdp2()
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, fsdp.FSDPModule):
+            continue
+        state = module._get_fsdp_state()  # noqa: SLF001  # torch's own
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
+            for record in group.fsdp_params:
+                found[id(record.sharded_param)] = record
+    return found
+
+
+def take_unsharded_grads(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The whole gradient of each of ``params`` (sharded parameters of ``model``) from the
+    backward just run without gradient sync, in their order (None: no gradient); FSDP2's
+    copy is dropped, so the next backward starts from none.
+
+    Raises:
+        RuntimeError: a parameter FSDP2 does not hold, or a torch whose FSDP2 lacks what is read.
+    """
+    records = _fsdp_params(model)
+    out: list[torch.Tensor | None] = []
+    for param in params:
+        record = records.get(id(param))
+        if record is None or not hasattr(record, "unsharded_accumulated_grad"):
+            raise RuntimeError("invariant() with shard_params(): an optimizer parameter is not one FSDP2 shards "
+                               "(or this torch's FSDP2 keeps no unsharded gradient); please report it")
+        grad = record.unsharded_accumulated_grad  # set under a reduce dtype other than the parameter's
+        unsharded = getattr(record, "_unsharded_param", None)
+        if grad is None and unsharded is not None:
+            grad = unsharded.grad
+        record.unsharded_accumulated_grad = None
+        if unsharded is not None:
+            unsharded.grad = None
+        out.append(grad)
+    return out
+
+
+def local_piece(whole: torch.Tensor, param: Any) -> torch.Tensor:
+    """This rank's piece of ``whole`` (a whole gradient of ``param``'s global shape) as a
+    DTensor laid out as ``param``, its local tensor a view of ``whole`` (in-place changes to
+    ``whole`` change it).
+
+    Raises:
+        RuntimeError: ``param``'s layout is not ``Shard``/``Replicate`` pieces of this shape.
+    """
+    from torch.distributed.tensor import DTensor  # imported: param is a DTensor
+
+    mesh, local = param.device_mesh, whole
+    for dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard():
+            raise RuntimeError(f"invariant() with shard_params(): a parameter laid out as {placement}")
+        size, axis = mesh.size(dim), placement.dim
+        pieces = list(torch.chunk(local, size, dim=axis))
+        pieces += [local.narrow(axis, local.shape[axis], 0)] * (size - len(pieces))
+        local = pieces[mesh.get_local_rank(dim)]
+    with torch.no_grad():
+        shard_shape = param.to_local().shape
+    if local.shape != shard_shape:
+        raise RuntimeError(f"invariant() with shard_params(): this rank's piece has shape {tuple(local.shape)}, "
+                           f"its shard {tuple(shard_shape)}")
+    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())

@@ -30,7 +30,7 @@ A world that looks like several processes to an engine but one to accelfn is an 
 a silent solo run: each process would train on the whole data set alone.
 
 All functions here are pure: they take the environment as a mapping
-(``accelfn/backends/env.py`` is the one place that passes ``os.environ``).
+(``accelfn/distributed/env.py`` is the one place that passes ``os.environ``).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from accelfn.backends import LaunchEnv
-from accelfn.backends.engines import expand_hostlist, tasks_per_node
 from accelfn.cli import main, precedence
+from accelfn.distributed.engines import expand_hostlist, tasks_per_node
 from accelfn.errors import LaunchError
 
 # what srun sets for task 3 of `srun --nodes=4 --ntasks=7` whose nodes run 2, 2, 2 and 1 tasks

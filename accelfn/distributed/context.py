@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from accelfn.collectives import ops
+from accelfn.distributed import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,5 +1,6 @@
-"""DDP communication hooks of ``replicate(comm_hook=...)``: their registration on the DDP
-wrapper, and PowerSGD's state carried by the TrainState.
+"""What ``replicate()`` does to a model on CPU and CUDA: ``DistributedDataParallel`` with the
+communication hooks of ``replicate(comm_hook=...)`` registered on it, PowerSGD's state carried
+by the TrainState, and the ``DDP`` model phase.
 
 A PowerSGD hook keeps state between updates on each rank (error feedback, the P and Q
 matrices of each gradient bucket, an iteration count, a numpy RandomState). It lives in
@@ -15,15 +16,20 @@ state loaded or restored since) into the live state.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from accelfn.distributed.ops import mark_replicas
+from accelfn.distributed.phases import ModelPhase
 from accelfn.state import TrainState
 from accelfn.transforms import PowerSGDMemory, Replicate
+
+if TYPE_CHECKING:
+    from accelfn.distributed.phases import Preparation
 
 #: the hooks whose state is a PowerSGDState (accelfn builds it from replicate's comm_state)
 _POWERSGD = (powersgd.powerSGD_hook, powersgd.batched_powerSGD_hook)
@@ -202,3 +208,61 @@ def attach(state: TrainState, model: torch.nn.Module, device: torch.device) -> T
         load(live, memory, device)
         return state
     return state.with_transform_state(comm_hook=record(live))
+
+
+def wrap_ddp(model: torch.nn.Module, replicate: Replicate, world_size: int,
+             device_ids: list[int] | None = None) -> torch.nn.Module:
+    """``model`` in ``DistributedDataParallel`` with ``replicate``'s options (one process: as is).
+
+    DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
+    ``replicate.comm_hook`` is registered on it (:func:`register`).
+
+    Raises:
+        ValueError: ``replicate.comm_state`` that its hook does not take.
+        NotImplementedError: a hook DDP refuses on this process group (bf16 over gloo).
+    """
+    if world_size == 1:
+        return model
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=replicate.bucket_cap_mb,
+        find_unused_parameters=replicate.find_unused_parameters,
+        static_graph=replicate.static_graph,
+        gradient_as_bucket_view=replicate.gradient_as_bucket_view,
+    )
+    register(ddp, replicate)
+    return ddp
+
+
+class DDP(ModelPhase):
+    """``replicate()``'s model phase: the model the step calls wrapped for data parallelism by
+    the backend (``DistributedDataParallel`` on CPU and CUDA, with ``comm_hook``; XLA's own),
+    after sharding and before compilation, as PyTorch's DDP guidance asks.
+
+    Not under a transform whose step function reduces the gradients itself
+    (``reduces_gradients``: ``pipeline``, ``invariant``). A PowerSGD hook's state joins the
+    TrainState (:func:`attach`).
+    """
+
+    name: ClassVar[str] = "replicate"
+
+    def __init__(self, spec: Replicate):
+        self.spec = spec
+
+    @classmethod
+    def of(cls, prep: Preparation) -> DDP | None:
+        spec = prep.step.find(Replicate)
+        if spec is None or any(t.reduces_gradients for t in prep.step.transforms):
+            return None
+        return cls(spec)
+
+    def check(self, prep: Preparation) -> None:
+        """Raises NotImplementedError where the backend cannot replicate as ``spec`` asks."""
+        prep.hardware.check_replicate(self.spec)
+
+    def apply(self, prep: Preparation) -> None:
+        if prep.hardware.world_size > 1:
+            mark_replicas(prep.state.model)  # one model: its buffers are rank 0's where it is read
+        prep.model = prep.hardware.wrap_model(prep.model, self.spec)
+        prep.state = attach(prep.state, prep.model, prep.hardware.device)

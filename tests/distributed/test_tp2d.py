@@ -104,4 +104,5 @@ def test_a_2d_checkpoint_and_export_load_into_one_unsharded_process(run: dict[st
 
 def test_a_tp_size_that_does_not_divide_the_world_is_refused_by_name(run: dict[str, Any]) -> None:
     """tensor_parallel(size=3) in a world of 4 raises ValueError naming the size and the world."""
-    assert "tensor_parallel(size=3): the world of 4 processes cannot be split" in run["json"][0]["size_error"]
+    assert ("tensor_parallel(size=3): one copy of the model spans 3 ranks, and the world of 4 processes cannot be "
+            "split") in run["json"][0]["size_error"]

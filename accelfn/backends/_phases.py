@@ -1,0 +1,90 @@
+"""``prepare``'s two tables: the model phases in the order they apply, and the step functions
+of the programs whose transform interprets them itself; and the ``Compile`` phase.
+
+A parallelism is added as one transform, one module in ``distributed/`` holding its phase
+(``of``, ``check``, ``apply``: ``distributed.phases.ModelPhase``), a row here and a plan rule;
+``Backend.prepare`` itself names none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from accelfn.backends._deepspeed import DeepSpeedStepFn
+from accelfn.backends._interpreter import StepFn, step_function
+from accelfn.backends._invariant import InvariantStepFn
+from accelfn.backends._pipeline_step import PipelineStepFn
+from accelfn.backends._placement import Place
+from accelfn.distributed import canonical, ddp, deepspeed, fsdp, meta, pipeline, tensor_parallel
+from accelfn.distributed.phases import ModelPhase, Preparation
+from accelfn.step import TransformBase
+from accelfn.transforms import Compile as CompileSpec
+from accelfn.transforms import Invariant, Pipeline
+from accelfn.transforms.deepspeed import DeepSpeed
+
+if TYPE_CHECKING:
+    from accelfn.backends.base import Backend
+
+
+class Compile(ModelPhase):
+    """``compile()``'s model phase, the last: the model the step calls (DDP's wrapper, if any)
+    through ``torch.compile`` with the transform's options, as PyTorch's DDP guidance asks;
+    ``state.model`` stays the plain module, so checkpoints keep their names."""
+
+    name: ClassVar[str] = "compile"
+
+    def __init__(self, spec: CompileSpec):
+        self.spec = spec
+
+    @classmethod
+    def of(cls, prep: Preparation) -> Compile | None:
+        spec = prep.step.find(CompileSpec)
+        return None if spec is None else cls(spec)
+
+
+    def apply(self, prep: Preparation) -> None:
+        prep.model = torch.compile(prep.model, **self.spec.torch_compile_kwargs())  # type: ignore[assignment]
+
+
+#: the model phases, in the order ``prepare`` applies them (each checked before any applies):
+#: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
+#: sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
+#: rank allocates only its own shards, as torchtitan's ``to_empty`` after parallelizing);
+#: replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
+PHASES: tuple[type[ModelPhase], ...] = (
+    deepspeed.Engine,
+    Place,
+    pipeline.Cut,
+    tensor_parallel.Split,
+    fsdp.Shard,
+    meta.Materialize,
+    canonical.Replicas,
+    ddp.DDP,
+    Compile,
+)
+
+#: ``(transform, step function)``: a program holding the transform runs on that step function
+#: (the first that matches); every other program on the interpreter's (``step_function``)
+INTERPRETERS: tuple[tuple[type[TransformBase], Callable[[Backend, Preparation], StepFn]], ...] = (
+    (DeepSpeed, DeepSpeedStepFn),
+    (Pipeline, PipelineStepFn),
+    (Invariant, lambda backend, prep: InvariantStepFn(backend, prep.step, prep.state, prep.model)),
+)
+
+
+def interpreter(prep: Preparation) -> Callable[[Backend, Preparation], StepFn]:
+    """The step function that runs ``prep``'s program (``INTERPRETERS``' first match)."""
+    return next((make for kind, make in INTERPRETERS if prep.step.find(kind) is not None), step_function)
+
+
+def acting(prep: Preparation) -> list[ModelPhase]:
+    """The phases of ``PHASES`` that act on ``prep``'s program, in order."""
+    return [phase for row in PHASES if (phase := row.of(prep)) is not None]
+
+
+def unsupported(prep: Preparation, phases: list[ModelPhase]) -> list[tuple[str, str]]:
+    """``(phase name, why)`` for each of ``phases`` the backend cannot run as the program asks."""
+    return [(phase.name, reason) for phase in phases if (reason := phase.unsupported(prep)) is not None]
