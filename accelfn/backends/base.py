@@ -40,7 +40,10 @@ class Backend(ProcessContext, abc.ABC):
     Attributes:
         name: ``"cpu"``, ``"cuda"`` or ``"xla"``.
         supported_precisions: the precision policies this backend runs.
-        rank, local_rank, world_size, local_world_size: from the launch environment.
+        rank, local_rank, world_size, local_world_size: from the launch environment; under
+            ``accelfn plan``, rank 0 of the planned world (``--nproc-per-node`` x ``--nnodes``
+            processes), so a script sizes what it sizes for the launch it plans (its
+            collectives are still those of its one process).
         device: the ``torch.device`` this process computes on.
     """
 
@@ -56,8 +59,10 @@ class Backend(ProcessContext, abc.ABC):
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)
         self.place_batches = place_batches
-        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
-                         local_world_size=env.local_world_size)
+        # under `accelfn plan` this process stands for rank 0 of the planned world (its collectives
+        # stay those of one process: the process group is env's, and nothing else runs)
+        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.planned_world_size,
+                         local_world_size=env.planned_local_world_size)
         self.env = env
         self.device = device
         self._active: EpochBatches | None = None
