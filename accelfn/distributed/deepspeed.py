@@ -89,8 +89,6 @@ class ZeroPartition:
         grads: elements of the gradients the rank keeps: whole (stage 0-1) or its partition.
         masters: ``(optimizer group, elements)`` of each flat fp32 partition the optimizer
             steps, one per (sub-)group (empty at stage 0: it steps the parameters themselves).
-        masters_are_params: the fp32 partitions are the parameters' own partitions (stage 3
-            with fp32 parameters on the device: DeepSpeed keeps no second copy).
         partitions: at stage 3, the elements of the rank's parameter partitions (``ds_tensor``;
             what ``offload_param`` moves off the device).
     """
@@ -98,12 +96,11 @@ class ZeroPartition:
     params: int
     grads: int
     masters: tuple[tuple[int, int], ...]
-    masters_are_params: bool
     partitions: int = 0
 
 
-def zero_partition(params: list[int], groups: list[list[int]], *, config: Mapping[str, Any], world_size: int,
-                   fp32_params: bool) -> ZeroPartition:
+def zero_partition(params: list[int], groups: list[list[int]], *, config: Mapping[str, Any],
+                   world_size: int) -> ZeroPartition:
     """What each rank holds under ``config``'s ZeRO stage on ``world_size`` ranks: DeepSpeed's
     rules, read from its ``stage_1_and_2.py`` and ``stage3.py`` (the same on every rank).
 
@@ -112,24 +109,25 @@ def zero_partition(params: list[int], groups: list[list[int]], *, config: Mappin
         groups: each optimizer group's trainable parameters' numbers of elements, in order.
         config: the engine's configuration (``engine_config``).
         world_size: the data-parallel ranks ZeRO partitions over.
-        fp32_params: the parameters are fp32 (neither the bf16 nor the fp16 section enabled).
 
     Stage 1/2: each group flattened and padded to a multiple of ``2 W`` elements, cut into
     ``W`` equal partitions; its fp32 copy steps. Stage 3: each parameter padded to a multiple
     of ``W`` and cut (``ceil(numel / W)`` per rank); a parameter of at most
     ``stage3_param_persistence_threshold`` elements is also kept whole on every rank; each
-    group's partitions flattened into sub-groups of ``sub_group_size`` elements.
+    group's partitions flattened into sub-groups of ``sub_group_size`` elements. The fp32
+    master partitions are a copy at every stage, also of fp32 parameters (stage 3 means to
+    share them then, but compares a ``torch.device`` with a device name, which never matches).
     """
     zero = {**ZERO_DEFAULTS, **config.get("zero_optimization", {})}
     stage, W = int(zero.get("stage", 0)), world_size
     total = sum(params)
     if stage == 0:
-        return ZeroPartition(total, total, (), False)
+        return ZeroPartition(total, total, ())
     if stage in (1, 2):
         alignment = ALIGNMENT_FACTOR * W
-        masters = tuple((i, -(-sum(g) // alignment) * alignment // W) for i, g in enumerate(groups) if sum(g))
+        flat = tuple((i, -(-sum(g) // alignment) * alignment // W) for i, g in enumerate(groups) if sum(g))
         trainable = sum(sum(g) for g in groups)
-        return ZeroPartition(total, trainable if stage == 1 else sum(n for _, n in masters), masters, False)
+        return ZeroPartition(total, trainable if stage == 1 else sum(n for _, n in flat), flat)
     persistent, whole = 0, 0
     for numel in params:  # DeepSpeedZeRoOffload.mark_persistent_parameters
         if numel + persistent > zero["stage3_model_persistence_threshold"]:
@@ -148,17 +146,16 @@ def zero_partition(params: list[int], groups: list[list[int]], *, config: Mappin
                 held = 0
         if held:
             masters.append((i, held))
-    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
-    return ZeroPartition(sum(parts) + whole, sum(n for _, n in masters), tuple(masters), fp32_params and not offload,
-                         partitions=sum(parts))
+    return ZeroPartition(sum(parts) + whole, sum(n for _, n in masters), tuple(masters), partitions=sum(parts))
 
 
 def offloaded(config: Mapping[str, Any]) -> tuple[bool, bool]:
     """``(optimizer state, parameter partitions)`` offloaded off the device by ``config``
     (``offload_optimizer``/``offload_param`` to ``"cpu"`` or ``"nvme"``)."""
     zero = config.get("zero_optimization", {})
-    return tuple(zero.get(f"offload_{what}", {}).get("device", "none") != "none"  # type: ignore[return-value]
-                 for what in ("optimizer", "param"))
+    optimizer, param = (zero.get(f"offload_{what}", {}).get("device", "none") != "none"
+                        for what in ("optimizer", "param"))
+    return optimizer, param
 
 
 class Engine(ModelPhase):

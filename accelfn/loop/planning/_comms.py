@@ -49,7 +49,7 @@ from accelfn.transforms import (
     SkipNonfinite,
     TensorParallel,
 )
-from accelfn.transforms.deepspeed import micro_batches_per_update
+from accelfn.transforms.deepspeed import enabled_precisions, micro_batches_per_update
 from accelfn.transforms.invariant import stack_sizes
 from accelfn.transforms.precision import Policy
 
@@ -177,9 +177,12 @@ def collectives_per_update(step: Step, model: torch.nn.Module, policy: Policy, s
     if ds is not None:
         out.extend(_deepspeed(step, ds, params, policy, mesh, n))
         over_ranks = False
-        unknown.append("deepspeed(): the sizes and counts of DeepSpeed's own collectives (its buckets: "
-                       "reduce_bucket_size, allgather_bucket_size, ZeRO-3's prefetch) are not planned, only their kinds "
-                       "and dtypes")
+        unknown.append("deepspeed(): the sizes of DeepSpeed's own collectives (its buckets: reduce_bucket_size, "
+                       "allgather_bucket_size, ZeRO-3's prefetch and persistent parameters; only their kinds and "
+                       "dtypes are planned)")
+        if ds.stage == 0 and enabled_precisions(ds.config):
+            unknown.append("deepspeed() at ZeRO stage 0 with bf16 or fp16: the master weights and collectives of "
+                           "DeepSpeed's mixed-precision optimizer wrapper (planned as without it)")
     elif pp is not None:
         out.extend(_pipeline(step, pp, params, policy, split, traced, n))
     elif invariant is not None:
@@ -332,8 +335,28 @@ def _invariant(params: list[torch.nn.Parameter], policy: Policy, mesh: Any, n: i
 
 def _deepspeed(step: Step, ds: DeepSpeed, params: list[torch.nn.Parameter], policy: Policy, mesh: Any,
                n: int) -> list[Collective]:
-    """DeepSpeed's collectives of an update, by kind and dtype (their sizes are DeepSpeed's buckets)."""
-    return []
+    """DeepSpeed's collectives of an update by kind and dtype, in the engine's parameter dtype
+    (their sizes are DeepSpeed's buckets: None here), as DeepSpeed 0.16+ issues them on gloo
+    and NCCL. ZeRO-0: the gradients all-reduced (and under ``clip`` the norm, float32);
+    ZeRO-1/2: the gradients all-reduced (ZeRO-2: every micro-batch), the updated partitions
+    all-gathered, the norm all-reduced in float32 (bf16/fp16: also a uint8 overflow flag);
+    ZeRO-3: the parameters all-gathered and the gradients reduce-scattered every micro-batch,
+    the norm all-reduced in float64."""
+    config = ds.config
+    enabled = enabled_precisions(config)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[enabled[0]] if enabled else _stored(params[0], policy)
+    stage, world = ds.stage, mesh.world_size
+    if stage == 0:
+        return [_make("all_reduce", dtype, None, "DeepSpeed gradients", world),
+                *([_make("all_reduce", torch.float32, 1, "DeepSpeed norm", world)] if step.find(Clip) else [])]
+    if stage in (1, 2):
+        return [_make("all_reduce", dtype, None, "DeepSpeed gradients", world, count=n if stage == 2 else 1),
+                _make("all_gather", dtype, None, "DeepSpeed updated partitions", world),
+                *([_make("all_reduce", torch.uint8, 1, "DeepSpeed overflow check", world)] if enabled else []),
+                _make("all_reduce", torch.float32, 1, "DeepSpeed norm", world)]
+    return [_make("all_gather", dtype, None, "DeepSpeed parameters", world, count=n),
+            _make("reduce_scatter", dtype, None, "DeepSpeed gradients", world, count=n),
+            _make("all_reduce", torch.float64, 1, "DeepSpeed norm", world)]
 
 
 def _stored(p: torch.Tensor, policy: Policy) -> torch.dtype:

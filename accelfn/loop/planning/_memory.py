@@ -248,8 +248,7 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[enabled[0]] if enabled else torch.float32
     params = whole(model.parameters())
     groups = [[p.numel() for p in g["params"] if p.requires_grad and p.numel()] for g in optimizer.param_groups]
-    part = zero_partition([p.numel() for p in params], groups, config=config, world_size=mesh.data_size,
-                          fp32_params=dtype == torch.float32)
+    part = zero_partition([p.numel() for p in params], groups, config=config, world_size=mesh.data_size)
     if part.masters:  # the optimizer steps flat fp32 partitions, one per (sub-)group
         stand_ins = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in part.masters]
         flat = torch.optim.Optimizer.__new__(type(optimizer))  # the same class, over the partitions
@@ -257,7 +256,7 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
             {**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"}, "params": [m]}
             for (g, _), m in zip(part.masters, stand_ins)])
         shapes = optimizer_state_shapes(flat, stand_ins, _FP32)
-        masters = 0 if part.masters_are_params else sum(_nbytes(n, torch.float32) for _, n in part.masters)
+        masters = sum(_nbytes(n, torch.float32) for _, n in part.masters)
         o_bytes = masters + sum(_nbytes(math.prod(shape), d) for s in shapes for shape, d in s)
     else:  # stage 0: the optimizer steps the parameters themselves
         shapes = optimizer_state_shapes(optimizer, params, policy)

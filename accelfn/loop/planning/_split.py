@@ -20,7 +20,7 @@ DeepSpeed's partitions are DeepSpeed's own rule (``distributed.deepspeed.zero_pa
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Iterable
 
 import attrs
 import torch
@@ -30,16 +30,6 @@ from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.tensor_parallel import LayerSplit, layer_splits
 from accelfn.step import Step
 from accelfn.transforms import Pipeline, ShardParams, TensorParallel
-
-
-def chunk_numel(shape: tuple[int, ...] | torch.Size, dim: int, index: int, parts: int) -> int:
-    """Elements of the ``index``-th of ``parts`` chunks of ``shape`` along ``dim`` (``torch.chunk``'s
-    cut: chunks of ``ceil(d / parts)``, the last ones smaller or empty)."""
-    if parts == 1 or len(shape) == 0:
-        return math.prod(shape)
-    chunk = -(-shape[dim] // parts)
-    rows = max(0, min(chunk, shape[dim] - index * chunk))
-    return rows * math.prod(shape) // shape[dim] if shape[dim] else 0
 
 
 def chunk_shape(shape: tuple[int, ...], dim: int, index: int, parts: int) -> tuple[int, ...]:
@@ -140,6 +130,6 @@ def split_of(step: Step, model: torch.nn.Module, mesh: Mesh) -> tuple[ModelSplit
         return ModelSplit(mesh), str(e)
 
 
-def whole(tensors: Any) -> list[torch.Tensor]:
-    """Distinct tensors of an iterable, in order (tied parameters once)."""
-    return list(dict.fromkeys(tensors))
+def whole(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Distinct parameters of an iterable, in order (tied parameters once)."""
+    return list(dict.fromkeys(params))
