@@ -120,3 +120,36 @@ def test_under_accelfn_plan_the_script_sees_the_planned_world(name: str) -> None
         warnings.simplefilter("ignore")
         plan = af.plan(step, state, loader, backend=backend, epochs=planning.PARALLEL_EPOCHS, trace=False)
     assert plan.world_size == processes and counted.total == plan.total_updates == _plan(name).total_updates
+
+
+def test_what_the_plan_cannot_model_is_a_named_not_planned_warning() -> None:
+    """A PowerSGD comm hook, a tensor-parallel plan function and DeepSpeed's bucket sizes are each
+    a ``not-planned`` warning naming them, with no number planned in their place (no DDP bucket
+    all-reduce, DeepSpeed's collectives without elements); ``run`` does not warn of them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    step, state, loader = planning.parallel_program("replicate-fp16-hook")
+    powersgd = af.compose(af.shard_data(), af.replicate(comm_hook=powerSGD_hook.powerSGD_hook))(
+        af.train_step(planning._mse))
+    plan = af.plan(powersgd, state, loader, world_size=2, trace=False)
+    [problem] = [p for p in plan.problems if p.code == "not-planned"]
+    assert "powerSGD_hook" in problem.what and not problem.error
+    assert not any("DDP bucket" in c.what for c in plan.comms)
+
+    def split_it(model, mesh):  # a plan function, torchtitan's style: what it splits, no rule says
+        pass
+
+    step, state, loader = planning.parallel_program("tensor_parallel-2")
+    custom = af.compose(af.shard_data(), af.tensor_parallel(split_it, size=1))(af.train_step(planning._mse))
+    plan = af.plan(custom, state, loader, world_size=1, trace=False)
+    named = [p.what for p in plan.problems if p.code == "not-planned"]
+    assert any("split_it" in what and "split of" in what for what in named), named
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        af.run(custom, state, loader, backend=af.backends.CPU(), max_steps=1, progress=False)
+    assert not [w for w in caught if "not-planned" in str(w.message)]
+
+    step, state, loader = planning.parallel_program("zero-1")
+    plan = af.plan(step, state, loader, world_size=2, trace=False)
+    assert any("DeepSpeed's own collectives" in p.what for p in plan.problems if p.code == "not-planned")
+    assert {c.elements for c in plan.comms if c.what.startswith("DeepSpeed") and c.kind != "all_reduce"} == {None}

@@ -15,12 +15,30 @@
   micro-batch (every micro-batch with ``reduce_every_micro_batch``); elements are the
   unit's parameters padded to a multiple of ``D`` rows; gathered in the compute dtype of an
   autocast policy, reduced in fp32. ``clip`` adds one scalar fp32 all-reduce of the norm.
+- ``replicate(comm_hook=...)``: each bucket all-reduced in the hook's dtype
+  (``distributed.ddp.bucket_dtype``: fp16 or bf16 compression); a hook with collectives of its
+  own (PowerSGD) is not planned.
+- ``tensor_parallel`` over ``t`` ranks (``distributed.tensor_parallel.layer_splits``): per
+  micro-batch an all-reduce of each row-wise layer's output in the forward, of each
+  column-wise layer's input gradient in the backward (where the input requires one), an
+  all-gather of a gathered column-wise output; sizes and dtypes from the traced micro-batch.
+  ``clip`` adds a float32 all-reduce of the norm per mesh dimension a layout is split along.
+- ``pipeline``: per micro-batch rank 0's stages send their activation to the next stage and
+  receive its gradient (point to point; the shapes from the micro-batch traced through the
+  cut stages), the window's sums broadcast from the last stage, under ``replicate`` (or any
+  replicate dimension) the stage's gradients all-reduced over the replicas, ``clip``'s norm
+  over the pipe group.
+- ``invariant()``: the canonical sum (``distributed.canonical``): a send and a receive of the
+  flat gradients and of the window's sums per round of rank 0's power-of-two block, a
+  broadcast of each block's root otherwise; every rank's subtrees all-gathered for an ``A``
+  that is no power of two.
+- ``deepspeed()``: DeepSpeed's collectives by kind and dtype (their sizes are its buckets').
 - Every logged update (``log_every``) on W > 1 reduces the metrics: one float64 sum
   all-reduce of the metrics and counts and one float64 max all-reduce of the memory.
 
 Bytes on the wire per rank follow the ring algorithms: an all-reduce of ``B`` bytes sends
 ``2 (W-1)/W B``, an all-gather or reduce-scatter whose whole is ``B`` sends ``(W-1)/W B``, a
-broadcast ``B`` (its root; counted for every rank alike).
+broadcast ``B`` (its root; counted for every rank alike), a send ``B`` (a receive nothing).
 """
 
 from __future__ import annotations
@@ -49,7 +67,7 @@ from accelfn.transforms import (
     SkipNonfinite,
     TensorParallel,
 )
-from accelfn.transforms.deepspeed import enabled_precisions, micro_batches_per_update
+from accelfn.transforms.deepspeed import enabled_precisions, engine_config, micro_batches_per_update
 from accelfn.transforms.invariant import stack_sizes
 from accelfn.transforms.precision import Policy
 
@@ -180,7 +198,7 @@ def collectives_per_update(step: Step, model: torch.nn.Module, policy: Policy, s
         unknown.append("deepspeed(): the sizes of DeepSpeed's own collectives (its buckets: reduce_bucket_size, "
                        "allgather_bucket_size, ZeRO-3's prefetch and persistent parameters; only their kinds and "
                        "dtypes are planned)")
-        if ds.stage == 0 and enabled_precisions(ds.config):
+        if ds.stage == 0 and policy.name in ("bf16", "fp16") or ds.stage == 0 and enabled_precisions(ds.config):
             unknown.append("deepspeed() at ZeRO stage 0 with bf16 or fp16: the master weights and collectives of "
                            "DeepSpeed's mixed-precision optimizer wrapper (planned as without it)")
     elif pp is not None:
@@ -249,7 +267,9 @@ def _tensor_parallel(split: ModelSplit, traced: Traced | None, n: int, size: int
         if layer.gathers_output:
             out.append(_make("all_gather", out_dtype, out_numel, f"TP gather {layer.module}", size, count=n))
         if layer.reduces_input_grad and (seen is None or seen[4]):
-            out.append(_make("all_reduce", in_dtype, in_numel, f"TP input grad {layer.module}", size, count=n))
+            maybe = "" if seen else " (if its input needs a gradient: not traced)"
+            out.append(_make("all_reduce", in_dtype, in_numel, f"TP input grad {layer.module}{maybe}", size,
+                             count=n))
     return out
 
 
@@ -342,7 +362,8 @@ def _deepspeed(step: Step, ds: DeepSpeed, params: list[torch.nn.Parameter], poli
     all-gathered, the norm all-reduced in float32 (bf16/fp16: also a uint8 overflow flag);
     ZeRO-3: the parameters all-gathered and the gradients reduce-scattered every micro-batch,
     the norm all-reduced in float64."""
-    config = ds.config
+    config = engine_config(ds, num_micro_batches=n, clip=step.find(Clip), precision=policy.name, micro_batch_size=1,
+                           world_size=mesh.world_size)
     enabled = enabled_precisions(config)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[enabled[0]] if enabled else _stored(params[0], policy)
     stage, world = ds.stage, mesh.world_size

@@ -15,6 +15,16 @@ Persistent state per rank (what ``prepare`` and the first update leave behind):
   sharded like the parameter, scalars are not;
 - buffers, whole on every rank (FSDP2 does not shard them), and transform state tensors.
 
+Which piece of each parameter a rank holds is the split of the run's own rules
+(``_split``): a pipeline's stages, a tensor-parallel layer's ``Shard`` dimension, FSDP2's
+``Shard(0)`` of that (2-D FSDP x TP). Under ``deepspeed()`` DeepSpeed's partitions
+(``distributed.deepspeed.zero_partition``): the parameters whole (ZeRO 0-2) or in
+``ceil(numel / W)`` partitions plus the persistent ones whole (ZeRO-3), the fp32 master
+partitions and the optimizer's state of them counted as optimizer state (the ZeRO paper's
+``K``), offloaded bytes (``offload_optimizer``, ``offload_param``; ``shard_params(offload=
+True)``) counted where they are and named in ``Memory.offloaded``. Under ``invariant()``
+the window's partial sums: flat gradient buffers as many as ``push``'s binary counter keeps.
+
 The activation peak of one micro-batch is traced: the loss function's forward and backward
 run on a fake copy of the model (``FakeTensorMode``: shapes, dtypes and devices without
 storage) over a fake copy of the first batch, counting the bytes of every storage an operator
@@ -36,6 +46,7 @@ import attrs
 import torch
 from torch.utils._pytree import tree_flatten
 
+from accelfn.distributed.canonical import blocks
 from accelfn.distributed.deepspeed import offloaded, zero_partition
 from accelfn.distributed.mesh import Mesh
 from accelfn.loop.planning._peak import PeakTracker
@@ -220,21 +231,35 @@ def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
 
 def _partial_sums(params: list[torch.nn.Parameter], policy: Policy, mesh: Mesh, rank: int,
                   invariant: Invariant | None, n: int) -> int:
-    """Under ``invariant()``, the flat gradient buffers the window holds at once at its most
-    (``transforms.invariant.stack_sizes``): the stack before a micro-batch plus the leaf it
-    makes, and at the update the folded root plus the one each exchange receives (with a
-    non-power-of-two A on several ranks: every rank's padded stack, all-gathered)."""
+    """Under ``invariant()``, the flat gradient buffers (all the parameters' gradients in one
+    tensor) ``backends._invariant`` holds at once at its most, from its code: the window's stack
+    (``transforms.invariant.stack_sizes``) and the leaf each micro-batch makes; at the update the
+    stack, the last leaf (still referenced where it was added into a node), and what the
+    canonical sum allocates (``_exchange_buffers``), or, with ``A`` no power of two on several
+    ranks, every rank's padded stack all-gathered (``W + 1`` stacks of the deepest's size)."""
     if invariant is None or not params:
         return 0
     world = mesh.world_size
     flat = _nbytes(sum(p.numel() for p in params),
                    functools.reduce(torch.promote_types, (_storage_dtype(p, policy) for p in params)))
     sizes = stack_sizes(rank=rank, world_size=world, num_micro_batches=n)
-    held = max([1, *(before + 1 for before in sizes[:-1])])
+    making = max(before + 1 for before in [0, *sizes[:-1]])
+    merged = int(n > 1 and sizes[-1] <= sizes[-2])
     if world > 1 and n & (n - 1):  # blocks straddle subtrees: every rank's stack gathered
         most = max(max(stack_sizes(rank=r, world_size=world, num_micro_batches=n)) for r in range(world))
-        return flat * max(held, sizes[-1] + most * (world + 1))
-    return flat * max(held, 1 + (world > 1))
+        return flat * max(making, sizes[-1] + merged + most * (world + 1))
+    return flat * max(making, sizes[-1] + merged + _exchange_buffers(rank, world))
+
+
+def _exchange_buffers(rank: int, world: int) -> int:
+    """The flat buffers ``distributed.canonical_all_reduce`` holds at once besides its input on
+    ``rank``: the last round's received copy (a block of more than one rank), and where the world
+    has several power-of-two blocks the other blocks' roots and the running sum of their fold."""
+    if world == 1:
+        return 0
+    layout = blocks(world)
+    size = next(n for start, n in layout if start <= rank < start + n)
+    return int(size > 1) + (len(layout) if len(layout) > 1 else 0)
 
 
 def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, step: Step,

@@ -199,9 +199,12 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
             facts = attrs.evolve(facts, unused_params=unused)
         else:
             facts = attrs.evolve(facts, trace_problem=result)
-    if memory is not None and step.find(Pipeline) is not None and world_size > 1:
+    if memory is not None and mesh.pipe > 1:
         not_planned.append("pipeline(): the activations of the micro-batches each stage keeps in flight (the "
                            "micro-batch peak is the whole model's, one micro-batch)")
+    if memory is not None and mesh.tensor > 1:
+        not_planned.append("tensor_parallel(): the activations of the split layers (the micro-batch peak is the "
+                           "unsplit model's)")
     facts = attrs.evolve(facts, memory=memory)
     num_metrics = metric_count(step, state.optimizer, policy, traced.metrics if traced is not None else 0)
     total = final[0]
@@ -295,11 +298,16 @@ RAISED_ELSEWHERE = frozenset({"precision-unsupported", "shard-params-unsupported
                               "model-unsplittable"})
 
 
+#: warnings about the plan itself, not the program: ``af.plan`` and ``accelfn plan`` show them, ``run`` does not
+PLAN_ONLY = frozenset({"not-planned"})
+
+
 def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
                      max_steps: int | None) -> Plan:
     """``run``'s check: the plan without tracing; raises ``PlanError`` naming every error (but
-    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``) on the main
-    process; every rank computes the same plan, so every rank raises alike."""
+    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``; not those of
+    ``PLAN_ONLY``, about the plan rather than the program) on the main process; every rank
+    computes the same plan, so every rank raises alike."""
     world_size = backend.world_size
     device_memory = None
     if backend.device.type == "cuda" and torch.cuda.is_available():
@@ -313,7 +321,8 @@ def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend
         raise PlanError(errors)
     if backend.is_main_process:
         for problem in result.warnings:
-            warnings.warn(str(problem), PlanWarning, stacklevel=4)
+            if problem.code not in PLAN_ONLY:
+                warnings.warn(str(problem), PlanWarning, stacklevel=4)
     return result
 
 
