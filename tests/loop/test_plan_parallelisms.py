@@ -24,8 +24,8 @@ import accelfn as af
 from tests.helpers import planning
 from tests.helpers.pool import Pools
 
-TWO = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "120")
-FOUR = ("--backend", "cpu", "--nproc-per-node", "4", "--timeout-s", "120")
+TWO = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
+FOUR = ("--backend", "cpu", "--nproc-per-node", "4", "--timeout-s", "60")
 #: DeepSpeed's rows share the DeepSpeed tests' pool (DeepSpeed keeps its groups for a process's life)
 DEEPSPEED = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "300")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
