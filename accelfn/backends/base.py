@@ -40,10 +40,8 @@ class Backend(ProcessContext, abc.ABC):
     Attributes:
         name: ``"cpu"``, ``"cuda"`` or ``"xla"``.
         supported_precisions: the precision policies this backend runs.
-        rank, local_rank, world_size, local_world_size: from the launch environment; under
-            ``accelfn plan``, rank 0 of the planned world (``--nproc-per-node`` x ``--nnodes``
-            processes), so a script sizes what it sizes for the launch it plans (its
-            collectives are still those of its one process).
+        rank, local_rank, world_size, local_world_size: from the launch environment (under
+            ``accelfn plan``: rank 0 of the planned world, ``LaunchEnv.planned_world_size``).
         device: the ``torch.device`` this process computes on.
     """
 
@@ -59,8 +57,6 @@ class Backend(ProcessContext, abc.ABC):
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)
         self.place_batches = place_batches
-        # under `accelfn plan` this process stands for rank 0 of the planned world (its collectives
-        # stay those of one process: the process group is env's, and nothing else runs)
         super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.planned_world_size,
                          local_world_size=env.planned_local_world_size)
         self.env = env

@@ -145,7 +145,8 @@ class LaunchEnv:
     @property
     def planned_world_size(self) -> int:
         """The world this process stands for: ``accelfn plan``'s planned processes (it is their
-        rank 0), else the launch's ``world_size``."""
+        rank 0, so a script sizes what it sizes for the launch it plans; its collectives stay
+        those of its one process: nothing else runs), else the launch's ``world_size``."""
         return self.plan_world_size or self.world_size
 
     @property
