@@ -1,35 +1,10 @@
 """accelfn: train PyTorch models anywhere with composable, functional transforms."""
 
-from accelfn import backends
-from accelfn._version import __version__
-from accelfn.checkpoint import (
-    Checkpoints,
-    Snapshot,
-    load,
-    load_model,
-    restore,
-    save,
-    save_model,
-    snapshot,
-)
-from accelfn.cli.launcher import launch
-from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, PlanError, PlanWarning, TransformError
-from accelfn.evaluate import evaluate
-from accelfn.loop import (
-    Hook,
-    Plan,
-    Profile,
-    Stop,
-    UpdateCount,
-    count_updates,
-    find_batch_size,
-    plan,
-    run,
-)
-from accelfn.seed import set_seed
+# the program and its state
 from accelfn.state import Stopped, TrainState
 from accelfn.step import Loss, Step, train_step
-from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, RayTrain, TensorBoard, Tracker, WandB
+
+# transforms: each a frozen record and the verb that builds it
 from accelfn.transforms import (
     Accumulate,
     Clip,
@@ -60,6 +35,23 @@ from accelfn.transforms import (
 )
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 
+# running a program: backends, the loop, evaluation, the plan
+from accelfn import backends
+from accelfn.evaluate import evaluate
+from accelfn.loop import Hook, Plan, Profile, Stop, UpdateCount, count_updates, find_batch_size, plan, run
+from accelfn.cli.launcher import launch
+
+# checkpoints
+from accelfn.checkpoint import Checkpoints, Snapshot, load, load_model, restore, save, save_model, snapshot
+
+# tracking
+from accelfn.tracking import JSONL, Comet, ConfigTracker, MLflow, RayTrain, TensorBoard, Tracker, WandB
+
+# errors, seeds, version
+from accelfn.errors import CheckpointError, LaunchError, NonFiniteError, PlanError, PlanWarning, TransformError
+from accelfn.seed import set_seed
+from accelfn._version import __version__
+
 __all__ = [
     "JSONL",
     "Accumulate",
@@ -70,11 +62,17 @@ __all__ = [
     "Comet",
     "Compile",
     "ConfigTracker",
+    "DeepSpeed",
     "Hook",
+    "Invariant",
     "LaunchError",
     "Loss",
     "MLflow",
     "NonFiniteError",
+    "Pipeline",
+    "Plan",
+    "PlanError",
+    "PlanWarning",
     "Profile",
     "RayTrain",
     "Replicate",
@@ -86,6 +84,7 @@ __all__ = [
     "Stop",
     "Stopped",
     "TensorBoard",
+    "TensorParallel",
     "Tracker",
     "TrainState",
     "Transform",
@@ -101,10 +100,15 @@ __all__ = [
     "compile",
     "compose",
     "count_updates",
+    "deepspeed",
     "evaluate",
     "find_batch_size",
+    "invariant",
     "launch",
     "load",
+    "load_model",
+    "pipeline",
+    "plan",
     "replicate",
     "restore",
     "run",
@@ -115,19 +119,7 @@ __all__ = [
     "shard_params",
     "skip_nonfinite",
     "snapshot",
+    "tensor_parallel",
     "train_step",
     "with_precision",
-    "TensorParallel",
-    "tensor_parallel",
-    "Pipeline",
-    "pipeline",
-    "load_model",
-    "Invariant",
-    "invariant",
-    "Plan",
-    "PlanError",
-    "PlanWarning",
-    "plan",
-    "DeepSpeed",
-    "deepspeed",
 ]

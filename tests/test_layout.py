@@ -136,3 +136,29 @@ def test_the_function_that_prepares_a_program_names_no_parallelism() -> None:
     names = {node.id for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Name)}
     names |= {node.attr for stmt in body for node in ast.walk(stmt) if isinstance(node, ast.Attribute)}
     assert not names & set(PARALLELISMS), names & set(PARALLELISMS)
+
+
+def _public_order(name: str) -> tuple[int, str]:
+    """Constants, then classes, then functions and modules, each alphabetically (isort's order)."""
+    return (0 if name.isupper() else 1 if name[0].isupper() else 2), name
+
+
+def test_the_package_face_is_grouped_and_sorted() -> None:
+    """accelfn/__init__.py holds only the public names: imports in groups, each under a comment
+    saying what it holds, each import's names sorted; ``__all__`` is every imported name, sorted."""
+    source = (ROOT / "accelfn" / "__init__.py").read_text()
+    tree = ast.parse(source)
+    imports = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    assert all(isinstance(node, (ast.ImportFrom, ast.Assign)) for node in tree.body[1:]), "imports and __all__ only"
+    imported = [alias.asname or alias.name for node in imports for alias in node.names]
+    for node in imports:
+        names = [alias.name for alias in node.names]
+        assert names == sorted(names, key=_public_order), (node.module, names)
+    lines = source.splitlines()
+    ends = [0, *(node.end_lineno or node.lineno for node in imports)]
+    groups = [node.lineno for node, end in zip(imports, ends) if node.lineno - 1 != end]  # after a blank or comment
+    assert len(groups) >= 5 and all(lines[start - 2].startswith("# ") for start in groups), groups
+    (assign,) = [node for node in tree.body if isinstance(node, ast.Assign)]
+    public = ast.literal_eval(assign.value)
+    assert public == sorted(public, key=_public_order)
+    assert sorted(public) == sorted(imported)

@@ -63,12 +63,16 @@ class RankEntry:
     ``extra``: this rank's state of each ``extra`` object whose state differs between the
     ranks (a per-rank stream position, an EMA of this rank's shards), by name; None (no
     key) when every rank's equals rank 0's, which the manifest's ``extra`` holds.
+    ``data_state``: this rank's data readers' saved state (a stream's position,
+    ``TrainState.data_state``); None (no key) when it has none, as in manifests written
+    before it existed.
     """
 
     rng: Any
     transforms_state: Any
     grads: Any
     extra: Any = None
+    data_state: Any = None
 
 
 @attrs.frozen
@@ -154,7 +158,8 @@ _converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEnt
 _converter.register_unstructure_hook(
     ShardedTables, make_dict_unstructure_fn(ShardedTables, _converter, extra=override(omit_if_default=True)))
 _converter.register_unstructure_hook(
-    RankEntry, make_dict_unstructure_fn(RankEntry, _converter, extra=override(omit_if_default=True)))
+    RankEntry, make_dict_unstructure_fn(RankEntry, _converter, extra=override(omit_if_default=True),
+                                        data_state=override(omit_if_default=True)))
 _converter.register_unstructure_hook(
     Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True),
                                        stopped=override(omit_if_default=True)))
@@ -272,7 +277,7 @@ def read(directory: Path) -> Manifest:
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]
 #: Snapshot fields that differ between ranks (in each RankEntry) and those every rank shares
 #: (in the Manifest); the model's tensors go to their own table, under their own names
-PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads")
+PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads", "data_state")
 SHARED: tuple[str, ...] = tuple(f.name for f in attrs.fields(Snapshot) if f.name not in PER_RANK)
 
 
@@ -283,8 +288,14 @@ def _rank_group(rank: int) -> str:
 def rank_part(snap: Snapshot) -> RankPart:
     """This rank's entry and its tensors (open-window gradients, transform-state tensors)."""
     encoder = Encoder()
-    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK},
-                      extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
+    trees = {name: encoder.encode(getattr(snap, name), name) for name in PER_RANK if name != "data_state"}
+    try:
+        trees["data_state"] = encoder.encode(snap.data_state, "data_state")
+    except TypeError as e:
+        raise TypeError(f"{e}. The data readers' state (a stream's position: the state_dict() of its "
+                        "datasets.IterableDataset, torchdata StatefulDataLoader or IterableDataset) is stored as "
+                        "JSON values and tensors, never pickled: make the dataset's state_dict() return those") from None
+    entry = RankEntry(**trees, extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
     return entry, encoder.tensors
 
 

@@ -34,7 +34,7 @@ from accelfn.errors import CheckpointError
 from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 
 #: TrainState fields a snapshot holds in parts of their own; every other field is a counter
-_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped", "data_state"})
 COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
 #: transform state that belongs to the micro-batches consumed (the open accumulation
 #: window): restored from the snapshot or dropped, never kept from the target state
@@ -69,6 +69,8 @@ class Snapshot:
         rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
         stopped: ``{"step": int, "reason": str}`` when a hook's ``af.Stop`` ended the run
             (``TrainState.stopped``), else None (and in snapshots of accelfn before it).
+        data_state: this process's data readers' saved state (``TrainState.data_state``:
+            plain data and tensors, a stream's position), or None.
     """
 
     model: Mapping[str, Any] = attrs.field(converter=_frozen)
@@ -83,6 +85,7 @@ class Snapshot:
     grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
     rng: RngState
     stopped: Mapping[str, Any] | None = None
+    data_state: Mapping[str, Any] | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -184,7 +187,16 @@ def capture(state: TrainState, *, copy: bool,
         grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
         rng=_rng.capture(),
         stopped=None if state.stopped is None else {"step": state.stopped.step, "reason": state.stopped.reason},
+        data_state=copy_tree(saved_data_state(state.data_state), to_cpu),
     )
+
+
+def saved_data_state(value: Any) -> Mapping[str, Any] | None:
+    """``TrainState.data_state`` as a snapshot holds it: a mapping as it is, the live readers'
+    ``state_dict()`` (their state after the micro-batches consumed), or None."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    return value.state_dict()
 
 
 def snapshot(state: TrainState) -> Snapshot:
@@ -432,7 +444,8 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
             restored[key] = value
     _rng.restore(snap.rng)
     stopped = None if snap.stopped is None else Stopped(snap.stopped["step"], snap.stopped["reason"])
-    return state.replace(transforms_state=restored, stopped=stopped, **snap.counters)
+    data_state = None if snap.data_state is None else copy_tree(snap.data_state, own)
+    return state.replace(transforms_state=restored, stopped=stopped, data_state=data_state, **snap.counters)
 
 
 def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
@@ -27,7 +28,8 @@ def _loader() -> DataLoader:
 def _sharded_in_one_process(state: af.TrainState) -> af.TrainState:
     """``state`` with its model sharded by FSDP2 over a world of one process (each block, then
     the root) and its optimizer pointed at the DTensor parameters."""
-    mesh = fsdp.mesh(torch.device("cpu"), 1)
+    fsdp.single_process_group(torch.device("cpu"))
+    mesh = init_device_mesh("cpu", (1,))
     names = {id(p): n for n, p in state.model.named_parameters()}
     for block in state.model.blocks:
         fully_shard(block, mesh=mesh)
