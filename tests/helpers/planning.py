@@ -354,9 +354,13 @@ PARALLEL: dict[str, tuple[int, Any, type[torch.nn.Module], Any]] = {
     "zero-2": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 2}}), af.accumulate(2),
                            af.with_precision("bf16")], Wide, _mse),
     "zero-3": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 3}}), af.clip(1.0)], Wide, _mse),
+    "zero-0": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 0}}), af.clip(1.0)], Wide, _mse),
+    "zero-3-offload": (2, lambda: [af.deepspeed({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"}}}), af.accumulate(2)], Wide, _mse),
 }
 #: the rows that need DeepSpeed
-DEEPSPEED_ROWS = ("zero-1", "zero-2", "zero-3")
+DEEPSPEED_ROWS = ("zero-1", "zero-2", "zero-3", "zero-0", "zero-3-offload")
 PARALLEL_EPOCHS = 2
 
 

@@ -153,3 +153,32 @@ def test_what_the_plan_cannot_model_is_a_named_not_planned_warning() -> None:
     plan = af.plan(step, state, loader, world_size=2, trace=False)
     assert any("DeepSpeed's own collectives" in p.what for p in plan.problems if p.code == "not-planned")
     assert {c.elements for c in plan.comms if c.what.startswith("DeepSpeed") and c.kind != "all_reduce"} == {None}
+
+
+def test_offloaded_bytes_are_named_and_left_out_of_the_device_check() -> None:
+    """``shard_params(offload=True)`` keeps parameters, gradients and optimizer state in host
+    memory, DeepSpeed's ``offload_optimizer`` the optimizer state and ``offload_param`` the
+    parameter partitions: each plan names those bytes in ``offloaded``, and a device that holds
+    the rest (``device_peak``) but not the whole peak is no ``exceeds-device-memory`` error."""
+    step, state, loader = planning.parallel_program("tensor_parallel-2")
+    offload = af.compose(af.shard_data(), af.shard_params(offload=True))(af.train_step(planning._mse))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = af.plan(offload, state, loader, world_size=2, trace=False)
+    assert plan.memory is not None
+    m = plan.memory[0]
+    assert m.offloaded == m.params + m.grads + m.optimizer > 0
+    assert m.device_peak == m.peak - m.offloaded
+    for device_memory, refused in ((m.device_peak, False), (m.device_peak - 1, True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checked = af.plan(offload, state, loader, world_size=2, trace=False, device_memory=device_memory)
+        assert any(p.code == "exceeds-device-memory" for p in checked.problems) == refused
+
+    step, state, loader = planning.parallel_program("zero-3-offload")
+    plan = af.plan(step, state, loader, world_size=2, trace=False)
+    assert plan.memory is not None
+    m = plan.memory[0]
+    partitions = sum(-(-p.numel() // 2) for p in state.model.parameters())  # ceil(numel / W) each
+    assert m.params == 4 * partitions  # none persistent: threshold 0
+    assert m.offloaded == m.optimizer + m.params

@@ -54,6 +54,7 @@ import torch.nn.parallel.distributed as ddp_module
 
 from accelfn.distributed import ddp as ddp_rules
 from accelfn.distributed.canonical import blocks
+from accelfn.distributed.deepspeed import offloaded
 from accelfn.distributed.pipeline import stage_indices
 from accelfn.loop.planning._split import ModelSplit, whole
 from accelfn.step import Step
@@ -361,7 +362,7 @@ def _deepspeed(step: Step, ds: DeepSpeed, params: list[torch.nn.Parameter], poli
     ZeRO-1/2: the gradients all-reduced (ZeRO-2: every micro-batch), the updated partitions
     all-gathered, the norm all-reduced in float32 (bf16/fp16: also a uint8 overflow flag);
     ZeRO-3: the parameters all-gathered and the gradients reduce-scattered every micro-batch,
-    the norm all-reduced in float64."""
+    the norm all-reduced in float64 (float32 with ``offload_optimizer``)."""
     config = engine_config(ds, num_micro_batches=n, clip=step.find(Clip), precision=policy.name, micro_batch_size=1,
                            world_size=mesh.world_size)
     enabled = enabled_precisions(config)
@@ -375,9 +376,10 @@ def _deepspeed(step: Step, ds: DeepSpeed, params: list[torch.nn.Parameter], poli
                 _make("all_gather", dtype, None, "DeepSpeed updated partitions", world),
                 *([_make("all_reduce", torch.uint8, 1, "DeepSpeed overflow check", world)] if enabled else []),
                 _make("all_reduce", torch.float32, 1, "DeepSpeed norm", world)]
+    norm = torch.float32 if offloaded(config)[0] else torch.float64  # offloaded: the norm of the host's partitions
     return [_make("all_gather", dtype, None, "DeepSpeed parameters", world, count=n),
             _make("reduce_scatter", dtype, None, "DeepSpeed gradients", world, count=n),
-            _make("all_reduce", torch.float64, 1, "DeepSpeed norm", world)]
+            _make("all_reduce", norm, 1, "DeepSpeed norm", world)]
 
 
 def _stored(p: torch.Tensor, policy: Policy) -> torch.dtype:

@@ -143,8 +143,8 @@ def _layout(data: Iterable[Any], shard: ShardData | None, rank: int, world_size:
 def _blocks_layout(data: Iterable[Any], n: int, world_size: int) -> _Layout:
     """A rank's epoch under ``invariant()`` (``data.blocks``): whole global batches of ``W n b``
     samples, none padded, the incomplete last one not read."""
-    assert isinstance(data, DataLoader)  # else blocks.num_batches raised
-    mb = blocks.num_batches(data, world_size=world_size, num_micro_batches=n)
+    mb = blocks.num_batches(data, world_size=world_size, num_micro_batches=n)  # type: ignore[arg-type]  # checks it
+    assert isinstance(data, DataLoader)  # else num_batches raised
     b = data.batch_size
     assert b is not None
     size = len(data.dataset)  # type: ignore[arg-type]  # map-style: checked

@@ -109,9 +109,15 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     """What ``run(step, state, data, backend=backend, epochs=epochs, max_steps=max_steps)``
     will do on ``world_size`` processes, computed here in one process without training.
 
-    Counts (updates, scheduler steps, samples per rank) are exact; parameter, gradient,
-    optimizer-state and buffer bytes are exact; the micro-batch's peak is traced on fake
-    tensors (no activation is allocated); collectives follow DDP's buckets and FSDP2's units.
+    The plan reads the run's own rules: the program's mesh (``distributed.mesh``: which data
+    shard each rank reads under tensor and pipeline parallelism), each parallelism's split of
+    the model (tensor-parallel styles, the pipeline's cut, FSDP2's shards, DeepSpeed's ZeRO
+    partitions, invariant's partial sums) and the collectives each issues. Counts (updates,
+    scheduler steps, samples per rank) are exact; parameter, gradient, optimizer-state and
+    buffer bytes are exact; the micro-batch's peak is traced on fake tensors (no activation is
+    allocated); collectives follow DDP's buckets (in a comm hook's dtype), FSDP2's units, the
+    tensor-parallel layers, the pipeline's stages, invariant's canonical sum and DeepSpeed's
+    kinds. What no rule models is a ``not-planned`` warning naming it (docs/13).
     ``state`` may be built on the meta device (``torch.device("meta")``).
 
     Args:
