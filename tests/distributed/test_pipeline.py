@@ -108,15 +108,46 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
 
 
 def test_pipeline_refuses_what_it_does_not_support() -> None:
-    """Compose-time errors: the (model, batch) loss form, and the transforms pipeline() does not take."""
-    with pytest.raises(af.errors.TransformError, match="loss_fn\\(output, targets\\)"):
-        af.pipeline(H.SPLIT, size=2)(af.train_step(lambda model, batch: model(batch).sum()))
-    step = af.train_step(H.loss)
+    """Compose-time errors: the transforms pipeline() does not take, a number of stages its schedule cannot place."""
+    step = af.train_step(af.output_loss(H.loss))
     for other in (af.tensor_parallel({"blocks.0": "colwise"}, size=2), af.shard_params(), af.invariant()):
         with pytest.raises(af.errors.TransformError, match="pipeline"):
             af.compose(af.pipeline(H.SPLIT, size=2), other)(step)
     with pytest.raises(ValueError, match="3 stages on 2 ranks"):
         af.pipeline(["blocks.1", "blocks.2"], size=2)
+
+
+@pytest.mark.parametrize("loss_fn", [lambda m, b: H.loss(m(b[0]), b[1]),  # issue 37's case: passed, then failed
+                                     lambda model, batch: model(batch).sum(),  # inside the schedule on one rank
+                                     H.loss])  # named (output, targets), but not said so: never guessed
+def test_pipeline_refuses_a_loss_not_spelled_output_loss_when_applied(loss_fn: Any) -> None:
+    """pipeline() applied to a step whose loss is a plain callable (called loss_fn(model, batch)
+    everywhere else), whatever its parameters are named, raises a TransformError naming
+    af.output_loss; af.output_loss(fn) is taken, and a non-callable given to it is refused."""
+    with pytest.raises(af.errors.TransformError, match=r"af\.train_step\(af\.output_loss\(fn\)\) with fn\(output, "
+                                                       r"targets\)"):
+        af.pipeline(H.SPLIT, size=2)(af.train_step(loss_fn))
+    step = af.pipeline(H.SPLIT, size=2)(af.train_step(af.output_loss(loss_fn)))
+    assert step.loss_fn == af.OutputLoss(loss_fn) and af.output_loss(step.loss_fn) is step.loss_fn
+    with pytest.raises(TypeError, match=r"output_loss\(fn\) needs a callable"):
+        af.output_loss("mse")  # type: ignore[arg-type]
+
+
+def test_an_output_loss_without_pipeline_is_refused_before_anything_changes() -> None:
+    """af.output_loss(fn) in a program without pipeline() (which would call it as fn(model, batch))
+    is refused by prepare, af.run and af.plan with a TransformError naming the fix, before the
+    model is placed or the state gets a transform's entry."""
+    step = af.compose(af.shard_data(), af.accumulate(2))(af.train_step(af.output_loss(H.loss)))
+    state = H.make_state()
+    params = [p.detach().clone() for p in state.model.parameters()]
+    for attempt in (lambda: af.backends.CPU().prepare(step, state),
+                    lambda: af.run(step, state, H.loader(), backend=af.backends.CPU(), progress=False),
+                    lambda: af.plan(step, state, H.loader(), world_size=2)):
+        with pytest.raises(af.errors.TransformError, match=r"af\.output_loss\(fn\).*this program has none.*"
+                                                           r"loss_fn\(model, batch\)"):
+            attempt()
+    assert state.step == 0 and not state.transforms_state
+    assert all(torch.equal(a, b) for a, b in zip(params, state.model.parameters()))
 
 
 def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

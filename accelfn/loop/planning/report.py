@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
+from accelfn.distributed import pipeline
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
@@ -31,7 +32,7 @@ from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro
 from accelfn.loop.planning._problems import Facts, Problem, find_problems
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
-from accelfn.step import Step, unpack
+from accelfn.step import OutputLoss, Step, check_loss_form, unpack
 from accelfn.transforms import Replicate, ShardParams
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
@@ -131,6 +132,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     Raises:
         TypeError: ``step`` not a Step, ``state`` not a TrainState, ``backend`` not a backend.
         ValueError: ``world_size``, ``epochs``, ``max_steps`` or ``device_memory`` below 1.
+        TransformError: an ``af.output_loss(fn)`` in a program without ``pipeline()``.
 
     Example:
         >>> import torch, accelfn as af
@@ -154,6 +156,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
         epochs = 1
     backend, world_size, local_world_size = _target(backend, world_size)
     step = with_launch_defaults(step, backend.env, warn=False)
+    check_loss_form(step)
     return _plan(step, state, data, backend, world_size, local_world_size, epochs, max_steps, device_memory,
                  trace=trace)
 
@@ -228,7 +231,12 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
     metrics: list[int] = []
 
     def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
-        loss, _, returned, _ = unpack(step.loss_fn(model, b))
+        if isinstance(step.loss_fn, OutputLoss):  # pipeline(): the loss of the whole model's output
+            inputs, targets = pipeline.split_batch(b)
+            out = step.loss_fn(model(*inputs), targets)
+        else:
+            out = step.loss_fn(model, b)
+        loss, _, returned, _ = unpack(out)
         metrics.append(len(returned))
         return loss
 
