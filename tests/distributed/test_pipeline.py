@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import accelfn as af
+from accelfn.distributed.pipeline import cut
 from tests.helpers import pipeline as H
 from tests.helpers.pool import Pools
 from tests.helpers.tracking import Recorder
@@ -148,6 +149,51 @@ def test_an_output_loss_without_pipeline_is_refused_before_anything_changes() ->
             attempt()
     assert state.step == 0 and not state.transforms_state
     assert all(torch.equal(a, b) for a, b in zip(params, state.model.parameters()))
+
+
+class _TiedLM(torch.nn.Module):
+    """A traceable LM whose output layer is its embedding (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+
+
+@pytest.mark.parametrize(("model", "split_points", "size", "error"), [
+    (H.Net, ["blocks.7"], 2, r"Net has no module 'blocks\.7' \(it has 'blocks\.0', 'blocks\.1', 'blocks\.2', "
+                              r"'blocks\.3'\)"),
+    (H.Net, ["block.2"], 2, r"no module 'block\.2' \(it has 'blocks\.2', "),
+    (H.Net, ["inp"], 2, r"\['inp'\]\): stage 0 would be empty: the model runs nothing before 'inp', the first module"),
+    (H.Net, ["blocks.3", "blocks.1", "blocks.2"], 2, r"the forward uses 'blocks\.1' before 'blocks\.3'; list the split "
+                                                     r"points in the order the forward runs them"),
+    (_TiedLM, ["blocks.2"], 2, r"the parameter 'head\.weight' is used by stages 0 and 1 \(a weight tied across stages"),
+    (_gpt2, ["transformer.h.1"], 2, r"cannot trace GPT2LMHeadModel .*a transformers model's forward takes keyword "
+                                    r"arguments.*tied weights \(lm_head\.weight = transformer\.wte\.weight\)"),
+], ids=["no-such-index", "no-such-name", "first-module", "out-of-order", "tied", "hf-gpt2"])
+def test_split_points_a_model_cannot_be_cut_at_are_refused_by_name(model: Any, split_points: list[str], size: int,
+                                                                   error: str) -> None:
+    """The cut of pipeline(), which prepare checks on every rank before anything changes, refuses
+    by name (ValueError): a split point that is no module (the modules it may have meant listed),
+    one at the first module the forward runs (an empty first stage), split points out of the
+    forward's order, a weight tied across stages, and a transformers GPT-2 (untraceable, tied)."""
+    schedule = "interleaved_1f1b" if len(split_points) + 1 > size else "gpipe"
+    with pytest.raises(ValueError, match=error):
+        cut(model(), af.pipeline(split_points, size=size, schedule=schedule))
 
 
 def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
