@@ -54,11 +54,19 @@ from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
     from accelfn.distributed.phases import Preparation
+    from accelfn.step import Step
 
 
 def is_meta(model: torch.nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is on the meta device."""
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def fills(step: Step) -> bool:
+    """Whether ``prepare`` materializes a model built on the meta device under ``step``: the
+    step shards (``shard_params``) or splits (``tensor_parallel``) it, so each rank fills only its
+    own part. ``af.plan`` reads the same rule."""
+    return step.find(ShardParams) is not None or step.find(TensorParallel) is not None
 
 
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, splits: bool) -> None:
@@ -211,7 +219,7 @@ class Materialize(ModelPhase):
     def of(cls, prep: Preparation) -> Materialize | None:
         if not is_meta(prep.state.model):
             return None
-        splits = prep.step.find(ShardParams) is not None or prep.step.find(TensorParallel) is not None
+        splits = fills(prep.step)
         return cls(splits) if splits or prep.hardware.place_model else None
 
     def check(self, prep: Preparation) -> None:

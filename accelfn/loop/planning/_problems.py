@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from accelfn.backends.base import Backend
 from accelfn.data import num_batches
+from accelfn.distributed import meta as meta_models
 from accelfn.loop.planning._counts import EpochCounts
 from accelfn.loop.planning._memory import Memory
 from accelfn.state import TrainState
@@ -468,8 +469,9 @@ def _unplanned(f: Facts) -> Iterable[Problem]:
 @_check
 def _meta(f: Facts) -> Iterable[Problem]:
     meta = [n for n, p in f.state.model.named_parameters() if p.device.type == "meta"]
-    if meta:
+    if meta and not meta_models.fills(f.step):  # shard_params or tensor_parallel: prepare fills each rank's part
         yield Problem("meta-model", False,
                       f"{len(meta)} parameter(s) are on the meta device ({meta[0]}, ...): a plan needs no more, "
-                      "training does",
+                      "training does, and prepare fills such a model only for a program that shards or splits it",
+                      "add shard_params() or tensor_parallel(...) (prepare then fills each rank's part), or "
                       "materialize the model (model.to_empty(device=...) and initialize it) before af.run")
