@@ -234,6 +234,34 @@ def retie(model: torch.nn.Module, groups: list[list[str]]) -> None:
                 modules[owner].register_parameter(attr, params[0])
 
 
+# -- outputs that are no views ---------------------------------------------------------------
+
+
+def own_outputs(model: torch.nn.Module, plan: Mapping[str, Any]) -> None:
+    """Makes the plain-tensor output of every planned module whose style hands one back
+    (``use_local_output``) a tensor of its own rather than a view.
+
+    torch's styles end with ``DTensor.to_local()``, which returns a view of the DTensor's
+    local tensor (a fresh one, held by nothing else once the style's hook returns). Where
+    such an output leaves a module that ``shard_params`` wraps (a model's output layer: the
+    logits), FSDP2 warns that an in-place op on the view would drop its pre-backward hook and
+    give wrong gradients. The output is replaced by ``aten._unsafe_view`` of itself: the same
+    storage and shape, no copy, differentiable, and no view in autograd's eyes, so an in-place
+    op on it is as safe as on any tensor and FSDP2 has nothing to warn of (its base, the
+    discarded DTensor's local tensor, is read by nothing else).
+    """
+    for name, module in model.named_modules():
+        style = _style_of(name, plan) if name else None
+        if style is not None and output_layout(style) in (SPLIT, WHOLE):
+            module.register_forward_hook(_own)
+
+
+def _own(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    if isinstance(output, torch.Tensor) and not is_dtensor(output) and output._base is not None:
+        return torch.ops.aten._unsafe_view(output, output.shape)
+    return output
+
+
 # -- the first forward ---------------------------------------------------------------------
 
 

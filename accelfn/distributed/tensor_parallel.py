@@ -109,8 +109,9 @@ def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: Te
 
     Rank 0's parameters and buffers are broadcast first, over the whole world, so every rank
     starts from the same model whatever its seed (as DDP does). A tied weight stays one
-    parameter under all its names. With ``watch`` (a dict or ``"auto"`` plan), the first
-    forward with gradients checks the layouts of the activations (``_tp_layouts.LayoutWatch``).
+    parameter under all its names. A dict or ``"auto"`` plan's layers hand back outputs of
+    their own, not views (``_tp_layouts.own_outputs``); with ``watch`` the first forward with
+    gradients checks the layouts of the activations (``_tp_layouts.LayoutWatch``).
 
     Raises:
         ValueError, NotImplementedError: from :func:`resolve`; a plan function that split a
@@ -133,8 +134,10 @@ def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: Te
     split = dict(model.named_parameters())
     fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)
-    if resolved is not None and watch:
-        _tp_layouts.LayoutWatch(model, resolved.plan, resolved.spelling, mesh.size())
+    if resolved is not None:
+        _tp_layouts.own_outputs(model, resolved.plan)
+        if watch:
+            _tp_layouts.LayoutWatch(model, resolved.plan, resolved.spelling, mesh.size())
 
 
 class Split(ModelPhase):
