@@ -8,6 +8,7 @@ with ``accumulate(4)`` and ``clip(1.0)``; the tests compare its parts with the l
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,19 @@ def test_split_points_a_model_cannot_be_cut_at_are_refused_by_name(model: Any, s
     schedule = "interleaved_1f1b" if len(split_points) + 1 > size else "gpipe"
     with pytest.raises(ValueError, match=error):
         cut(model(), af.pipeline(split_points, size=size, schedule=schedule))
+
+
+def test_split_points_that_cannot_cut_the_model_are_refused_on_every_rank_before_any_update(pool: Pools) -> None:
+    """On 2 processes, af.run of a pipeline whose split point is no module, is the first module
+    the forward runs (an empty stage: it trained before), or comes out of the forward's order
+    raises ValueError naming it on both ranks, within the scenario's time, no update applied."""
+    expected = {"nosuch": r"Net has no module 'blocks\.7'", "first": r"stage 0 would be empty",
+                "order": r"the forward uses 'blocks\.1' before 'blocks\.3'"}
+    for result in pool.call(*_launch(2), function="pp_checks:misuse", timeout_s=120):
+        for variant, pattern in expected.items():
+            raised = result[variant]["raised"]
+            assert raised is not None and raised.startswith("ValueError: pipeline(split_points="), raised
+            assert re.search(pattern, raised) and result[variant]["updates"] == 0
 
 
 def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

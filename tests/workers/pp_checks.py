@@ -136,3 +136,24 @@ def fp16(out: str) -> dict[str, Any]:
     return {"step": state.step, "scales": [float(p["loss_scale"]) for _, p in recorder.points],
             "skipped": [int(p["skipped"]) for _, p in recorder.points],
             "grad_norms": [float(p["grad_norm"]) for _, p in recorder.points if "grad_norm" in p]}
+
+
+def misuse() -> dict[str, Any]:
+    """af.run of pipelines whose split points cannot cut ``H.Net`` (one that is no module, one at
+    the first module the forward runs, three out of the forward's order under interleaved 1F1B):
+    what each raised on this rank and how many updates it applied."""
+    backend = af.backends.auto()
+    result: dict[str, Any] = {}
+    for variant, split, schedule in (("nosuch", ["blocks.7"], "gpipe"), ("first", ["inp"], "gpipe"),
+                                     ("order", ["blocks.3", "blocks.1", "blocks.2"], "interleaved_1f1b")):
+        updates: list[int] = []
+        step = af.compose(af.shard_data(), af.pipeline(split, size=2, schedule=schedule))(
+            af.train_step(af.output_loss(H.loss)))
+        try:
+            af.run(step, H.make_state(), H.loader(), backend=backend, max_steps=2, progress=False,
+                   hooks=[af.Hook(lambda s, b: updates.append(s.step), every_steps=1)])
+            raised = None
+        except Exception as e:  # noqa: BLE001  # what it raised is the result
+            raised = f"{type(e).__name__}: {e}"
+        result[variant] = {"raised": raised, "updates": len(updates)}
+    return result
