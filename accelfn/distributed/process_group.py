@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn.distributed.env import LaunchEnv
+from accelfn.distributed import ops
 from accelfn.errors import LaunchError
 
 _registered = False
@@ -112,7 +113,7 @@ def _all_leaving() -> bool:
     missing ranks)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ended_by = _ended_by
-    try:  # torch's own accessor (private, stable since 1.x), as collectives.arrive uses
+    try:  # torch's own accessor (private, stable since 1.x), as distributed.arrive uses
         store = dist.PrefixStore("accelfn/leave/", dist.distributed_c10d._get_default_store())
         store.set(str(rank), ended_by or "end")
         if ended_by is None:
@@ -141,7 +142,10 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """Joins the default process group of ``env``'s world (nothing for one process).
 
     The group has a finite timeout (``env.timeout_s``), so a rank that never arrives makes
-    the others fail with an error instead of waiting forever.
+    the others fail with an error instead of waiting forever. With
+    ``env.debug_collectives`` every collective of ``accelfn.collectives`` is checked across
+    ranks first (``ops.set_debug``) and torch's debug level is DETAIL, so the group is made
+    with torch's collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
     Raises:
         LaunchError: a group already exists with another world size or rank, or the other
@@ -149,6 +153,9 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """
     if env.world_size == 1:
         return
+    if env.debug_collectives:  # each collective checked across ranks; torch's DETAIL wraps the group made below
+        ops.set_debug(True)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise LaunchError(

@@ -229,9 +229,18 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
         try:
             if schedule is not None:  # waits for a checkpoint written in the background
                 schedule.close(ok=ended)
+                if ended:  # ... and hands it to the trackers (a collective for af.RayTrain)
+                    _hand_out(schedule, bar)
         finally:
             bar.close()
     return state
+
+
+def _hand_out(schedule: Schedule, bar: Progress) -> None:
+    """Hands each checkpoint complete on disk since the last call to the trackers (a
+    background one at the update the ranks agreed it ended, on every rank together)."""
+    for step, path in schedule.completed():
+        bar.saved(step, path)
 
 
 def _total_steps(step: Step, data: Iterable[Any], backend: Backend, state: TrainState, epochs: int | None,
@@ -283,14 +292,15 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 if schedule is not None:
                     saved = schedule.maybe_save(state)
                     if saved is None and bar.save_requested() and schedule.last_step != state.step:
-                        saved = schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
-                    if saved is not None:
-                        bar.saved(state.step, saved)  # the points up to a checkpoint survive a kill after it
+                        schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
+                    _hand_out(schedule, bar)  # the points up to a checkpoint survive a kill after it
                 if max_steps is not None and state.step >= max_steps:
                     break
                 if state.stopped is not None:
                     if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
-                        bar.saved(state.step, schedule.save(state))
+                        schedule.save(state)
+                    if schedule is not None:
+                        _hand_out(schedule, bar)
                     backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
                     return state
         if max_steps is not None and state.step >= max_steps:
