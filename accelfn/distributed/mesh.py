@@ -187,13 +187,8 @@ class Mesh:
         if len(folded) < 2:
             return self.device_mesh(device, "replicate", "shard", "context")
         whole = _whole(device.type, self)
-        flat = "shard_context"
-        if flat not in (whole._get_root_mesh().mesh_dim_names or ()) and flat not in _flattened:  # noqa: SLF001
-            whole[folded]._flatten(flat)  # noqa: SLF001  # torch's own way to fold dimensions
-            _flattened.add(flat)
-        if self.replicate > 1:
-            return whole["replicate", flat]
-        return whole[flat]
+        whole[folded]._flatten("shard_context")  # noqa: SLF001  # torch's own fold (torchtitan's dp_shard_cp); made once
+        return whole["replicate", "shard_context"] if self.replicate > 1 else whole["shard_context"]
 
     def group(self, device: torch.device, name: str) -> Any:
         """The process group of this rank along dimension ``name``, or None (one rank)."""
@@ -203,8 +198,6 @@ class Mesh:
 
 #: the DeviceMesh of each (device type, mesh), made once per process and default group
 _built: dict[tuple[str, Mesh, int], DeviceMesh] = {}
-#: the flattened dimensions made so far (torch registers them on the root mesh)
-_flattened: set[str] = set()
 
 
 def _whole(device_type: str, mesh: Mesh) -> DeviceMesh:
