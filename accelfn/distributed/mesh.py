@@ -187,8 +187,9 @@ class Mesh:
         if len(folded) < 2:
             return self.device_mesh(device, "replicate", "shard", "context")
         whole = _whole(device.type, self)
-        whole[folded]._flatten("shard_context")  # noqa: SLF001  # torch's own fold (torchtitan's dp_shard_cp); made once
-        return whole["replicate", "shard_context"] if self.replicate > 1 else whole["shard_context"]
+        flat = whole[folded]._flatten("shard_context")  # noqa: SLF001  # torch's own fold (torchtitan's dp_shard_cp); made once
+        # hybrid sharding needs it beside "replicate": sliced from the root mesh, the one way torch 2.13 has
+        return whole["replicate", "shard_context"] if self.replicate > 1 else flat
 
     def group(self, device: torch.device, name: str) -> Any:
         """The process group of this rank along dimension ``name``, or None (one rank)."""

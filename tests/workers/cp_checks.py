@@ -9,7 +9,9 @@ takes ``UPDATES`` SGD updates, each over this rank's data shard of the update's 
 sequences, through ``backend.prepare``'s step function; it records the losses (averaged over
 every rank, as ``run`` reduces them), the first update's gradient ((before - after) / LR) and
 the final parameters, gathered whole, in DIR/rank{r}.safetensors, and what it saw in
-DIR/rank{r}.json. Then a sequence length that does not divide, refused with the state unchanged.
+DIR/rank{r}.json. Then a sequence length that does not divide, refused with the state unchanged;
+and (on 4 processes) ``af.run`` under shard_data + CP x FSDP over 2 epochs, whole, stopped after
+3 updates with a checkpoint, and resumed from it into a fresh state.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import accelfn as af
+from torch.utils.data import DataLoader, TensorDataset
+
 from accelfn.distributed.phases import layout
 from tests.helpers import context_parallel as C
 
@@ -64,6 +68,22 @@ def train(backend: af.backends.Backend, step: af.Step) -> tuple[af.TrainState, A
     return state, step_fn, losses, grads
 
 
+def checkpointed(out: Path) -> dict[str, torch.Tensor]:
+    """The whole run's, the stopped run's and the resumed run's parameters, gathered whole."""
+    backend = af.backends.auto()
+    step = af.compose(af.shard_data(), af.context_parallel(size=2), af.shard_params())(af.train_step(C.counted_loss))
+    loader = DataLoader(TensorDataset(*C.sequences()), batch_size=C.BATCH // 2, shuffle=True)
+    runs = {"whole": af.run(step, C.make_state(), loader, backend=backend, epochs=2, progress=False)}
+    keep = af.Checkpoints(out / "ckpt", every_steps=3)
+    runs["stopped"] = af.run(step, C.make_state(), loader, backend=backend, epochs=2, max_steps=3, checkpoints=keep,
+                             progress=False)
+    torch.manual_seed(123)  # another start: the checkpoint decides
+    runs["resumed"] = af.run(step, C.make_state(), loader, backend=backend, epochs=2, checkpoints=keep, resume="auto",
+                             progress=False)
+    return {f"run.{name}.{n}": p for name, state in runs.items() for n, p in C.full_parameters(state.model).items()} | {
+        f"run.{name}.step": torch.tensor(state.step) for name, state in runs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -86,6 +106,8 @@ def main() -> None:
         result["length_error"] = str(e)
     result["unchanged_after_error"] = state.step == step and all(
         torch.equal(before[n], p) for n, p in C.full_parameters(state.model).items())
+    if backend.world_size == 4:
+        tensors |= checkpointed(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"rank{backend.rank}.safetensors")
     (out / f"rank{backend.rank}.json").write_text(json.dumps(result))
 
