@@ -23,6 +23,7 @@ import attrs
 from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.data import num_batches
+from accelfn.distributed.mesh import Mesh
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, ShardData
@@ -147,20 +148,29 @@ def _samples_read(layout: _Layout, start: int, read: int) -> tuple[int | None, i
 def epoch_counts(step: Step, state: TrainState, data: Iterable[Any], *, world_size: int, epochs: int | None,
                  max_steps: int | None) -> tuple[tuple[EpochCounts, ...], tuple[int | None, ...]]:
     """Every epoch ``run`` trains from ``state`` on: the counts per rank, and each rank's final step
-    (None where the data's length is unknown and no ``max_steps`` bounds it)."""
+    (None where the data's length is unknown and no ``max_steps`` bounds it).
+
+    Each rank reads its data shard's batches: the ranks of one model copy (a tensor-parallel,
+    context-parallel or pipeline group) read the same ones (``Mesh.data_coordinates``).
+    """
     shard = step.find(ShardData)
+    try:
+        places = [Mesh.of(step, world_size).data_coordinates(r) for r in range(world_size)]
+    except ValueError:  # a world the mesh cannot be cut into: its own problem of the plan; counted per rank
+        places = [(r, world_size) for r in range(world_size)]
     accumulate = step.find(Accumulate)
     n = accumulate.num_micro_batches if accumulate else 1
     ranks = range(world_size)
     cache: dict[tuple[int, ...], _Layout] = {}
 
     def layout(rank: int) -> _Layout:
+        data_rank, data_world = places[rank]
         if shard is None or (shard.even_batches or shard.drop_last) and not shard.split_batches:
-            key: tuple[int, ...] = (0,) if shard is None or rank < 0 else (int(_is_padded(data, rank, world_size)),)
+            key: tuple[int, ...] = (0,) if shard is None else (int(_is_padded(data, data_rank, data_world)),)
         else:
-            key = (rank,)
+            key = (data_rank,)
         if key not in cache:
-            cache[key] = _layout(data, shard, rank, world_size)
+            cache[key] = _layout(data, shard, data_rank, data_world)
         return cache[key]
 
     steps: list[int | None] = [state.step] * world_size

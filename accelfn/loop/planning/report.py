@@ -5,7 +5,8 @@ A plan is computed in one process for any world size, without training and witho
 allocating gradients, optimizer state or activations: the counts are arithmetic over the
 data's length and the program's transforms (``_counts``), the persistent bytes come from
 shapes and dtypes and the optimizer's own step on meta tensors, the activation peak from one
-micro-batch traced on fake tensors (``_memory``), the collectives from the bucket and
+micro-batch traced on fake tensors (``_memory``; under ``context_parallel``, context rank 0's
+part of each sequence, what its forward holds), the collectives from the bucket and
 unit layout (``_comms``), and the misconfigurations from the catalogue (``_problems``).
 ``run`` checks the plan's problems before the first forward and refuses one with errors.
 """
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
+from accelfn.distributed.context_parallel import split_batch
+from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
@@ -32,7 +35,7 @@ from accelfn.loop.planning._problems import Facts, Problem, find_problems
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import Step, unpack
-from accelfn.transforms import Replicate, ShardParams
+from accelfn.transforms import ContextParallel, Replicate, ShardParams
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
 
@@ -182,7 +185,7 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     except ValueError as e:  # shard_size that does not divide the world: a problem of the plan
         optimizer_problem = None
         facts = attrs.evolve(facts, count_error=facts.count_error or str(e))
-    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem)
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, context_problem=_context_problem(step, data, world_size))
     if trace and memory is not None:
         traced = _trace(step, state, data, backend, policy, facts)
         if isinstance(traced, tuple):
@@ -217,6 +220,31 @@ def _first_batch(data: Iterable[Any]) -> Any:
     return None  # an iterator would lose the batch; a stream would start its workers
 
 
+def _context_part(step: Step, batch: Any, world_size: int) -> Any:
+    """Under ``context_parallel`` on several context ranks, context rank 0's part of ``batch``
+    (what its forward holds); else ``batch``. Raises ValueError as ``split_batch``."""
+    spec = step.find(ContextParallel)
+    try:
+        context = Mesh.of(step, world_size).context
+    except ValueError:  # a world the mesh cannot be cut into: its own problem of the plan
+        return batch
+    return batch if spec is None or context == 1 else split_batch(batch, spec, 0)
+
+
+def _context_problem(step: Step, data: Iterable[Any], world_size: int) -> str | None:
+    """Why ``context_parallel`` cannot cut the first batch's sequences, or None."""
+    if step.find(ContextParallel) is None:
+        return None
+    batch = _first_batch(data)
+    if batch is None:
+        return None
+    try:
+        _context_part(step, batch, world_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
            facts: Facts) -> tuple[int, tuple[str, ...], int] | str:
     """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
@@ -224,6 +252,10 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
     batch = _first_batch(data)
     if batch is None:
         return "no first batch to trace (data that is not a map-style DataLoader or a list)"
+    try:
+        batch = _context_part(step, batch, facts.world_size)  # a rank holds its part of each sequence
+    except ValueError:  # the length does not divide: context-length-indivisible says so
+        return "the batch's sequences cannot be cut over the context ranks"
     names: list[str] = []
     metrics: list[int] = []
 
