@@ -106,6 +106,12 @@ def main() -> None:
         result["length_error"] = str(e)
     result["unchanged_after_error"] = state.step == step and all(
         torch.equal(before[n], p) for n, p in C.full_parameters(state.model).items())
+    fresh = C.make_state()
+    try:  # the context ranks' gradients would never be summed
+        backend.prepare(af.context_parallel(size=2)(af.train_step(C.mean_loss)), fresh)
+    except ValueError as e:
+        result["no_reduction_error"] = str(e)
+    result["fresh_untouched"] = type(fresh.model).__name__ == "Transformer"
     if backend.world_size == 4:
         tensors |= checkpointed(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"rank{backend.rank}.safetensors")
