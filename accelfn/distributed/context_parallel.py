@@ -28,7 +28,6 @@ sequence's.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -100,8 +99,8 @@ def split_batch(batch: Any, spec: ContextParallel, rank: int) -> Any:
     if not lengths:
         raise ValueError(
             f"context_parallel(seq_dim={spec.seq_dim}) cuts the batch's tensors along dimension {spec.seq_dim}, and "
-            f"this batch has no tensor with more than {spec.seq_dim} dimensions; give the sequences as (batch, seq, ...) "
-            "tensors, or set seq_dim to their sequence dimension")
+            f"this batch has no tensor with more than {spec.seq_dim} dimensions; give the sequences as "
+            "(batch, seq, ...) tensors, or set seq_dim to their sequence dimension")
     if len(lengths) > 1:
         raise ValueError(
             f"context_parallel(seq_dim={spec.seq_dim}) cuts every tensor of the batch with more than {spec.seq_dim} "
@@ -174,7 +173,7 @@ class _Ring(torch.autograd.Function):
     """Attention of the local queries over the whole group's keys and values, and its backward."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Any,  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Any,
                 is_causal: bool, scale: float | None, load_balance: bool) -> torch.Tensor:
         forward, _ = KERNELS[q.device.type]
         with _options(load_balance and is_causal):
@@ -185,7 +184,7 @@ class _Ring(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, *saved = ctx.saved_tensors
         mesh, is_causal, scale, load_balance = ctx.args
         _, backward = KERNELS[q.device.type]
@@ -207,11 +206,13 @@ def ring_attention(mesh: Any, load_balance: bool) -> Callable[..., torch.Tensor]
     def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                   enable_gqa: bool = False) -> torch.Tensor:
-        refused = ("an attn_mask (only is_causal=True or no mask)" if attn_mask is not None else
-                   f"dropout_p={dropout_p}" if dropout_p else
-                   f"{query.dim()}-D tensors (only (batch, heads, seq, head width))" if query.dim() != 4 else
-                   "keys of another length than the queries (self-attention only)" if key.shape[_SEQ] != query.shape[_SEQ]
-                   else f"the {query.device.type} device" if query.device.type not in KERNELS else None)
+        refusals = (("an attn_mask (only is_causal=True or no mask)", attn_mask is not None),
+                    (f"dropout_p={dropout_p}", bool(dropout_p)),
+                    (f"{query.dim()}-D tensors (only (batch, heads, seq, head width))", query.dim() != 4),
+                    ("keys of another length than the queries (self-attention only)",
+                     query.dim() == 4 and key.shape[_SEQ] != query.shape[_SEQ]),
+                    (f"the {query.device.type} device", query.device.type not in KERNELS))
+        refused = next((what for what, applies in refusals if applies), None)
         if refused is not None:
             raise NotImplementedError(
                 f"context_parallel(): scaled_dot_product_attention runs as a ring over the context ranks, which "
@@ -221,7 +222,7 @@ def ring_attention(mesh: Any, load_balance: bool) -> Callable[..., torch.Tensor]
             key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
             value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
         out = _Ring.apply(query, key, value, mesh, is_causal, scale, load_balance)
-        return out  # type: ignore[no-any-return]
+        return out
 
     return attention
 
@@ -231,7 +232,7 @@ def attention_as_ring(attention: Callable[..., torch.Tensor]) -> Iterator[None]:
     """``torch.nn.functional.scaled_dot_product_attention`` is ``attention`` within (as torch's
     ``context_parallel()`` patches it), and torch's own again after."""
     original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = attention  # type: ignore[assignment]
+    F.scaled_dot_product_attention = attention
     try:
         yield
     finally:
@@ -309,8 +310,3 @@ class Ring(ModelPhase):
         rank = prep.mesh.coordinates(prep.hardware.rank)["context"]
         prep.step = attrs.evolve(prep.step, loss_fn=SplitSequences(prep.step.loss_fn, self.spec, rank, mesh))
         prep.forward_is_collective = True
-
-
-def tokens_per_rank(length: int, spec: ContextParallel) -> int:
-    """The positions of a sequence of ``length`` each context rank keeps (``af.plan``)."""
-    return math.ceil(length / spec.size)

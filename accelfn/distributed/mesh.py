@@ -187,7 +187,8 @@ class Mesh:
         if len(folded) < 2:
             return self.device_mesh(device, "replicate", "shard", "context")
         whole = _whole(device.type, self)
-        flat = whole[folded]._flatten("shard_context")  # noqa: SLF001  # torch's own fold (torchtitan's dp_shard_cp); made once
+        # torch's own fold (torchtitan's dp_shard_cp), made once and kept by the root mesh
+        flat = whole[folded]._flatten("shard_context")  # noqa: SLF001
         # hybrid sharding needs it beside "replicate": sliced from the root mesh, the one way torch 2.13 has
         return whole["replicate", "shard_context"] if self.replicate > 1 else flat
 

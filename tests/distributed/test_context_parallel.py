@@ -45,8 +45,9 @@ def _equal_to_full_attention(run: dict[str, Any], expected: set[str]) -> None:
         assert set(record["losses"]) == expected
         for name, losses in record["losses"].items():
             ref_losses, ref_grads, ref_params = references[name.split("_")[0]]
-            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(ref_losses, dtype=torch.float64),
-                                       rtol=0, atol=1e-5, msg=f"rank {rank} {name} losses")
+            torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                       torch.tensor(ref_losses, dtype=torch.float64), rtol=0, atol=1e-5,
+                                       msg=f"rank {rank} {name} losses")
             for n, g in ref_grads.items():
                 torch.testing.assert_close(tensors[f"{name}.grad.{n}"], g, rtol=0, atol=1e-5,
                                            msg=f"rank {rank} {name} grad {n}")

@@ -28,11 +28,13 @@ class Block(torch.nn.Module):
         super().__init__()
         self.norm1, self.norm2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
         self.qkv, self.proj = torch.nn.Linear(WIDTH, 3 * WIDTH), torch.nn.Linear(WIDTH, WIDTH)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * WIDTH, WIDTH))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq, width)
         q, k, v = self.qkv(self.norm1(x)).unflatten(-1, (3, HEADS, WIDTH // HEADS)).unbind(2)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).flatten(2))
         return x + self.mlp(self.norm2(x))
 

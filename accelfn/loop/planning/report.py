@@ -185,7 +185,8 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     except ValueError as e:  # shard_size that does not divide the world: a problem of the plan
         optimizer_problem = None
         facts = attrs.evolve(facts, count_error=facts.count_error or str(e))
-    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, context_problem=_context_problem(step, data, world_size))
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem,
+                         context_problem=_context_problem(step, data, world_size))
     if trace and memory is not None:
         traced = _trace(step, state, data, backend, policy, facts)
         if isinstance(traced, tuple):
