@@ -28,6 +28,7 @@ sequence's.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -246,6 +247,10 @@ class SplitSequences:
     """The program's ``loss_fn`` under ``context_parallel``: the batch cut to this rank's part
     of each sequence (``split_batch``), then the user's ``loss_fn`` with attention as a ring.
 
+    A first forward that calls ``torch.nn.functional.scaled_dot_product_attention`` nowhere is
+    said once (a ``UserWarning``): attention computed another way (by hand, or through a name
+    imported from torch before the step ran) would see this rank's part of each sequence only.
+
     Attributes:
         loss_fn: the user's ``loss_fn(model, batch)``.
         spec: the transform.
@@ -254,14 +259,32 @@ class SplitSequences:
 
     def __init__(self, loss_fn: Callable[..., Any], spec: ContextParallel, rank: int, mesh: Any):
         self.loss_fn, self.spec, self.rank = loss_fn, spec, rank
-        self._attention = ring_attention(mesh, spec.load_balance)
+        ring = ring_attention(mesh, spec.load_balance)
+        self._calls = 0
+        self._checked = False
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            self._calls += 1
+            return ring(*args, **kwargs)
+
+        self._attention = counted
         self.__name__ = getattr(loss_fn, "__name__", type(loss_fn).__name__)
         self.__qualname__ = getattr(loss_fn, "__qualname__", self.__name__)
 
     def __call__(self, model: torch.nn.Module, batch: Any) -> Any:
         part = split_batch(batch, self.spec, self.rank)
         with attention_as_ring(self._attention):
-            return self.loss_fn(model, part)
+            out = self.loss_fn(model, part)
+        if not self._checked:
+            self._checked = True
+            if not self._calls:
+                warnings.warn(
+                    f"context_parallel(size={self.spec.size}): the forward called no "
+                    "torch.nn.functional.scaled_dot_product_attention, so nothing ran as a ring; attention "
+                    "computed another way sees only this rank's part of each sequence. Call "
+                    "F.scaled_dot_product_attention (looked up at call time), or leave context_parallel() out",
+                    UserWarning, stacklevel=2)
+        return out
 
 
 def folds_into(step: Any) -> type | None:

@@ -135,3 +135,23 @@ def test_the_plan_reads_one_shard_per_context_group_and_traces_a_part_of_each_se
                   world_size=4)
     assert [p.code for p in bad.errors] == ["context-length-indivisible"]
     assert "length 10" in bad.errors[0].what
+
+
+def test_a_forward_without_scaled_dot_product_attention_is_said_once() -> None:
+    """A first forward that never calls F.scaled_dot_product_attention warns (its attention would
+    see a part of each sequence only); one that calls it does not; the warning comes once."""
+    spec = af.context_parallel(size=2)
+    batch = (torch.zeros(1, 8),)
+    plain = cp.SplitSequences(lambda model, b: b[0].sum(), spec, 0, None)
+    with pytest.warns(UserWarning, match="called no torch.nn.functional.scaled_dot_product_attention"):
+        assert float(plain(None, batch)) == 0.0
+    plain(None, batch)  # once: no second warning (warnings are errors here)
+
+    def attending(model: None, b: tuple[torch.Tensor]) -> torch.Tensor:
+        try:
+            torch.nn.functional.scaled_dot_product_attention(b[0], b[0], b[0], attn_mask=b[0])
+        except NotImplementedError:  # the ring refuses a mask before any collective
+            pass
+        return b[0].sum()
+
+    cp.SplitSequences(attending, spec, 0, None)(None, batch)
