@@ -125,6 +125,18 @@ class Mesh:
         them)."""
         return self.shard * self.context
 
+    @property
+    def replicas(self) -> int:
+        """The ranks DDP averages the gradients over under ``replicate()``: ``replicate`` x
+        ``context`` (the context ranks' gradients are summed with the replicas')."""
+        return self.replicate * self.context
+
+    def fsdp_place(self, rank: int) -> int:
+        """``rank``'s place along FSDP2's sharded dimension, ``shard`` x ``context`` (row-major,
+        as torch flattens them: ``fsdp_mesh``), of ``fsdp_size``."""
+        place = self.coordinates(rank)
+        return place["shard"] * self.context + place["context"]
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """``rank``'s place along each dimension (row-major: the last dimension varies fastest).
 
