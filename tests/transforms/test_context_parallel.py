@@ -119,9 +119,10 @@ def _loader(length: int) -> DataLoader:
 
 
 def test_the_plan_reads_one_shard_per_context_group_and_traces_a_part_of_each_sequence() -> None:
-    """On 4 ranks under CP=2 + shard_params the plan counts 2 data shards (each context pair reads
-    the same 4 batches... of its shard) and a smaller activation peak than CP=1; a length that does
-    not divide is the error context-length-indivisible."""
+    """On 4 ranks under CP=2 + shard_params the plan counts 2 data shards (a context pair reads one:
+    4 samples per rank, against 2 without CP), a smaller activation peak than CP=1, parameters
+    sharded over all 4 ranks (shard x context), and DDP over all 4 under replicate; a length that
+    does not divide is the error context-length-indivisible."""
     state = C.make_state()
     two = af.plan(_step(af.shard_data(), af.context_parallel(size=2), af.shard_params()), state, _loader(16),
                   world_size=4)
@@ -131,6 +132,15 @@ def test_the_plan_reads_one_shard_per_context_group_and_traces_a_part_of_each_se
     assert two.memory is not None and one.memory is not None
     assert 0 < two.memory[0].micro_batch < one.memory[0].micro_batch
     assert not two.errors
+    assert "context_parallel(): the ring's exchanges" in " ".join(p.what for p in two.warnings)
+    # FSDP2 shards over shard x context: a quarter of every parameter's rows on each of the 4 ranks
+    rows = {name: -(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for name, p in state.model.named_parameters()}
+    assert [m.params for m in two.memory] == [4 * sum(rows.values())] * 4 == [m.params for m in one.memory]
+    ddp = af.plan(_step(af.shard_data(), af.context_parallel(size=2), af.replicate()), state, _loader(16),
+                  world_size=4, trace=False)
+    assert {c.wire_bytes for c in ddp.comms if c.what.startswith("DDP bucket")} == {
+        c.wire_bytes for c in af.plan(_step(af.shard_data(), af.replicate()), state, _loader(16), world_size=4,
+                                      trace=False).comms if c.what.startswith("DDP bucket")}
     bad = af.plan(_step(af.shard_data(), af.context_parallel(size=2), af.shard_params()), state, _loader(10),
                   world_size=4)
     assert [p.code for p in bad.errors] == ["context-length-indivisible"]
