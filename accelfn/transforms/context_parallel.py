@@ -125,10 +125,13 @@ def context_parallel(*, size: int, load_balance: bool = True, seq_dim: int = 1) 
 
     Raises:
         TypeError: ``size`` or ``seq_dim`` not an int, ``load_balance`` not a bool.
-        ValueError: ``size`` < 1, ``seq_dim`` < 1. A sequence length that does not divide into
-            ``2 size`` (``size`` without ``load_balance``) parts, tensors of the batch with
-            different lengths along ``seq_dim``, or an attention with an explicit mask, is
-            refused when the step runs, before its forward.
+        ValueError: ``size`` < 1, ``seq_dim`` < 1. Later, from ``prepare``: no ``shard_params()``
+            or ``replicate()`` on several context ranks; from the step, before its forward (the
+            state unchanged): a sequence length that does not divide into ``2 size`` parts
+            (``size`` without ``load_balance``), or tensors of the batch with different lengths
+            along ``seq_dim``.
+        NotImplementedError: from the step's forward, an attention with an explicit mask,
+            dropout, or keys of another length than the queries.
 
     Example:
         >>> import accelfn as af
