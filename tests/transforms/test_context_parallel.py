@@ -32,7 +32,7 @@ def test_the_record_validates_its_arguments() -> None:
                          ids=lambda t: type(t).__name__)
 def test_refused_compositions_name_both(other: af.Transform) -> None:
     """pipeline, invariant, compile and deepspeed are refused with context_parallel, either order."""
-    base = af.train_step(lambda output, targets: output.sum())  # the form pipeline() asks for
+    base = af.train_step(af.output_loss(lambda output, targets: output.sum()))  # the form pipeline() asks for
     for first, second in ((af.context_parallel(size=2), other), (other, af.context_parallel(size=2))):
         with pytest.raises(af.TransformError, match="context_parallel"):
             af.compose(first, second)(base)
