@@ -7,11 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import accelfn as af
 from accelfn.errors import CheckpointError
 from tests.helpers import lora
+from tests.helpers.pool import Pools
 
 FROZEN = "frozen.safetensors"
 
@@ -157,3 +159,17 @@ def test_save_model_adapters_refuses_bad_values_and_models_without_adapters(tmp_
         af.save_model(af.TrainState.create(plain, torch.optim.SGD(plain.parameters(), lr=0.1)), tmp_path / "b",
                       adapters="merged")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.multiprocess
+def test_exports_of_a_sharded_and_a_tensor_parallel_lora_model_reload_with_peft_and_transformers(
+        pool: Pools, tmp_path: Path) -> None:
+    """On 2 processes, under shard_params() and under tensor_parallel (MLP split, adapters
+    whole), the adapter export loads with PeftModel.from_pretrained and the merged one with
+    AutoModelForCausalLM.from_pretrained, each giving the trained model's logits (<= 1e-6)."""
+    pool.launch("--nproc-per-node", "2", script="lora_exports.py", script_args=(tmp_path,))
+    for mode in ("fsdp", "tp"):
+        expected = safetensors.torch.load_file(tmp_path / mode / "logits.safetensors")["logits"]
+        peft_logits, merged_logits = lora.reloaded(tmp_path / mode / "adapter", tmp_path / mode / "merged")
+        assert (peft_logits - expected).abs().max() <= 1e-6, mode
+        assert (merged_logits - expected).abs().max() <= 1e-6, mode
