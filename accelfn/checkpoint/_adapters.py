@@ -54,8 +54,9 @@ def _peft() -> ModuleType:
                           "(or accelfn[peft])") from None
 
 
-def check(model: torch.nn.Module, adapters: Any) -> str:
-    """The name of the adapter of ``model`` (unwrapped) that ``adapters=`` exports.
+def check(model: Any, adapters: Any) -> str:
+    """The name of the adapter of ``model`` (unwrapped: a ``peft.PeftModel``, which peft's
+    functions take, typed ``Any`` here as peft is optional) that ``adapters=`` exports.
 
     Raises:
         ValueError: ``adapters`` is not one of ``KINDS``, or the model has no adapter (it is
@@ -77,14 +78,14 @@ def check(model: torch.nn.Module, adapters: Any) -> str:
     return name
 
 
-def adapter_tensors(model: torch.nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
+def adapter_tensors(model: Any, name: str) -> list[tuple[str, torch.Tensor]]:
     """The tensors of adapter ``name`` under PEFT's names (``get_peft_model_state_dict``), in
     ``state_dict`` order; DTensors stay DTensors (the caller gathers them)."""
     local = model.state_dict()
     return list(_peft().get_peft_model_state_dict(model, state_dict=local, adapter_name=name).items())
 
 
-def write_adapter_config(directory: Path, model: torch.nn.Module, name: str, write: Any) -> None:
+def write_adapter_config(directory: Path, model: Any, name: str, write: Any) -> None:
     """Writes adapter ``name``'s config as ``directory/adapter_config.json`` as
     ``PeftModel.save_pretrained`` does (``inference_mode=True``; the config's own
     ``save_pretrained``), through ``write(path, data)`` (atomic)."""
@@ -95,7 +96,7 @@ def write_adapter_config(directory: Path, model: torch.nn.Module, name: str, wri
         write(directory / ADAPTER_CONFIG, (Path(scratch) / ADAPTER_CONFIG).read_bytes())
 
 
-def _cpu_copy(model: torch.nn.Module, full: Mapping[str, torch.Tensor], name: str) -> torch.nn.Module:
+def _cpu_copy(model: Any, full: Mapping[str, torch.Tensor], name: str) -> Any:
     """A CPU copy of the PeftModel ``model`` holding the tensors ``full`` (its whole
     ``state_dict``, CPU tensors)."""
     if not any(is_dtensor(t) for t in [*model.parameters(), *model.buffers()]):
@@ -118,7 +119,7 @@ def _cpu_copy(model: torch.nn.Module, full: Mapping[str, torch.Tensor], name: st
     return clone
 
 
-def merged(model: torch.nn.Module, full: Mapping[str, torch.Tensor], name: str) -> tuple[
+def merged(model: Any, full: Mapping[str, torch.Tensor], name: str) -> tuple[
         list[tuple[str, torch.Tensor]], Any]:
     """The base model with adapter ``name`` merged (``merge_and_unload`` on a CPU copy holding
     ``full``): its ``state_dict`` under the base model's names, and its ``transformers`` config

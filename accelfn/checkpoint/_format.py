@@ -278,19 +278,14 @@ def problems(encoded: Encoded) -> list[str]:
 
 
 def write_encoded(directory: Path, encoded: Encoded, files: Mapping[str, FileEntry] = MappingProxyType({}), *,
-                  earlier: Path | None = None) -> int:
+                  earlier: Path | None = None) -> None:
     """Writes ``encoded`` into ``directory``: tensor files, then the manifest, which also
     lists ``files`` written already (a sharded checkpoint's DCP files). The frozen model
     tensors' files are hard links to those of the checkpoint ``earlier`` where it holds
-    the same bytes (``_frozen``). Check ``problems(encoded)`` first: nothing here checks it.
-
-    Returns:
-        int: the bytes of frozen tensors written (0 when every frozen file was linked).
-    """
+    the same bytes (``_frozen``). Check ``problems(encoded)`` first: nothing here checks it."""
     written = _tensorfiles.write(directory, encoded.groups)
-    frozen, num_bytes = _frozen.write(directory, encoded.frozen, _earlier_files(earlier))
+    frozen, _ = _frozen.write(directory, encoded.frozen, _earlier_files(earlier))
     write(directory, attrs.evolve(encoded.manifest, files={**encoded.manifest.files, **files, **written, **frozen}))
-    return num_bytes
 
 
 def _earlier_files(earlier: Path | None) -> tuple[Path, Mapping[str, FileEntry]] | None:

@@ -118,9 +118,9 @@ def write(directory: Path, tensors: Mapping[str, torch.Tensor], earlier: tuple[P
             digest, num_bytes = _tensorfiles.checksum(on_cpu, algorithm)
             if (digest, num_bytes) == (before.checksum[1], before.num_bytes) and _linked(
                     directory, filename, earlier[0], before):  # type: ignore[index]  # not None: `before` is set
-                entries[filename] = FileEntry(group=GROUP, num_bytes=num_bytes, **{algorithm: digest})
+                entries[filename] = FileEntry(group=GROUP, num_bytes=num_bytes, rank=None, **{algorithm: digest})
                 continue
         digest, num_bytes = _tensorfiles.write_file(directory / filename, on_cpu, algorithm)
-        entries[filename] = FileEntry(group=GROUP, num_bytes=num_bytes, **{algorithm: digest})
+        entries[filename] = FileEntry(group=GROUP, num_bytes=num_bytes, rank=None, **{algorithm: digest})
         written += num_bytes
     return entries, written

@@ -173,3 +173,17 @@ def test_exports_of_a_sharded_and_a_tensor_parallel_lora_model_reload_with_peft_
         peft_logits, merged_logits = lora.reloaded(tmp_path / mode / "adapter", tmp_path / mode / "merged")
         assert (peft_logits - expected).abs().max() <= 1e-6, mode
         assert (merged_logits - expected).abs().max() <= 1e-6, mode
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_run_checkpoints_link_the_frozen_base_also_in_the_background(tmp_path: Path, asynchronous: bool) -> None:
+    """run's checkpoints (every update; written in the background or not) hold one frozen
+    file between them: every later checkpoint's is a hard link to the first's."""
+    state = lora.state()
+    step = af.train_step(lora.loss_fn)
+    checkpoints = af.Checkpoints(tmp_path / "ckpt", every_steps=1, asynchronous=asynchronous)
+    af.run(step, state, lora.batches(3), backend=af.backends.CPU(), epochs=1, checkpoints=checkpoints,
+           progress=False)
+    assert checkpoints.steps() == [1, 2, 3]
+    inodes = {(checkpoints.path_for(s) / FROZEN).stat().st_ino for s in (1, 2, 3)}
+    assert len(inodes) == 1
