@@ -118,8 +118,8 @@ def full_tensors(state: af.TrainState, *, trainable: bool) -> dict[str, torch.Te
     return found
 
 
-def main(run_dir: str, *, steps: int = 6, stop: int = 3, every_steps: int = 3, batch_size: int = 4,
-         sequences: int = 128) -> dict[str, Any]:
+def main(run_dir: str, *, steps: int = 4, stop: int = 2, every_steps: int = 2, batch_size: int = 4,
+         sequences: int = 64) -> dict[str, Any]:
     """Runs the three parts; returns what they found (see the module's docstring)."""
     root = Path(run_dir)
     backend = af.backends.auto()
@@ -162,8 +162,8 @@ def main(run_dir: str, *, steps: int = 6, stop: int = 3, every_steps: int = 3, b
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="runs/lora")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--stop", type=int, default=3)
-    parser.add_argument("--every-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--stop", type=int, default=2)
+    parser.add_argument("--every-steps", type=int, default=2)
     args = parser.parse_args()
     main(args.run_dir, steps=args.steps, stop=args.stop, every_steps=args.every_steps)
