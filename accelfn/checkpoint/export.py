@@ -184,7 +184,8 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             Export the two into separate folders (``from_pretrained`` takes a folder with an
             ``adapter_config.json`` for an adapter). Sharded and tensor-parallel models
             (DTensors) are gathered first; their merged copy is built from the base model's
-            class and config (a ``transformers`` model).
+            class and config (a ``transformers`` model). An adapter is written as one file,
+            whatever ``max_shard_size``; a merged model is split by it.
         backend: the process context (as for ``af.save``).
 
     Returns:
