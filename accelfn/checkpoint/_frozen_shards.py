@@ -76,8 +76,8 @@ def local_checksum(frozen: Mapping[str, torch.Tensor], algorithm: str) -> str:
     local = {}
     for key, t in frozen.items():
         if is_dtensor(t):
-            chunk = t.__create_chunk_list__()[0]  # type: ignore[operator]  # DTensor's method for DCP
-            local[f"{key}@{list(chunk.offsets)}/{list(t.shape)}"] = t.to_local()  # type: ignore[attr-defined]
+            offsets = [list(chunk.offsets) for chunk in t.__create_chunk_list__()]  # DTensor's own chunks for DCP
+            local[f"{key}@{offsets}/{list(t.shape)}"] = t.to_local()
         else:
             local[f"{key}/{list(t.shape)}"] = t
     return _tensorfiles.checksum(local, algorithm)[0]
@@ -159,7 +159,7 @@ def write(backend: ProcessContext, path: Path, directory: Path, frozen: dict[str
     Raises:
         CheckpointError: on every rank, when some rank failed to write (``write_shards``).
     """
-    device, made = backend.collective_device, []
+    device, made = backend.collective_device, list[Path]()
     if reuse is not None and not distributed.any_rank(not _verified(reuse, backend.rank), device=device):
         if not distributed.any_rank(not _link(reuse, backend.rank, directory, made), device=device):
             return dict(reuse.files)

@@ -312,3 +312,19 @@ def test_a_missing_or_corrupt_linked_frozen_shard_file_is_refused_naming_it(shar
         af.load(ckpt / "step_00000002", into=into)
     assert all(torch.equal(before[k], v) for k, v in into.model.state_dict().items())
     af.load(ckpt / "step_00000001", into=into)
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_lora_checkpoint_links_its_frozen_base_and_loads_bitwise(sharded_run: Path) -> None:
+    """Under tensor_parallel (the MLP split, the rest whole) on 2 processes, the second
+    checkpoint's dcp-frozen/ files are the first's (hard links), and the first loads into a
+    fresh tensor-parallel state with bitwise the model and optimizer state it saved."""
+    first, second = sharded_run / "tp" / "step_00000001", sharded_run / "tp" / "step_00000002"
+    names = sorted(p.name for p in (first / "dcp-frozen").iterdir())
+    assert names and names == sorted(p.name for p in (second / "dcp-frozen").iterdir())
+    for name in names:
+        assert (second / "dcp-frozen" / name).stat().st_ino == (first / "dcp-frozen" / name).stat().st_ino
+    saved = safetensors.torch.load_file(sharded_run / "tp-saved.safetensors")
+    loaded = safetensors.torch.load_file(sharded_run / "tp-loaded.safetensors")
+    assert sorted(saved) == sorted(loaded)
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []

@@ -13,6 +13,11 @@ so that it dwarfs the few KB of gloo messages a save exchanges (they count as wr
 3 more updates) to ``OUT/resumed.safetensors``. Then the uninterrupted run's base is edited
 by hand (1 added to layer 0's ``up_proj`` weight) and saved as step 5; rank 0 writes that
 state to ``OUT/edited.safetensors``.
+
+Last, under ``tensor_parallel`` (``lora_exports.TP_PLAN``: the MLP split, the rest whole), the
+small LoRA model is checkpointed after each of 2 updates into ``OUT/tp`` and step 1 is loaded
+into a freshly built state; rank 0 writes the state after update 1 and the loaded one to
+``OUT/tp-saved.safetensors`` and ``OUT/tp-loaded.safetensors``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import lora
+from tests.workers.lora_exports import TP_PLAN
 
 
 WIDE = dict(hidden_size=128, intermediate_size=256)
@@ -78,7 +84,26 @@ def main(out: Path) -> None:
         safetensors.torch.save_file(uninterrupted, out / "uninterrupted.safetensors")
         safetensors.torch.save_file(again, out / "resumed.safetensors")
         safetensors.torch.save_file(edited_state, out / "edited.safetensors")
+    _tensor_parallel(backend, out)
     backend.barrier()
+
+
+def _tensor_parallel(backend: Any, out: Path) -> None:
+    def prepared() -> tuple[af.TrainState, Any]:
+        return backend.prepare(af.compose(af.tensor_parallel(TP_PLAN, size=2))(af.train_step(lora.loss_fn)),
+                               lora.state())
+
+    checkpoints = af.Checkpoints(out / "tp")
+    state, step_fn = prepared()
+    for i, batch in enumerate(lora.batches(2)):
+        state, _ = step_fn(state, batch)
+        checkpoints.save(state, backend)
+        if i == 0:
+            saved = _full(state)
+    loaded = _full(af.load(checkpoints.path_for(1), into=prepared()[0], backend=backend))
+    if backend.is_main_process:
+        safetensors.torch.save_file(saved, out / "tp-saved.safetensors")
+        safetensors.torch.save_file(loaded, out / "tp-loaded.safetensors")
 
 
 if __name__ == "__main__":
