@@ -77,7 +77,7 @@ class ExtraTensor:
 class FrozenShards:
     """The frozen model tensors of a sharded checkpoint (parameters that do not require
     gradients: a LoRA's base), in its ``dcp-frozen/`` files, written once per run
-    (``_frozen_shards``).
+    (``_frozen``).
 
     Attributes:
         model: model ``state_dict`` name -> its tensor (global shape and dtype), stored

@@ -12,7 +12,7 @@ rebuilds DCP's metadata from the headers. Everything else is what an unsharded c
 holds, written by the same flow (``save_load``), plus the manifest's ``sharded`` table (where
 each DCP tensor belongs, its global shape and dtype) and the checksum of every DCP file.
 The model's frozen tensors (a LoRA's base) are a DCP save of their own in ``dcp-frozen/``,
-written once per run (``_frozen_shards``); a load reads both folders, checked alike.
+written once per run (``_frozen``); a load reads both folders, checked alike.
 
 Loading checks the DCP files (the ranks split the hashing and share what they found) and
 the checkpoint against the state on "meta" placeholders of the recorded shapes, before DCP
@@ -53,6 +53,8 @@ import torch.distributed as dist
 from accelfn import distributed
 from accelfn.checkpoint import _tensorfiles
 from accelfn.checkpoint._format import MANIFEST
+from accelfn.checkpoint._frozen import SHARDED_DIR as FROZEN_DIR
+from accelfn.checkpoint._frozen import SHARDED_GROUP as FROZEN_GROUP
 from accelfn.checkpoint._manifest import ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
@@ -63,9 +65,6 @@ from accelfn.state import TrainState
 #: the folder of a checkpoint holding DCP's files, and their tensor-table group in the manifest
 DCP_DIR = "dcp"
 GROUP = "dcp"
-#: the folder (and group) of the DCP files of the frozen model tensors (``_frozen_shards``)
-FROZEN_DIR = "dcp-frozen"
-FROZEN_GROUP = "dcp-frozen"
 _RANK_FILE = re.compile(r"^shard-(\d{5})-model-\d{5}-of-\d{5}\.safetensors$")
 
 

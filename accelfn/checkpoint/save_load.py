@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from accelfn import distributed
-from accelfn.checkpoint import _atomic, _format, _frozen, _frozen_shards, _pipelined, _sharded
+from accelfn.checkpoint import _atomic, _format, _frozen, _pipelined, _sharded
 from accelfn.checkpoint._format import RankPart
 from accelfn.checkpoint._manifest import Manifest
 from accelfn.checkpoint._tensorfiles import FileEntry
@@ -227,7 +227,7 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
     """``save`` of a checked ``path``, sharded or not (a collective); ``program``'s transforms
     are recorded in the manifest; ``what`` is the API named when a rank does not call it;
     the frozen model tensors are hard links to the checkpoint ``earlier``'s where it holds
-    the same bytes (given on rank 0; ``_frozen``, sharded ``_frozen_shards``).
+    the same bytes (given on rank 0; ``_frozen``).
 
     Raises:
         As ``save``.
@@ -269,9 +269,9 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
         shell, flat, tables = _sharded.split(snap, model)
         # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
         shell = attrs.evolve(shell, grads=_sharded.hidden_gradients(model))
-        flat, frozen, tables = _frozen_shards.split(flat, tables, _frozen.names(model))
+        flat, frozen, tables = _frozen.split_sharded(flat, tables, _frozen.names(model))
         if frozen:  # the same names on every rank: all of them exchange, or none
-            tables, reuse = _frozen_shards.plan(backend, tables, frozen, earlier)
+            tables, reuse = _frozen.plan(backend, tables, frozen, _previous(earlier) if backend.rank == 0 else None)
     else:  # a pipelined model: each rank writes its stages' tensors, rank 0 the joined tables
         shell, flat, tables = _sharded.split(attrs.evolve(_pipelined.stage_shell(snap, layout), grads={}), model)
         shell, tables = _pipelined.merged(shell, tables, layout, backend)
@@ -284,7 +284,7 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
         try:
             _sharded.write_shards(backend, path, directory, flat)
             if frozen:
-                _frozen_shards.write(backend, path, directory, frozen, reuse)
+                _write_frozen(backend, path, directory, frozen, reuse)
         except CheckpointError as e:
             return e
         return None
@@ -296,7 +296,7 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
         _sharded.announce(backend, path, directory)
         files = _sharded.write_shards(backend, path, directory, flat)
         if frozen:
-            files |= _frozen_shards.write(backend, path, directory, frozen, reuse)
+            files |= _write_frozen(backend, path, directory, frozen, reuse)
         _format.write_encoded(directory, encoded, files)
 
     try:
@@ -308,6 +308,25 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
             _sharded.announce(backend, path, None)
         return e
     return None
+
+
+def _previous(earlier: Path | None) -> tuple[Path, Manifest] | None:
+    """The checkpoint ``earlier`` and its manifest, or None where there is none or its manifest
+    does not read (its frozen files are then not reused)."""
+    if earlier is None:
+        return None
+    try:
+        return earlier, _format.read(earlier)
+    except CheckpointError:
+        return None
+
+
+def _write_frozen(backend: ProcessContext, path: Path, directory: Path, frozen: dict[str, torch.Tensor],
+                  reuse: _frozen.Reuse | None) -> dict[str, FileEntry]:
+    """The frozen tensors of a sharded state into ``directory/dcp-frozen`` (a collective):
+    linked to ``reuse``'s files, or written by DCP (``_frozen.write_sharded``)."""
+    return _frozen.write_sharded(backend, directory, reuse, lambda: _sharded.write_shards(
+        backend, path, directory, frozen, folder_name=_sharded.FROZEN_DIR, group=_sharded.FROZEN_GROUP))
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -4,6 +4,7 @@ and merged under the base model's names load with peft and transformers."""
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path
 
@@ -328,3 +329,24 @@ def test_a_tensor_parallel_lora_checkpoint_links_its_frozen_base_and_loads_bitwi
     loaded = safetensors.torch.load_file(sharded_run / "tp-loaded.safetensors")
     assert sorted(saved) == sorted(loaded)
     assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []
+
+
+def test_the_sharded_frozen_table_round_trips_and_its_bad_values_are_named() -> None:
+    """The manifest's sharded.frozen record (FrozenShards) round-trips through the manifest's
+    converter, is omitted where there is none (older manifests read the same), and a wrong
+    algorithm or checksum is refused naming the field."""
+    from accelfn.checkpoint._manifest import FrozenShards, ShardedTables, ShardedTensor, dumps, loads
+
+    frozen = FrozenShards(model={"w": ShardedTensor(shape=(4, 2), dtype="float32")}, algorithm="xxh3_128",
+                          checksums=("0a", "ff"))
+    tables = ShardedTables(model={}, aliases={}, optimizer={}, grads={}, frozen=frozen)
+    assert loads(dumps(tables), ShardedTables) == tables
+    plain = ShardedTables(model={}, aliases={}, optimizer={}, grads={})
+    assert "frozen" not in json.loads(dumps(plain)) and loads(dumps(plain), ShardedTables) == plain
+    for field, value, expected in [("algorithm", "md5", "frozen.algorithm: 'md5'"),
+                                   ("checksums", ["0a", "xyz"], "frozen.checksums[1]: 'xyz'"),
+                                   ("checksums", "0a", "frozen.checksums: '0a'")]:
+        data = json.loads(dumps(tables))
+        data["frozen"][field] = value
+        with pytest.raises(CheckpointError, match=re.escape(expected)):
+            loads(json.dumps(data).encode(), ShardedTables)
