@@ -513,6 +513,27 @@ def _described(value: Any) -> Any:
     return type(value).__name__
 
 
+def same_program(saved: Any, now: Any) -> bool:
+    """Whether two transforms records (``transforms_record``) describe the same run: equal, or
+    equal but for ``accumulate`` when both hold ``invariant()``, under which each world size
+    accumulates its share of one global batch (the resume checks that batch: ``Layout``)."""
+    if saved == now:
+        return True
+    if not (isinstance(saved, list) and isinstance(now, list)):
+        return False
+
+    def kinds(records: list[Any]) -> set[Any]:
+        return {r.get("type") for r in records if isinstance(r, dict)}
+
+    if "Invariant" not in kinds(saved) or "Invariant" not in kinds(now):
+        return False
+
+    def without_accumulate(records: list[Any]) -> list[Any]:
+        return [r for r in records if not (isinstance(r, dict) and r.get("type") == "Accumulate")]
+
+    return without_accumulate(saved) == without_accumulate(now)
+
+
 def saved_transforms(saved: Any, program: Step | None) -> Any:
     """The manifest's transforms record ``saved`` with the options it lacks filled in at the
     defaults of ``program``'s transforms of the same type and place: an option added to a

@@ -26,10 +26,12 @@ from accelfn.transforms import (
     Accumulate,
     Compile,
     DeepSpeed,
+    Invariant,
     Replicate,
     ShardParams,
     WithPrecision,
     accumulate,
+    invariant_per_world,
     shard_params,
     with_precision,
 )
@@ -249,12 +251,20 @@ def launcher_environment(backend: str | None) -> dict[str, str]:
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
-    """``step`` with the transforms ``accelfn launch --precision/--accumulate/--shard-params/
-    --compile`` asked for, added where the script set none of that kind (``--shard-params``
-    replaces the script's ``replicate()``: the launch chooses sharded over data parallel). A
-    script's own transform wins, with a warning (when ``warn``: the main process, once per
-    job) where it differs from the launch's."""
+def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool, world_size: int | None = None) -> Step:
+    """``step`` as it runs in this launch: with the transforms ``accelfn launch --precision/
+    --accumulate/--shard-params/--compile`` asked for, added where the script set none of that
+    kind (``--shard-params`` replaces the script's ``replicate()``: the launch chooses sharded
+    over data parallel), and under ``invariant(micro_batches_per_update=L)`` with
+    ``accumulate(L // W)`` for its ``world_size`` processes (``env.world_size`` when None;
+    ``transforms.invariant_per_world``). A script's own transform wins, with a warning (when
+    ``warn``: the main process, once per job) where it differs from the launch's.
+
+    Raises:
+        TransformError: under ``invariant(micro_batches_per_update=L)``, a world size that
+            does not divide ``L``, or an ``accumulate(n)`` other than ``L // W``.
+    """
+    step = invariant_per_world(step, env.world_size if world_size is None else world_size)
     if env.precision is not None:
         present = step.find(WithPrecision)
         if present is None:
@@ -270,7 +280,10 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
         if window is None:
             step = accumulate(env.accumulate)(step)
         elif window.num_micro_batches != env.accumulate and warn:
-            _overridden(f"accelfn launch --accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+            spec = step.find(Invariant)
+            _overridden(f"accelfn launch --accumulate {env.accumulate}",
+                        f"accumulate({window.num_micro_batches})" if spec is None or spec.micro_batches_per_update is None
+                        else f"invariant(micro_batches_per_update={spec.micro_batches_per_update})")
     if env.shard_params is not None:
         sharded = step.find(ShardParams)
         if sharded is None:  # data parallel by replicate(), or not at all: sharded instead

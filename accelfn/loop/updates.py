@@ -10,6 +10,7 @@ import attrs
 
 from accelfn.backends.base import Backend
 from accelfn.data.blocks import epoch_length
+from accelfn.distributed.env import with_launch_defaults
 from accelfn.distributed.mesh import Mesh
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
@@ -49,7 +50,9 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     collective is called.
 
     Args:
-        step: the program (its ``shard_data`` and ``accumulate`` decide the count).
+        step: the program (its ``shard_data`` and ``accumulate`` decide the count, with what
+            ``accelfn launch`` adds and ``invariant(micro_batches_per_update=L)``'s
+            accumulation for the world size, as ``run`` prepares it).
         data: the DataLoader or sized iterable ``run`` will read.
         backend: the backend ``run`` will use (its rank and world size shard the data; under
             ``accelfn plan``, rank 0 of the planned world size, as ``af.plan`` counts).
@@ -68,6 +71,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         TypeError: ``step`` is not a Step, ``backend`` not a backend, or ``state`` not a TrainState.
         ValueError: ``epochs``/``max_steps`` below 1, both None, or ``data`` of unknown length
             (an IterableDataset or a generator) without ``max_steps``.
+        TransformError: ``invariant(micro_batches_per_update=L)`` with a world size that does
+            not divide ``L``.
 
     Example:
         >>> import torch, accelfn as af
@@ -88,6 +93,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
     planned = backend.env.plan_world_size
+    # the program as run prepares it: with what the launch adds, and invariant()'s accumulation for this world
+    step = with_launch_defaults(step, backend.env, warn=False, world_size=planned)
     if planned is not None:  # `accelfn plan`: rank 0 of the planned world, as af.plan counts
         local = backend.env.plan_local_world_size or min(planned, backend.local_world_size)
         data_rank, data_world = Mesh.of(step, planned, local).data_coordinates(0)

@@ -28,6 +28,7 @@ from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant
+from accelfn.transforms.invariant import per_world as invariant_per_world
 from accelfn.transforms.pipeline import SCHEDULES, Pipeline, pipeline
 from accelfn.transforms.precision import (
     POLICY_NAMES,
@@ -84,6 +85,7 @@ __all__ = [
     "Node",
     "TreeWindow",
     "invariant",
+    "invariant_per_world",
     "DeepSpeed",
     "deepspeed",
 ]
