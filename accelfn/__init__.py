@@ -17,6 +17,7 @@ from accelfn.transforms import (
     ShardParams,
     SkipNonfinite,
     TensorParallel,
+    TolerateFaults,
     Transform,
     WithPrecision,
     accumulate,
@@ -31,6 +32,7 @@ from accelfn.transforms import (
     shard_params,
     skip_nonfinite,
     tensor_parallel,
+    tolerate_faults,
     with_precision,
 )
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
@@ -85,6 +87,7 @@ __all__ = [
     "Stopped",
     "TensorBoard",
     "TensorParallel",
+    "TolerateFaults",
     "Tracker",
     "TrainState",
     "Transform",
@@ -120,6 +123,7 @@ __all__ = [
     "skip_nonfinite",
     "snapshot",
     "tensor_parallel",
+    "tolerate_faults",
     "train_step",
     "with_precision",
 ]

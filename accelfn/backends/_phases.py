@@ -18,11 +18,12 @@ from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
-from accelfn.distributed import canonical, ddp, deepspeed, fsdp, meta, pipeline, tensor_parallel
+from accelfn.backends._tolerant_step import TolerantStepFn
+from accelfn.distributed import canonical, ddp, deepspeed, fault_tolerance, fsdp, meta, pipeline, tensor_parallel
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec
-from accelfn.transforms import Invariant, Pipeline
+from accelfn.transforms import Invariant, Pipeline, TolerateFaults
 from accelfn.transforms.deepspeed import DeepSpeed
 
 if TYPE_CHECKING:
@@ -53,7 +54,8 @@ class Compile(ModelPhase):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
 #: sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
 #: rank allocates only its own shards, as torchtitan's ``to_empty`` after parallelizing);
-#: replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
+#: replication (invariant's broadcast; tolerate_faults' link to the other replica groups; or
+#: DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
     deepspeed.Engine,
     Place,
@@ -62,6 +64,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
     fsdp.Shard,
     meta.Materialize,
     canonical.Replicas,
+    fault_tolerance.Replicas,
     ddp.DDP,
     Compile,
 )
@@ -70,6 +73,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
 #: (the first that matches); every other program on the interpreter's (``step_function``)
 INTERPRETERS: tuple[tuple[type[TransformBase], Callable[[Backend, Preparation], StepFn]], ...] = (
     (DeepSpeed, DeepSpeedStepFn),
+    (TolerateFaults, lambda backend, prep: TolerantStepFn(backend, prep.step, prep.state, prep.model, prep.link)),
     (Pipeline, PipelineStepFn),
     (Invariant, lambda backend, prep: InvariantStepFn(backend, prep.step, prep.state, prep.model)),
 )

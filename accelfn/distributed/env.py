@@ -116,6 +116,10 @@ class LaunchEnv:
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.
         plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
             for this many processes (that many per node) and exits without training.
+        replica_group: this process's replica group under ``af.tolerate_faults``
+            (``ACCELFN_REPLICA_GROUP``, set by ``accelfn launch --replica-group``), or None.
+        lighthouse: torchft's lighthouse, ``http://HOST:PORT`` (``TORCHFT_LIGHTHOUSE``, set by
+            ``accelfn launch --lighthouse``), or None.
     """
 
     rank: int = 0
@@ -136,6 +140,8 @@ class LaunchEnv:
     plan_world_size: int | None = None
     plan_local_world_size: int | None = None
     deepspeed: str | None = None
+    replica_group: int | None = None
+    lighthouse: str | None = None
 
     @property
     def env_rendezvous(self) -> bool:
@@ -193,6 +199,9 @@ class LaunchEnv:
             except ValueError as e:
                 raise LaunchError(f"ACCELFN_DEEPSPEED must hold a DeepSpeed config as JSON ({e}); set it with "
                                   "`accelfn launch --deepspeed ds_config.json`") from e
+        replica_group = _int(env, "ACCELFN_REPLICA_GROUP", -1) if env.get("ACCELFN_REPLICA_GROUP") else None
+        if replica_group is not None and replica_group < 0:
+            raise LaunchError(f"ACCELFN_REPLICA_GROUP={replica_group} must be a replica group's index, >= 0")
         return cls(
             rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
             local_world_size=world.local_world_size, master_addr=world.master_addr, master_port=world.master_port,
@@ -201,7 +210,8 @@ class LaunchEnv:
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
-            deepspeed=deepspeed_config,
+            deepspeed=deepspeed_config, replica_group=replica_group,
+            lighthouse=env.get("TORCHFT_LIGHTHOUSE") or None,
         )
 
 

@@ -9,6 +9,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
               tensor_parallel  layers split over groups of ranks (TP; with shard_params: 2-D)
               pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
+              tolerate_faults  replica groups that die and come back per update (torchft)
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -44,6 +45,7 @@ from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
+from accelfn.transforms.tolerate_faults import TolerateFaults, tolerate_faults
 
 __all__ = [
     "POLICY_NAMES",
@@ -88,4 +90,6 @@ __all__ = [
     "invariant_per_world",
     "DeepSpeed",
     "deepspeed",
+    "TolerateFaults",
+    "tolerate_faults",
 ]
