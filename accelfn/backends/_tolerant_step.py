@@ -79,6 +79,7 @@ class _Update:
     samples: int = 0  # this rank's samples in the update
     items: float = 0.0
     replays: int = 0
+    computed: int = 0  # the micro-batches (of every rank of every group) the update's sum holds
 
 
 class TolerantStepFn(InvariantStepFn):
@@ -86,9 +87,11 @@ class TolerantStepFn(InvariantStepFn):
 
     As :class:`InvariantStepFn` (the leaves, the tree, the update tail), with the update's
     micro-batches shared among the replica groups of each update's quorum (module docstring).
-    Metrics add ``replicas`` (the groups that computed the update), ``replays`` (how many
-    times it was computed again before it was applied) and ``healed`` (1 where this group
-    copied a live group's state before it).
+    Metrics add ``replicas`` (the groups in the update's quorum), ``replays`` (how many times
+    it was computed again before it was applied), ``healed`` (1 where this group copied a live
+    group's state before it) and ``micro_batches`` (the micro-batches, of every process of
+    every group, whose gradients the update holds: always ``W * A`` under ``invariant()``;
+    without it, fewer while a group is missing).
 
     A call may return a state at another data position than the one after ``batch`` (this
     group healed to a live group's position, or a state resumed mid-update goes back to the
@@ -255,6 +258,7 @@ class TolerantStepFn(InvariantStepFn):
         """
         nodes = self._exchange(update)
         nodes.sort(key=lambda node: node.start)
+        update.computed = sum(2 ** node.height for node in nodes)
         if self._keyed:
             first = update.start[1] // self._n * self._world * self._n
             covered = [leaf for node in nodes for leaf in range(node.start, node.start + 2 ** node.height)]
@@ -344,7 +348,7 @@ class TolerantStepFn(InvariantStepFn):
         new_state, metrics = self._update(state, correction, update.samples, means[0], user_means,
                                           items=update.items if update.item_counts else None)
         return new_state, {**metrics, "replicas": update.participants, "replays": update.replays,
-                           "healed": int(update.healed)}
+                           "healed": int(update.healed), "micro_batches": update.computed}
 
 
 def _rng_state(cuda: bool) -> tuple[Any, ...]:

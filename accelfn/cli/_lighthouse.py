@@ -10,6 +10,7 @@ lighthouse of its own (``torchft_lighthouse --min_replicas 1 --join_timeout_ms 1
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -39,6 +40,7 @@ def served(config: LaunchConfig) -> Iterator[None]:
         yield
         return
     assert config.lighthouse is not None, "LaunchConfig.check refuses --serve-lighthouse without --lighthouse"
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at INFO
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:
