@@ -43,6 +43,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
+from accelfn import distributed
 from accelfn.backends._interpreter import foreign_state
 from accelfn.backends._invariant import InvariantStepFn
 from accelfn.data.tree import map_tensors, num_samples
@@ -210,7 +211,11 @@ class TolerantStepFn(InvariantStepFn):
         assert update is not None
         while True:
             summed = None
-            if not self._link.failed and update.participants >= self._spec.min_replicas:
+            # the group's processes enter the exchange together or not at all (its collectives pair up)
+            failed = self._link.failed or update.participants < self._spec.min_replicas
+            if self._world > 1:
+                failed = distributed.any_rank(failed, device=self._backend.collective_device)
+            if not failed:
                 try:
                     summed = self._sum(update)
                 except ReplicaError:
@@ -329,7 +334,18 @@ class TolerantStepFn(InvariantStepFn):
             received = [torch.empty_like(local) for _ in range(self._world)]
             dist.all_gather(received, local)
             tensor = torch.cat(received).to("cpu")
-        return torch.cat(self._link.allgather(tensor.reshape(1, *tensor.shape))).reshape(-1, *tensor.shape[1:])
+        gathered, error = None, None
+        try:
+            gathered = self._link.allgather(tensor.reshape(1, *tensor.shape))
+        except ReplicaError as e:
+            error = e
+        # every process of the group goes on to the next exchange, or none: one that failed stops all
+        if self._world > 1 and distributed.any_rank(error is not None, device=self._backend.collective_device):
+            raise error or ReplicaError("another process of this replica group failed its exchange")
+        if error is not None:
+            raise error
+        assert gathered is not None
+        return torch.cat(gathered).reshape(-1, *tensor.shape[1:])
 
     def _apply(self, update: _Update, last_position: int, grads: torch.Tensor,
                totals: torch.Tensor) -> tuple[TrainState, Mapping[str, Any]]:
