@@ -3,7 +3,7 @@ in memory, for ``tolerate_faults``' healing replica groups.
 
 ``pack`` encodes the snapshot as a checkpoint does (``_codec``: plain JSON with tagged
 records, every tensor in a table) and packs the JSON and the tensors' raw bytes into one
-``uint8`` tensor (``_format.pack_tensors``); ``unpack`` decodes it, never unpickling, checks it
+``uint8`` tensor (``_tensorfiles.pack_tensors``); ``unpack`` decodes it, never unpickling, checks it
 against the receiving state exactly as a load does (``snapshot.verify``), then puts it in
 place. Importing this module registers it with ``accelfn.distributed.fault_tolerance``, the
 layer below, which moves the bytes between replica groups.
@@ -18,7 +18,7 @@ import torch
 
 from accelfn._version import __version__
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.checkpoint._format import pack_tensors, unpack_tensors
+from accelfn.checkpoint._tensorfiles import pack_tensors, unpack_tensors
 from accelfn.checkpoint.snapshot import Snapshot, capture, put, verify
 from accelfn.distributed.fault_tolerance import register_transfer
 from accelfn.errors import CheckpointError

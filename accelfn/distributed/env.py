@@ -120,6 +120,11 @@ class LaunchEnv:
             (``ACCELFN_REPLICA_GROUP``, set by ``accelfn launch --replica-group``), or None.
         lighthouse: torchft's lighthouse, ``http://HOST:PORT`` (``TORCHFT_LIGHTHOUSE``, set by
             ``accelfn launch --lighthouse``), or None.
+        agent_store: torchrun's agent hosts the workers' store at ``master_addr:master_port``
+            (``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 hosts none.
+        debug_collectives: ``ACCELFN_DEBUG_COLLECTIVES=1``: every collective is first checked
+            across ranks (function, op, shape, dtype), a mismatch named on every rank at once
+            (``accelfn.distributed.ops``), and torch's ``TORCH_DISTRIBUTED_DEBUG`` is DETAIL.
     """
 
     rank: int = 0
@@ -142,6 +147,8 @@ class LaunchEnv:
     deepspeed: str | None = None
     replica_group: int | None = None
     lighthouse: str | None = None
+    agent_store: bool = False
+    debug_collectives: bool = False
 
     @property
     def env_rendezvous(self) -> bool:
@@ -163,7 +170,8 @@ class LaunchEnv:
                 a multi-process world without a rendezvous address, an engine that says
                 several processes while the one detected says one, an unknown backend or
                 precision name, an accumulation count below 1, a compile flag other than
-                1/0/true/false, a ``shard_params`` spec that does not parse, or a timeout that
+                1/0/true/false (or a collectives debug flag other than those), a ``shard_params``
+                spec that does not parse, or a timeout that
                 is not > 0; the message names the variable
                 and how the process should be started.
         """
@@ -187,6 +195,9 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
+        debug_flag = env.get("ACCELFN_DEBUG_COLLECTIVES", "").strip().lower()
+        if debug_flag not in ("", "0", "1", "true", "false"):
+            raise LaunchError(f"ACCELFN_DEBUG_COLLECTIVES={debug_flag!r} must be 1 or 0 (true or false)")
         plan_world = _int(env, PLAN_WORLD_SIZE_ENV, 0) or None
         plan_local = _int(env, PLAN_LOCAL_WORLD_SIZE_ENV, 0) or None
         if plan_world is not None and (plan_world < 1 or world.world_size > 1):
@@ -211,7 +222,8 @@ class LaunchEnv:
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
             deepspeed=deepspeed_config, replica_group=replica_group,
-            lighthouse=env.get("TORCHFT_LIGHTHOUSE") or None,
+            lighthouse=env.get("TORCHFT_LIGHTHOUSE") or None, debug_collectives=debug_flag in ("1", "true"),
+            agent_store=world.engine == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 
