@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import accelfn as af
-from accelfn.checkpoint import live
+from accelfn.checkpoint import _format
 from accelfn.errors import CheckpointError, LaunchError, TransformError
 from accelfn.transforms.tolerate_faults import share
 from tests.helpers import faults
@@ -93,7 +93,7 @@ def test_a_program_or_launch_that_cannot_run_is_refused_before_anything_changes(
 
 
 def test_a_live_state_travels_whole_and_is_checked() -> None:
-    """live.pack / live.unpack carry everything (parameters, optimizer moments, scheduler,
+    """_format.pack_live / unpack_live carry everything (parameters, optimizer moments, scheduler,
     counters and data position, transform states, RNG) into another state of the same
     program; a state of another model is refused naming the mismatch, garbage and a state of
     another accelfn are refused too, and nothing is unpickled (the bytes are JSON and raw tensors)."""
@@ -103,9 +103,9 @@ def test_a_live_state_travels_whole_and_is_checked() -> None:
     sender.scheduler.step()
     sender = sender.replace(step=5, micro_step=20, epoch=1, epoch_micro_step=8)
     torch.manual_seed(123)
-    data = live.pack(sender)
+    data = _format.pack_live(sender)
     drawn = torch.rand(3)
-    receiver = live.unpack(_state(1), data, source="group 0's state")
+    receiver = _format.unpack_live(_state(1), data, source="group 0's state")
     assert (receiver.step, receiver.micro_step, receiver.epoch, receiver.epoch_micro_step) == (5, 20, 1, 8)
     for a, b in zip(sender.model.state_dict().values(), receiver.model.state_dict().values()):
         assert torch.equal(a, b)
@@ -117,9 +117,9 @@ def test_a_live_state_travels_whole_and_is_checked() -> None:
     linear = torch.nn.Linear(3, 2)
     other = af.TrainState.create(linear, torch.optim.AdamW(linear.parameters()))
     with pytest.raises(CheckpointError, match="does not match"):
-        live.unpack(other, data, source="group 0's state")
+        _format.unpack_live(other, data, source="group 0's state")
     with pytest.raises(CheckpointError, match="does not decode"):
-        live.unpack(_state(1), torch.zeros(64, dtype=torch.uint8), source="group 0's state")
+        _format.unpack_live(_state(1), torch.zeros(64, dtype=torch.uint8), source="group 0's state")
 
 
 def test_the_transport_serves_bytes_for_the_step_asked() -> None:
