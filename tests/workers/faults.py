@@ -9,7 +9,10 @@ over 96 samples in micro-batches of 2: 12 updates an epoch, 3 epochs. After ever
 main process of each group (or of an elastic job) appends one JSON line to
 ``DIR/progress-{group}.jsonl``: the step, world size, process id, time and the update's
 fault-tolerance metrics. While ``DIR/tick`` holds a number, every update waits that many
-seconds (the tests slow a job down while another node starts). A micro-batch waits
+seconds (the tests slow a job down while another node starts). With ``--ft`` the first
+micro-batch a group reads waits until both groups have come that far (``DIR/ready-{group}``),
+their Managers heartbeating: the first quorum holds both, whichever launch started faster
+(a group started again passes at once). A micro-batch waits
 ``DIR/hang-{group}``'s number of seconds, once, if the file exists (a hung rank). At the end
 the main process writes ``DIR/final-{group}.json``: the counters and a SHA-256 of every
 tensor of the model and optimizer. ``--checkpoints`` checkpoints every update to
@@ -44,6 +47,28 @@ def _number(path: Path) -> float:
         return 0.0
 
 
+class _Gate(torch.utils.data.Dataset):
+    """``dataset``, whose first item read waits until every replica group has read one (the
+    same items, in the same order: the sampler draws the order, not the dataset)."""
+
+    def __init__(self, dataset: TensorDataset, out: Path, group: int, groups: int):
+        self.dataset, self.out, self.group, self.groups, self.open = dataset, out, group, groups, False
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        if not self.open:
+            (self.out / f"ready-{self.group}").touch()
+            deadline = time.monotonic() + 300
+            while not all((self.out / f"ready-{g}").exists() for g in range(self.groups)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the other replica group never started")
+                time.sleep(0.1)
+            self.open = True
+        return self.dataset[index]
+
+
 def job(out: Path, *, ft: bool, plain: bool) -> tuple[af.Step, af.TrainState, DataLoader]:
     """The program, a fresh state (the same on every process) and the data."""
     group = af.backends.LaunchEnv.from_env().replica_group
@@ -67,6 +92,8 @@ def job(out: Path, *, ft: bool, plain: bool) -> tuple[af.Step, af.TrainState, Da
                              af.accumulate(4) if plain else af.invariant(micro_batches_per_update=4)]
     if ft:
         transforms.append(af.tolerate_faults(2, timeout_s=10, quorum_timeout_s=120))
+        assert group is not None, "--ft runs as a replica group (accelfn launch --replica-group I)"
+        data = _Gate(data, out, group, 2)  # type: ignore[assignment]  # a dataset of the same items
     return af.compose(*transforms)(af.train_step(loss_fn)), state, DataLoader(data, batch_size=BATCH_SIZE,
                                                                                 shuffle=True)
 
