@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,16 +93,15 @@ def test_replica_group_options_reach_the_workers() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.long
-def test_a_node_killed_at_a_random_update_and_started_again(tmp_path: Path) -> None:
+def test_a_node_killed_at_a_random_update_and_started_again(tmp_path: Path, uninterrupted: dict[str, Any]) -> None:
     """Two nodes on loopback (--nnodes 1:2, one process each) train invariant(micro_batches_per_update=4)
     + replicate() with a checkpoint every update. SIGKILL to one node's launcher and worker at an
     update chosen at random: the other restarts its worker at world size 1 from the newest
     checkpoint and trains on, no person involved; the node started again later rejoins (world
     size 2 again). The final state is byte-identical to an uninterrupted one-process run of the
     same global batch, and no resume warns of another program."""
-    out, ref = tmp_path / "job", tmp_path / "ref"
+    out = tmp_path / "job"
     out.mkdir()
-    ref.mkdir()
     port = _launch.free_port()
     args = ("--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
             "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
@@ -109,7 +109,6 @@ def test_a_node_killed_at_a_random_update_and_started_again(tmp_path: Path) -> N
     progress = out / "progress-None.jsonl"
     kill_at = random.Random().randrange(3, 12)
     with faults.Jobs() as jobs:
-        reference = jobs.reference(ref)
         (out / "tick").write_text("0.3")
         node0 = jobs.start(out, *args, script_args=("--checkpoints",))
         faults.wait_for("node 0 to host the rendezvous store", lambda: faults.accepts(port), jobs=(node0,))
@@ -126,11 +125,11 @@ def test_a_node_killed_at_a_random_update_and_started_again(tmp_path: Path) -> N
         faults.wait_for("the restarted node to rejoin", lambda: any(
             p["world"] == 2 for p in faults.lines(progress)[rejoined_after:]), jobs=(node0, node1))
         (out / "tick").write_text("0")
-        first, second, uninterrupted = (_launch.finish(job) for job in (node0, node1, reference))
-    for result in (first, second, uninterrupted):
+        first, second = (_launch.finish(job) for job in (node0, node1))
+    for result in (first, second):
         _launch.assert_ok(result)
     worlds = [p["world"] for p in faults.lines(progress)]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, (kill_at, worlds)
-    faults.same_run(faults.final(out, None), faults.final(ref, None), world_size=2)
+    faults.same_run(faults.final(out, None), uninterrupted, world_size=2)
     assert faults.final(out, None)["step"] == 36
     assert "written by a program" not in first.stderr + second.stderr, kill_at

@@ -1,6 +1,7 @@
 """Starting, watching and killing the jobs of the fault tests (tests/workers/faults.py): a
 launch's whole process tree (a node: the launcher and its workers, which torchrun starts in
-sessions of their own), progress files read as they grow, and the uninterrupted reference."""
+sessions of their own), progress files read as they grow, and the uninterrupted reference
+(run once per test session, for every fault test that compares with it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
+from filelock import FileLock
 
 from tests.helpers import launch as _launch
 
@@ -40,13 +44,6 @@ class Jobs:
     def start(self, out: Path, *launch_args: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
         """``accelfn launch LAUNCH_ARGS... faults.py --out OUT SCRIPT_ARGS...``, started."""
         job = _launch.start("launch", *launch_args, WORKER, "--out", out, *script_args)
-        self.started.append(job)
-        return job
-
-    def reference(self, out: Path) -> subprocess.Popen:
-        """The uninterrupted run: ``python faults.py --out OUT`` on one process (one thread), started."""
-        job = subprocess.Popen([sys.executable, str(WORKER), "--out", str(out)], env=_launch.environment(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.started.append(job)
         return job
 
@@ -132,3 +129,19 @@ def same_run(result: dict[str, Any], reference: dict[str, Any], *, world_size: i
     keys = ("step", "epoch", "epoch_micro_step", "sha256")
     assert {k: result[k] for k in keys} == {k: reference[k] for k in keys}
     assert result["micro_step"] * world_size == reference["micro_step"]
+
+
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the uninterrupted run wrote at its end (``final``): ``python faults.py --out OUT``
+    on one process (one thread), run once per test session; the xdist workers of the session
+    share it (a file lock in their common temporary directory)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's, not another's
+    out = root / "faults-uninterrupted"
+    with FileLock(str(root / "faults-uninterrupted.lock")):
+        if not (out / "final-None.json").exists():
+            out.mkdir(exist_ok=True)
+            done = subprocess.run([sys.executable, str(WORKER), "--out", str(out)], env=_launch.environment(),
+                                  capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, f"the uninterrupted run exited {done.returncode}:\n{done.stderr[-6000:]}"
+        return final(out, None)
