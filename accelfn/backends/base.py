@@ -41,7 +41,8 @@ class Backend(ProcessContext, abc.ABC):
     Attributes:
         name: ``"cpu"``, ``"cuda"`` or ``"xla"``.
         supported_precisions: the precision policies this backend runs.
-        rank, local_rank, world_size, local_world_size: from the launch environment.
+        rank, local_rank, world_size, local_world_size: from the launch environment (under
+            ``accelfn plan``: rank 0 of the planned world, ``LaunchEnv.planned_world_size``).
         device: the ``torch.device`` this process computes on.
     """
 
@@ -57,8 +58,8 @@ class Backend(ProcessContext, abc.ABC):
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)
         self.place_batches = place_batches
-        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
-                         local_world_size=env.local_world_size)
+        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.planned_world_size,
+                         local_world_size=env.planned_local_world_size)
         self.env = env
         self.device = device
         self._active: EpochBatches | None = None

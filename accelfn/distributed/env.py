@@ -157,6 +157,20 @@ class LaunchEnv:
         address is passed to ``torch.distributed`` as ``tcp://`` instead."""
         return self.engine == "torchrun"
 
+    @property
+    def planned_world_size(self) -> int:
+        """The world this process stands for: ``accelfn plan``'s planned processes (it is their
+        rank 0, so a script sizes what it sizes for the launch it plans; its collectives stay
+        those of its one process: nothing else runs), else the launch's ``world_size``."""
+        return self.plan_world_size or self.world_size
+
+    @property
+    def planned_local_world_size(self) -> int:
+        """The processes per node of :attr:`planned_world_size`'s world."""
+        if self.plan_world_size is None:
+            return self.local_world_size
+        return min(self.plan_local_world_size or self.plan_world_size, self.plan_world_size)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
         """Reads and checks the launch variables.
@@ -278,7 +292,8 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool, world_size: 
     --accumulate/--shard-params/--compile`` asked for, added where the script set none of that
     kind (``--shard-params`` replaces the script's ``replicate()``: the launch chooses sharded
     over data parallel), and under ``invariant(micro_batches_per_update=L)`` with
-    ``accumulate(L // W)`` for its ``world_size`` processes (``env.world_size`` when None;
+    ``accumulate(L // W)`` for its ``world_size`` processes (when None, the world this process
+    stands for: ``env.planned_world_size``, the launch's or ``accelfn plan``'s;
     ``transforms.invariant_per_world``). A script's own transform wins, with a warning (when
     ``warn``: the main process, once per job) where it differs from the launch's.
 
@@ -286,7 +301,7 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool, world_size: 
         TransformError: under ``invariant(micro_batches_per_update=L)``, a world size that
             does not divide ``L``, or an ``accumulate(n)`` other than ``L // W``.
     """
-    step = invariant_per_world(step, env.world_size if world_size is None else world_size)
+    step = invariant_per_world(step, env.planned_world_size if world_size is None else world_size)
     if env.precision is not None:
         present = step.find(WithPrecision)
         if present is None:

@@ -165,16 +165,25 @@ def stage_indices(pp: Pipeline, position: int) -> list[int]:
     return list(range(position, pp.num_stages, pp.size))
 
 
-def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: Iterable[torch.nn.Module],
-          stages: Iterable[torch.nn.Module], first: bool) -> None:
-    """Removes from ``model`` (and ``optimizer``) every parameter and buffer that the modules
-    ``keep`` do not use; those that none of ``stages`` uses stay with the first stage (``first``)."""
-    kept = {id(t) for m in keep for t in [*m.parameters(), *m.buffers()]}
-    used = {id(t) for m in stages for t in [*m.parameters(), *m.buffers()]}
+def held(model: torch.nn.Module, stages: list[torch.fx.GraphModule], mine: Iterable[int]) -> set[int]:
+    """The ids of the parameters and buffers of ``model`` that a rank running the stages
+    ``mine`` of the cut ``stages`` keeps: those its stages use, and, on the rank of stage 0,
+    those no stage uses (the rule ``prune`` applies and ``af.plan`` counts bytes by)."""
+    mine = list(mine)
+    kept = {id(t) for i in mine for t in [*stages[i].parameters(), *stages[i].buffers()]}
+    if 0 in mine:
+        used = {id(t) for m in stages for t in [*m.parameters(), *m.buffers()]}
+        kept |= {id(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in used}
+    return kept
+
+
+def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kept: set[int]) -> None:
+    """Removes from ``model`` (and ``optimizer``) every parameter and buffer whose id is not in
+    ``kept`` (:func:`held`)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
-                if tensor is None or id(tensor) in kept or (first and id(tensor) not in used):
+                if tensor is None or id(tensor) in kept:
                     continue
                 del table[name]
     remaining = {id(p) for p in model.parameters()}
@@ -201,7 +210,7 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: 
         param_names=tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
         group=group, ranks=mesh.ranks_along("pipe", rank), data_rank=mesh.data_coordinates(rank)[0])
     mine = stage_indices(pp, mesh.coordinates(rank)["pipe"])
-    prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
+    prune(model, optimizer, held(model, modules, mine))
     setattr(model, _CUT_WITH, pp)
     setattr(model, LAYOUT_ATTRIBUTE, layout)
     return [(i, modules[i]) for i in mine]

@@ -14,6 +14,7 @@ import fnmatch
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -80,6 +81,64 @@ def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None
                 "with '*' for one part, e.g. 'blocks.*.mlp.0'"
             )
     return {pattern: _style(style, pattern) for pattern, style in pairs}
+
+
+@attrs.frozen
+class LayerSplit:
+    """What one layer of a tensor-parallel plan holds and sends on each rank of its group: the
+    rule ``af.plan`` reads, from the torch style ``parallelize_module`` applies to it.
+
+    Attributes:
+        module: the layer's name in the model.
+        style: ``"colwise"`` or ``"rowwise"``.
+        dims: each of its parameters' (by local name) split dimension (``Shard(dim)``, cut as
+            ``torch.chunk`` cuts it); a parameter not named stays whole.
+        gathers_output: a column-wise layer whose output is gathered whole (``output_layouts=
+            Replicate()``): one all-gather of the output per forward.
+        reduces_output: a row-wise layer: one all-reduce of its (partial) output per forward.
+        reduces_input_grad: a column-wise layer: one all-reduce of its input's gradient per
+            backward (when the input requires a gradient).
+    """
+
+    module: str
+    style: str
+    dims: tuple[tuple[str, int], ...]
+    gathers_output: bool = False
+    reduces_output: bool = False
+    reduces_input_grad: bool = False
+
+
+def layer_splits(tp: TensorParallel, model: torch.nn.Module) -> tuple[list[LayerSplit], list[str]]:
+    """The layers ``tp``'s plan splits in ``model``, and what of the plan no rule here says
+    (a plan function, a style other than torch's ``ColwiseParallel``/``RowwiseParallel`` with
+    their default layouts, a layer that is not a Linear or an Embedding), each named.
+
+    Raises:
+        ValueError, NotImplementedError: from :func:`resolve`.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = resolve(tp, model)
+    if plan is None:
+        return [], [f"tensor_parallel(plan={getattr(tp.plan, '__name__', tp.plan)!r}) (a plan function)"]
+    splits, unknown = [], []
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        for name in (n for n in modules if n and _matches(pattern, n)):
+            module = modules[name]
+            kind = type(style)
+            linear, embedding = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
+            if kind is ColwiseParallel and (linear or embedding) and style.input_layouts == (Replicate(),) \
+                    and style.output_layouts in ((Shard(-1),), (Replicate(),)):
+                dims = (("weight", 1),) if embedding else tuple((n, 0) for n, _ in module.named_parameters())
+                splits.append(LayerSplit(name, "colwise", dims, gathers_output=style.output_layouts == (Replicate(),),
+                                         reduces_input_grad=linear))
+            elif kind is RowwiseParallel and (linear or embedding) and style.output_layouts == (Replicate(),):
+                splits.append(LayerSplit(name, "rowwise", (("weight", 0 if embedding else 1),), reduces_output=True))
+            else:
+                unknown.append(f"{name!r} ({style!r} on a {type(module).__name__})")
+    return splits, unknown
 
 
 def _matches(pattern: str, name: str) -> bool:
