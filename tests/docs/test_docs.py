@@ -129,8 +129,9 @@ def matches(expected: str, actual: str) -> bool:
 
     parts = []
     for line in norm(expected).splitlines():
-        if line.strip() == "...":
-            parts.append(r"(?:.*\n)*?")
+        if line.strip() == "...":  # any whole lines: [^\n], as "." under DOTALL would make the
+            # search try every way to cut the lines (seconds for a few dozen lines)
+            parts.append(r"(?:[^\n]*\n)*?")
         else:
             parts.append(".*?".join(re.escape(piece) for piece in line.split("...")) + r"\n")
     return re.fullmatch("".join(parts), norm(actual) + "\n", re.DOTALL) is not None
