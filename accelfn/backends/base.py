@@ -30,7 +30,7 @@ from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.mesh import agreed as agreed_mesh
 from accelfn.distributed.phases import Preparation, remember
 from accelfn.state import TrainState, require_state
-from accelfn.step import Step
+from accelfn.step import Step, check_loss_form
 from accelfn.transforms import Invariant, Replicate, ShardData, WithPrecision
 from accelfn.transforms.precision import Policy, parse_policy
 
@@ -192,10 +192,9 @@ class Backend(ProcessContext, abc.ABC):
         ``--compile``) where the program has none of their kind, builds the program's mesh,
         then runs the model phases of ``backends._phases.PHASES`` (docs/04 lists them):
         every acting phase is checked before any changes anything, each transform's entry is
-        added to ``transforms_state``, and the phases apply in their fixed order (deepspeed,
-        place, pipeline, tensor_parallel, shard_params, materialize, invariant, replicate,
-        compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
-        ``step`` attribute is the program it runs.
+        added to ``transforms_state``, and the phases apply in the table's order. The step
+        function is chosen once (``backends._phases.INTERPRETERS``); its ``step`` attribute is
+        the program it runs.
 
         Args:
             step: the program.
@@ -215,7 +214,7 @@ class Backend(ProcessContext, abc.ABC):
             ValueError: a world size the transforms cannot divide; a model prepared before
                 with other transforms (sharded, split, cut) than ``step``'s.
             TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
-                named, before anything is placed.
+                named, before anything is placed; ``af.output_loss`` without ``pipeline()``.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
@@ -227,6 +226,7 @@ class Backend(ProcessContext, abc.ABC):
                   "af.run", flush=True)
             raise SystemExit(2)
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
+        check_loss_form(step)
         policy = self.precision(step)
         self.check_precision(policy)
         prep = Preparation(self, step, state, policy, agreed_mesh(step, self), state.model)

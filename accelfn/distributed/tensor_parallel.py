@@ -10,7 +10,6 @@ dimension (its ranks are consecutive: ``distributed.mesh``), as the ``Split`` mo
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -18,8 +17,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn.distributed import fsdp, is_dtensor
+from accelfn.distributed import _tp_layouts, fsdp, is_dtensor
 from accelfn.distributed.phases import ModelPhase
+from accelfn.transforms import Compile as CompileSpec
 from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
@@ -52,11 +52,26 @@ def _style(name: Any, where: str) -> Any:
     return styles[name]()
 
 
-def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None:
-    """The plan as ``parallelize_module`` takes it (None for a plan function).
+@attrs.frozen
+class Resolved:
+    """A plan as ``parallelize_module`` takes it, checked.
+
+    Attributes:
+        plan: module pattern -> torch ParallelStyle (``"auto"``: completed to keep tied weights tied).
+        spelling: module pattern -> how the plan spelled its style, for messages.
+    """
+
+    plan: dict[str, Any]
+    spelling: dict[str, str]
+
+
+def resolve(tp: TensorParallel, model: torch.nn.Module) -> Resolved | None:
+    """The plan as ``parallelize_module`` takes it, checked (None for a plan function).
 
     Raises:
-        ValueError: ``"auto"`` for a model without a ``_tp_plan``; a pattern that matches no module.
+        ValueError: ``"auto"`` for a model without a ``_tp_plan``; a pattern that matches no
+            module; a layer-splitting style on a module that is no ``nn.Linear`` or
+            ``nn.Embedding``; a tied weight the plan splits two ways (``_tp_layouts``).
         NotImplementedError: ``"auto"`` with a style this module does not map.
     """
     if callable(tp.plan):
@@ -74,13 +89,17 @@ def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None
         pairs = list(tp.plan)  # neither a function nor "auto": the pairs
     names = [n for n, _ in model.named_modules() if n]
     for pattern, _ in pairs:
-        if not any(_matches(pattern, n) for n in names):
+        if not any(_tp_layouts.matches(pattern, n) for n in names):
             raise ValueError(
                 f"tensor_parallel(plan=...): the pattern {pattern!r} matches no module of {type(model).__name__} "
                 f"(its modules include {', '.join(repr(n) for n in names[:8])}); patterns are module names "
                 "with '*' for one part, e.g. 'blocks.*.mlp.0'"
             )
-    return {pattern: _style(style, pattern) for pattern, style in pairs}
+    plan = {pattern: _style(style, pattern) for pattern, style in pairs}
+    spelling = {pattern: _tp_layouts.spelled(style) for pattern, style in pairs}
+    _tp_layouts.check_modules(model, plan, spelling)
+    plan = _tp_layouts.check_ties(model, plan, spelling, complete=tp.plan == "auto")
+    return Resolved(plan, spelling)
 
 
 @attrs.frozen
@@ -119,13 +138,13 @@ def layer_splits(tp: TensorParallel, model: torch.nn.Module) -> tuple[list[Layer
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan = resolve(tp, model)
-    if plan is None:
+    resolved = resolve(tp, model)
+    if resolved is None:
         return [], [f"tensor_parallel(plan={getattr(tp.plan, '__name__', tp.plan)!r}) (a plan function)"]
     splits, unknown = [], []
     modules = dict(model.named_modules())
-    for pattern, style in plan.items():
-        for name in (n for n in modules if n and _matches(pattern, n)):
+    for pattern, style in resolved.plan.items():
+        for name in (n for n in modules if n and _tp_layouts.matches(pattern, n)):
             module = modules[name]
             kind = type(style)
             linear, embedding = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
@@ -141,38 +160,42 @@ def layer_splits(tp: TensorParallel, model: torch.nn.Module) -> tuple[list[Layer
     return splits, unknown
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """``parallelize_module``'s rule: the parts of ``name`` match the ``.``-parts of ``pattern``."""
-    parts, want = name.split("."), pattern.split(".")
-    return len(parts) == len(want) and all(fnmatch.fnmatch(p, w) for p, w in zip(parts, want))
-
-
 def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: TensorParallel,
-                mesh: DeviceMesh) -> None:
+                mesh: DeviceMesh, *, watch: bool = True) -> None:
     """Splits ``model`` in place over ``mesh`` (the 1-D tensor dimension) and points
     ``optimizer`` at its parameters.
 
     Rank 0's parameters and buffers are broadcast first, over the whole world, so every rank
-    starts from the same model whatever its seed (as DDP does).
+    starts from the same model whatever its seed (as DDP does). A tied weight stays one
+    parameter under all its names. A dict or ``"auto"`` plan's layers hand back outputs of
+    their own, not views (``_tp_layouts.own_outputs``); with ``watch`` the first forward with
+    gradients checks the layouts of the activations (``_tp_layouts.LayoutWatch``).
 
     Raises:
-        ValueError, NotImplementedError: from :func:`resolve`.
+        ValueError, NotImplementedError: from :func:`resolve`; a plan function that split a
+            tied weight two ways.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = resolve(tp, model)  # before anything changes
+    resolved = resolve(tp, model)  # before anything changes
     names = {id(p): name for name, p in model.named_parameters()}
+    tied = _tp_layouts.tied_names(model)
     on_meta = any(t.is_meta for t in model.parameters())  # materialized after splitting (_materialize)
     if dist.get_world_size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
-    if plan is None:
+    if resolved is None:
         tp.plan(model, mesh)  # type: ignore[operator]  # a plan function
     else:  # equal on every rank already: each cuts its own part (no scatter, which meta tensors cannot do)
-        parallelize_module(model, mesh, plan, src_data_rank=None)
+        parallelize_module(model, mesh, resolved.plan, src_data_rank=None)
+    _tp_layouts.retie(model, tied)
     split = dict(model.named_parameters())
     fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)
+    if resolved is not None:
+        _tp_layouts.own_outputs(model, resolved.plan)
+        if watch:
+            _tp_layouts.LayoutWatch(model, resolved.plan, resolved.spelling, mesh.size())
 
 
 class Split(ModelPhase):
@@ -218,8 +241,9 @@ class Split(ModelPhase):
             prep.forward_is_collective = prep.mesh.tensor > 1
             return
         sub = prep.mesh.device_mesh(prep.hardware.device, "tensor")
-        if sub is not None:
-            split_model(prep.state.model, prep.state.optimizer, self.spec, sub)
+        if sub is not None:  # a compiled forward is not followed by the layout checks (a TorchFunctionMode)
+            split_model(prep.state.model, prep.state.optimizer, self.spec, sub,
+                        watch=prep.step.find(CompileSpec) is None)
             prep.forward_is_collective = True
         else:
             setattr(prep.state.model, _SPLIT_WITH, self.spec)

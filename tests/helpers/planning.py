@@ -330,8 +330,12 @@ def _mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return F.mse_loss(model(batch[0]), batch[1])
 
 
-def _stage_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _output_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, targets)
+
+
+#: pipeline()'s loss form: from the last stage's output and the micro-batch's targets
+_stage_mse = af.output_loss(_output_mse)
 
 
 #: name -> (processes, transforms, model, loss): one row per parallelism of docs/13's table

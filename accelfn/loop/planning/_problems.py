@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from accelfn.backends.base import Backend
 from accelfn.data import num_batches
 from accelfn.data.blocks import epoch_length
+from accelfn.distributed import meta as meta_models
 from accelfn.distributed.mesh import Mesh
 from accelfn.loop.planning._counts import EpochCounts
 from accelfn.loop.planning._memory import Memory
@@ -489,10 +490,11 @@ def _unplanned(f: Facts) -> Iterable[Problem]:
 @_check
 def _meta(f: Facts) -> Iterable[Problem]:
     meta = [n for n, p in f.state.model.named_parameters() if p.device.type == "meta"]
-    if meta:
+    if meta and not meta_models.fills(f.step):  # shard_params or tensor_parallel: prepare fills each rank's part
         yield Problem("meta-model", False,
                       f"{len(meta)} parameter(s) are on the meta device ({meta[0]}, ...): a plan needs no more, "
-                      "training does",
+                      "training does, and prepare fills such a model only for a program that shards or splits it",
+                      "add shard_params() or tensor_parallel(...) (prepare then fills each rank's part), or "
                       "materialize the model (model.to_empty(device=...) and initialize it) before af.run")
 
 

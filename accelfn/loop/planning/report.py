@@ -34,7 +34,7 @@ from accelfn.loop.planning._problems import Facts, Problem, find_problems
 from accelfn.loop.planning._split import ModelSplit, split_of
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
-from accelfn.step import Step, unpack
+from accelfn.step import OutputLoss, Step, check_loss_form, unpack
 from accelfn.transforms import Pipeline
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
@@ -140,6 +140,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     Raises:
         TypeError: ``step`` not a Step, ``state`` not a TrainState, ``backend`` not a backend.
         ValueError: ``world_size``, ``epochs``, ``max_steps`` or ``device_memory`` below 1.
+        TransformError: an ``af.output_loss(fn)`` in a program without ``pipeline()``.
 
     Example:
         >>> import torch, accelfn as af
@@ -163,6 +164,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
         epochs = 1
     backend, world_size, local_world_size = _target(backend, world_size)
     step = with_launch_defaults(step, backend.env, warn=False, world_size=world_size)
+    check_loss_form(step)
     return _plan(step, state, data, backend, world_size, local_world_size, epochs, max_steps, device_memory,
                  trace=trace)
 
@@ -256,7 +258,10 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
         modules = dict(model.named_modules())
         for layer in split.layers:
             modules[layer.module].register_forward_hook(_layer_probe(layer.module, seen["layers"]))
-        if pp is None:
+        if pp is None and isinstance(step.loss_fn, OutputLoss):  # refused by the problems; traced whole
+            inputs, targets = split_batch(b)
+            out = step.loss_fn(model(*inputs), targets)
+        elif pp is None:
             out = step.loss_fn(model, b)
         else:
             inputs, targets = split_batch(b)
