@@ -53,7 +53,7 @@ def test_tolerate_faults_validates_and_conflicts() -> None:
     for other in (af.shard_params(), af.tensor_parallel({"0": "colwise"}, size=2), af.pipeline(["0"], size=2),
                   af.deepspeed({"train_micro_batch_size_per_gpu": 1})):
         with pytest.raises(TransformError, match="tolerate_faults"):
-            af.tolerate_faults(2)(other(af.train_step(lambda output, targets: output.sum())))
+            af.tolerate_faults(2)(other(af.train_step(af.output_loss(lambda output, targets: output.sum()))))
 
 
 def test_the_shares_cover_every_micro_batch_once() -> None:
