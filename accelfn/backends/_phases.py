@@ -19,7 +19,9 @@ from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
 from accelfn.backends._tolerant_step import TolerantStepFn
-from accelfn.distributed import canonical, ddp, deepspeed, fault_tolerance, fsdp, meta, pipeline, tensor_parallel
+from accelfn.distributed import (
+    canonical, context_parallel, ddp, deepspeed, fault_tolerance, fsdp, meta, pipeline, tensor_parallel,
+)
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec
@@ -52,7 +54,7 @@ class Compile(ModelPhase):
 
 #: the model phases, in the order ``prepare`` applies them (each checked before any applies):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
-#: sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
+#: context parallelism (the program's forward splits each sequence); sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
 #: rank allocates only its own shards, as torchtitan's ``to_empty`` after parallelizing);
 #: replication (invariant's broadcast; tolerate_faults' link to the other replica groups; or
 #: DDP); compilation (after DDP's wrapper).
@@ -61,6 +63,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
     Place,
     pipeline.Cut,
     tensor_parallel.Split,
+    context_parallel.Ring,
     fsdp.Shard,
     meta.Materialize,
     canonical.Replicas,

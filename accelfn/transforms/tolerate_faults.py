@@ -22,6 +22,7 @@ import attrs
 
 from accelfn.errors import count_at_least_one, finite_positive
 from accelfn.step import Phase, TransformBase
+from accelfn.transforms.context_parallel import ContextParallel
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.pipeline import Pipeline
 from accelfn.transforms.shard_params import ShardParams
@@ -87,7 +88,7 @@ class TolerateFaults(TransformBase):
         if isinstance(other, ShardParams):
             return ("tolerate_faults() replicates whole copies of the state over replica groups, and shard_params() "
                     "inside a group is not built yet; use replicate() in each group")
-        if isinstance(other, (TensorParallel, Pipeline, DeepSpeed)):
+        if isinstance(other, (TensorParallel, ContextParallel, Pipeline, DeepSpeed)):
             return (f"tolerate_faults() replicates whole copies of the model over replica groups, and "
                     f"{other.verb}() splits one over ranks, which is not built with it; use replicate()")
         return None

@@ -41,7 +41,7 @@ def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 def test_tolerate_faults_validates_and_conflicts() -> None:
     """tolerate_faults() checks its arguments, and refuses the parallelisms that split one copy
-    of the model (shard_params, tensor_parallel, pipeline, deepspeed) with a TransformError."""
+    of the model (shard_params, tensor_parallel, context_parallel, pipeline, deepspeed) with a TransformError."""
     with pytest.raises(ValueError, match="replica_groups"):
         af.tolerate_faults(0)
     with pytest.raises(ValueError, match="min_replicas=3.*at most replica_groups=2"):
@@ -50,7 +50,8 @@ def test_tolerate_faults_validates_and_conflicts() -> None:
         af.tolerate_faults(2, timeout_s=0)
     with pytest.raises(TypeError, match="lighthouse"):
         af.tolerate_faults(2, lighthouse="node0")
-    for other in (af.shard_params(), af.tensor_parallel({"0": "colwise"}, size=2), af.pipeline(["0"], size=2),
+    for other in (af.shard_params(), af.tensor_parallel({"0": "colwise"}, size=2), af.context_parallel(size=2),
+                  af.pipeline(["0"], size=2),
                   af.deepspeed({"train_micro_batch_size_per_gpu": 1})):
         with pytest.raises(TransformError, match="tolerate_faults"):
             af.tolerate_faults(2)(other(af.train_step(af.output_loss(lambda output, targets: output.sum()))))
