@@ -7,6 +7,7 @@ from accelfn.step import Loss, Step, train_step
 # transforms: each a frozen record and the verb that builds it
 from accelfn.transforms import (
     Accumulate,
+    CheckpointActivations,
     Clip,
     ClipValue,
     Compile,
@@ -20,6 +21,7 @@ from accelfn.transforms import (
     Transform,
     WithPrecision,
     accumulate,
+    checkpoint_activations,
     clip,
     clip_value,
     compile,
@@ -55,6 +57,7 @@ from accelfn._version import __version__
 __all__ = [
     "JSONL",
     "Accumulate",
+    "CheckpointActivations",
     "CheckpointError",
     "Checkpoints",
     "Clip",
@@ -95,6 +98,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "backends",
+    "checkpoint_activations",
     "clip",
     "clip_value",
     "compile",

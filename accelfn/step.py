@@ -47,6 +47,9 @@ class TransformBase:
     reduces_gradients: ClassVar[bool] = False
     #: an engine that places, partitions and wraps the model itself (deepspeed): prepare does not
     engine: ClassVar[bool] = False
+    #: the program computes other values with it than without it; checkpoints record the transforms
+    #: that do (False: checkpoint_activations, which changes what is kept, never a value)
+    changes_results: ClassVar[bool] = True
 
     def __call__(self, step: Step) -> Step:
         if not isinstance(step, Step):

@@ -29,12 +29,13 @@ from accelfn.loop.planning._comms import Collective, collectives_per_update, met
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
 from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro_batch
 from accelfn.loop.planning._problems import Facts, Problem, find_problems
+from accelfn.loop.planning._recompute import Recomputation, adjusting, plan_recomputation, resolved_step
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import Step, unpack
-from accelfn.transforms import Replicate, ShardParams
+from accelfn.transforms import CheckpointActivations, Replicate, ShardParams
 
-__all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
+__all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "Recomputation", "plan"]
 
 
 @attrs.frozen
@@ -54,6 +55,11 @@ class Plan:
         comms: the collectives of one optimizer update on rank 0, in order.
         problems: errors and warnings, each with a code, what is wrong and the fix.
         device_memory: the bytes per device the plan was checked against, or None.
+        recompute: under ``checkpoint_activations``, each candidate block's activation bytes,
+            the micro-batch's traced peak under each policy and the blocks recomputed (None
+            without it, or untraced).
+        step: the program ``run`` prepares: ``step`` with a ``checkpoint_activations("budget")``
+            resolved to the blocks the trace chose (prepare it in a loop of your own).
     """
 
     world_size: int
@@ -66,6 +72,8 @@ class Plan:
     comms: tuple[Collective, ...]
     problems: tuple[Problem, ...]
     device_memory: int | None = None
+    recompute: Recomputation | None = None
+    step: Step | None = None
 
     @property
     def updates_per_epoch(self) -> tuple[int | None, ...]:
@@ -183,12 +191,19 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
         optimizer_problem = None
         facts = attrs.evolve(facts, count_error=facts.count_error or str(e))
     facts = attrs.evolve(facts, optimizer_problem=optimizer_problem)
+    recomputation = None
     if trace and memory is not None:
-        traced = _trace(step, state, data, backend, policy, facts)
+        recomputation, step, facts = _recomputation(step, state, data, backend, policy, facts)
+        traced = _trace(step, state, data, backend, policy, step.find(CheckpointActivations))
         if isinstance(traced, tuple):
             peak, unused, user_metrics = traced
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
-            facts = attrs.evolve(facts, unused_params=unused)
+            facts = attrs.evolve(facts, unused_params=unused, step=step)
+            if (device_memory is not None and recomputation is None
+                    and max(m.peak for m in memory) > device_memory):  # what checkpoint_activations() would save
+                full = _trace(step, state, data, backend, policy, CheckpointActivations())
+                if isinstance(full, tuple):
+                    facts = attrs.evolve(facts, recompute_full=full[0])
         else:
             facts = attrs.evolve(facts, trace_problem=traced)
     facts = attrs.evolve(facts, memory=memory)
@@ -205,7 +220,7 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
         comms = ()
     return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
                 total_updates=total, scheduler_steps=scheduler_steps, memory=memory, comms=comms,
-                problems=find_problems(facts), device_memory=device_memory)
+                problems=find_problems(facts), device_memory=device_memory, recompute=recomputation, step=step)
 
 
 def _first_batch(data: Iterable[Any]) -> Any:
@@ -217,15 +232,9 @@ def _first_batch(data: Iterable[Any]) -> Any:
     return None  # an iterator would lose the batch; a stream would start its workers
 
 
-def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           facts: Facts) -> tuple[int, tuple[str, ...], int] | str:
-    """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
-    metrics), or why it was not traced."""
-    batch = _first_batch(data)
-    if batch is None:
-        return "no first batch to trace (data that is not a map-style DataLoader or a list)"
-    names: list[str] = []
-    metrics: list[int] = []
+def _tracing(step: Step, backend: Backend, policy: Any, metrics: list[int]) -> dict[str, Any]:
+    """The loss, autocast and device of a trace of ``step``'s micro-batch (the loss function's
+    metric counts appended to ``metrics``)."""
 
     def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
         loss, _, returned, _ = unpack(step.loss_fn(model, b))
@@ -235,13 +244,70 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
     def autocast() -> Any:
         return backend.autocast(policy)
 
+    # on the GPU the fake copy is a CUDA one (CUDA's kernels and autocast); XLA's is traced on the CPU
+    return {"loss_of": loss_of, "autocast": autocast, "policy": policy,
+            "device": backend.device if backend.device.type == "cuda" else None}
+
+
+def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
+           recomputing: CheckpointActivations | None) -> tuple[int, tuple[str, ...], int] | str:
+    """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
+    metrics), or why it was not traced; the blocks ``recomputing`` chooses recompute."""
+    batch = _first_batch(data)
+    if batch is None:
+        return "no first batch to trace (data that is not a map-style DataLoader or a list)"
+    names: list[str] = []
+    metrics: list[int] = []
+    if recomputing is not None and recomputing.policy == "budget" and recomputing.chosen is None:
+        recomputing = CheckpointActivations("full", recomputing.modules)  # a budget not met: the most it recomputes
     try:
-        # on the GPU the fake copy is a CUDA one (CUDA's kernels and autocast); XLA's is traced on the CPU
-        device = backend.device if backend.device.type == "cuda" else None
-        peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names, device=device)
+        peak = trace_micro_batch(state.model, batch, unused=names, adjust=adjusting(recomputing),
+                                 **_tracing(step, backend, policy, metrics))
     except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
         return f"{type(e).__name__}: {str(e)[:300]}"
     return peak, tuple(names), metrics[0]
+
+
+def _recomputation(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
+                   facts: Facts) -> tuple[Recomputation | None, Step, Facts]:
+    """The plan of ``step``'s ``checkpoint_activations`` (None without it), ``step`` with its
+    budget resolved, and the facts with what went wrong (a budget not met, a trace that failed)."""
+    spec = step.find(CheckpointActivations)
+    if spec is None:
+        return None, step, facts
+    batch = _first_batch(data)
+    if batch is None:
+        return None, step, attrs.evolve(facts, trace_problem="no first batch to trace (data that is not a "
+                                                             "map-style DataLoader or a list)")
+    try:
+        planned, resolved, problem = plan_recomputation(spec, state.model, batch, **_tracing(step, backend, policy, []))
+    except Exception as e:  # noqa: BLE001 - as _trace: said in the plan (a choice of no block: prepare's own error)
+        return None, step, attrs.evolve(facts, trace_problem=f"{type(e).__name__}: {str(e)[:300]}")
+    step = resolved_step(step, spec, resolved)
+    return planned, step, attrs.evolve(facts, recompute_problem=problem, recompute_full=planned.peaks["full"])
+
+
+def resolve_budget(step: Step, state: TrainState, data: Iterable[Any], backend: Backend) -> Step:
+    """``step`` with its ``checkpoint_activations("budget")`` resolved to the blocks the trace of
+    the data's first batch chooses (``run`` calls it before ``prepare``; every rank alike); any
+    other ``step`` as it is.
+
+    Raises:
+        ValueError: no first batch to trace, a trace that fails, or a budget no choice meets.
+    """
+    spec = step.find(CheckpointActivations)
+    if spec is None or spec.policy != "budget" or spec.chosen is not None:
+        return step
+    batch = _first_batch(data)
+    if batch is None:
+        raise ValueError(f"{spec!r} chooses its blocks from the trace of the data's first batch, and this data has "
+                         "none to read ahead (not a map-style DataLoader or a list); name the blocks instead: "
+                         "checkpoint_activations(modules=[...])")
+    policy = backend.precision(with_launch_defaults(step, backend.env, warn=False))
+    _, resolved, problem = plan_recomputation(spec, state.model, batch, **_tracing(step, backend, policy, []))
+    if problem:
+        raise ValueError(f"{problem}; raise max_bytes, or make the micro-batch smaller (af.accumulate(n))")
+    return resolved_step(step, spec, resolved)
 
 
 #: errors that ``prepare`` and the data already raise before the first forward, with their own
