@@ -313,6 +313,7 @@ def resolve_budget(step: Step, state: TrainState, data: Iterable[Any], backend: 
 #: errors that ``prepare`` and the data already raise before the first forward, with their own
 #: exception types (NotImplementedError, ValueError) that callers catch: ``run`` leaves them to those
 RAISED_ELSEWHERE = frozenset({"precision-unsupported", "shard-params-unsupported", "compile-unsupported",
+                              "checkpoint-activations-unsupported",
                               "tensor-parallel-unsupported", "pipeline-unsupported", "invariant-unsupported",
                               "sampler-unshardable", "global-batch-indivisible", "shard-size-indivisible",
                               "data-unshardable", "resume-beyond-epoch"})
