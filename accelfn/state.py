@@ -114,6 +114,12 @@ def _check_stopped(instance: object, attribute: attrs.Attribute, value: object) 
         raise wrong_type("TrainState", "stopped", "None or a Stopped(step, reason) record", value)
 
 
+def _check_data_state(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, Mapping) and not callable(getattr(value, "state_dict", None)):
+        raise wrong_type("TrainState", "data_state",
+                         "None, a mapping (the readers' saved state) or the live readers (with state_dict())", value)
+
+
 @attrs.frozen(eq=False)
 class TrainState:
     """The state of a training run.
@@ -132,6 +138,12 @@ class TrainState:
         extra: user objects with ``state_dict``/``load_state_dict`` that checkpoints carry.
         stopped: None, or why and at which update a hook's ``af.Stop`` ended the run
             (:class:`Stopped`); a run of a stopped state trains nothing more unless asked.
+        data_state: where this process's data readers are in the epoch, beyond the counters:
+            a stream's readers' own saved state at ``epoch_micro_step`` (``accelfn.data.streams``),
+            so that a resumed epoch continues the stream instead of reading it again. None when
+            the counters alone place the epoch (map-style data, lists) or at an epoch's start;
+            a mapping as a checkpoint holds it; during ``run``, the live readers of the epoch in
+            progress (an object whose ``state_dict()`` a snapshot takes).
     """
 
     model: torch.nn.Module = attrs.field(validator=_check_model)
@@ -144,6 +156,7 @@ class TrainState:
     transforms_state: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_mapping)
     extra: Mapping[str, Stateful] = attrs.field(factory=dict, converter=_frozen_mapping)
     stopped: Stopped | None = attrs.field(default=None, validator=_check_stopped)
+    data_state: Any = attrs.field(default=None, validator=_check_data_state)
 
     @classmethod
     def create(
@@ -221,6 +234,7 @@ class TrainState:
         _set_transforms_state(new, _frozen_mapping(transforms_state))
         _set_extra(new, self.extra)
         _set_stopped(new, self.stopped)
+        _set_data_state(new, self.data_state)
         return new
 
     def with_transform_state(self, **entries: Any) -> TrainState:
@@ -237,7 +251,7 @@ class TrainState:
 _new = object.__new__
 # each slot's descriptor setter, which the frozen record's __setattr__ does not go through
 (_set_model, _set_optimizer, _set_scheduler, _set_step, _set_micro_step, _set_epoch, _set_epoch_micro_step,
- _set_transforms_state, _set_extra, _set_stopped) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))
+ _set_transforms_state, _set_extra, _set_stopped, _set_data_state) = (getattr(TrainState, field.name).__set__ for field in attrs.fields(TrainState))
 
 
 def require_state(call: str, value: object) -> None:

@@ -75,9 +75,9 @@ def test_every_module_names_its_concept_in_its_first_docstring_line() -> None:
 
 
 def test_the_checkpoint_package_is_cut_along_the_flow_of_a_save() -> None:
-    """accelfn/checkpoint/ holds at most 12 modules (its __init__ included)."""
+    """accelfn/checkpoint/ holds at most 13 modules (its __init__ included)."""
     modules = sorted(p.name for p in (ROOT / "accelfn" / "checkpoint").glob("*.py"))
-    assert len(modules) <= 12, modules
+    assert len(modules) <= 13, modules
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -87,6 +87,7 @@ class DeepSpeedStepFn:
             reference = window.reference if window is not None else self._n * samples
             coefficient = count / reference
         engine.backward(loss * coefficient if coefficient != 1.0 else loss, scale_wrt_gas=False)
+        lr = engine.get_lr()[0]  # the rate this update uses: engine.step() steps the scheduler after it
         engine.step()
         self._view.open_window = not last
         weight = count if not is_sum else 1.0
@@ -102,7 +103,7 @@ class DeepSpeedStepFn:
                                   epoch_micro_step=state.epoch_micro_step + 1,
                                   transforms_state={**state.transforms_state, "window": new_window}), NO_METRICS
         applied = bool(engine.was_step_applied())
-        metrics: dict[str, Any] = {"loss": loss_sum / total, "lr": engine.get_lr()[0], "num_samples": total_samples}
+        metrics: dict[str, Any] = {"loss": loss_sum / total, "lr": lr, "num_samples": total_samples}
         if is_sum:
             metrics["num_items"] = total
         for name, value in metric_sums.items():

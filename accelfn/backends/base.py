@@ -34,6 +34,7 @@ from accelfn.step import Step
 from accelfn.transforms import Invariant, Replicate, ShardData, WithPrecision
 from accelfn.transforms.precision import Policy, parse_policy
 
+
 class Backend(ProcessContext, abc.ABC):
     """An interpreter of Steps on one kind of hardware, and this process's place in the world.
 
@@ -243,7 +244,8 @@ class Backend(ProcessContext, abc.ABC):
         remember(prep)
         return prep.state, interpreter(prep)(self, prep)
 
-    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0) -> EpochBatches:
+    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0,
+                data_state: Any = None) -> EpochBatches:
         """This rank's device-placed micro-batches of ``epoch``, as ``(batch, is_last)`` pairs.
 
         Args:
@@ -251,6 +253,8 @@ class Backend(ProcessContext, abc.ABC):
             step: the program (its ``shard_data``, if any, shards the data).
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
+            data_state: a stream's readers' saved state at ``start`` (``TrainState.data_state``),
+                continued from instead of reading those micro-batches again (``data.streams``).
 
         The backend remembers the iterable it returns last (the one piece of state it keeps
         between calls): ``gather_for_metrics`` reads its position to drop the padding of an
@@ -276,7 +280,7 @@ class Backend(ProcessContext, abc.ABC):
         self._active = epoch_batches(
             data, shard, rank=data_rank, world_size=data_world, epoch=epoch, start=start,
             place=self.place, sync=self._sync_ranks if shard is not None or coupling is not None else None,
-        )
+            data_state=data_state)
         if shard is None and coupling is not None:
             distributed.same_length(self._active.num_batches, coupling.verb, device=self.collective_device)
         return self._active

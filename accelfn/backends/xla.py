@@ -170,7 +170,8 @@ class XLA(Backend):
 
     # -- data ------------------------------------------------------------------------------
 
-    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0) -> EpochBatches:
+    def batches(self, data: Iterable[Any], step: Step, epoch: int, *, start: int = 0,
+                data_state: Any = None) -> EpochBatches:
         """This rank's micro-batches of ``epoch`` on the XLA device, as ``(batch, is_last)``.
 
         Under ``shard_data()`` the host batches go through ``torch_xla``'s ``ParallelLoader``,
@@ -183,17 +184,20 @@ class XLA(Backend):
             step: the program (its ``shard_data``, if any, shards the data).
             epoch: the epoch, which seeds the shuffle.
             start: micro-batches of this epoch already consumed (skipped).
+            data_state: a stream's readers' saved state at ``start`` (as ``Backend.batches``);
+                such a stream is placed on the main thread, so that its readers' state is
+                taken after exactly the batches the step consumed.
 
         Raises:
             ValueError: data that ``shard_data`` cannot shard (the message says why).
         """
         shard = step.find(ShardData)
         if shard is None or not self.place_batches:
-            return super().batches(data, step, epoch, start=start)
+            return super().batches(data, step, epoch, start=start, data_state=data_state)
         host = epoch_batches(data, shard, rank=self.rank, world_size=self.world_size, epoch=epoch, start=start,
-                             sync=self._sync_ranks)
-        if host.num_batches is None and self.world_size > 1:
-            return super().batches(data, step, epoch, start=start)
+                             sync=self._sync_ranks, data_state=data_state)
+        if host.num_batches is None and self.world_size > 1 or host.readers is not None:
+            return super().batches(data, step, epoch, start=start, data_state=data_state)
         self._active = EpochBatches(_ParallelLoad(host, self.device), num_batches=host.num_batches,
                                     start=host.start, place=_unchanged, padding_ranks=host.padding_ranks)
         return self._active

@@ -9,12 +9,13 @@ background (``checkpoints.py``); ``save_model`` exports consolidated weights for
 (``export.py``).
 
 The layout of a checkpoint directory is described once, in docs/06-checkpoints.md ("The
-format"): ``manifest.json`` written last (``_format.py``), ``manifest.sha256``, the tensor
-files (``_tensorfiles.py``), and ``dcp/`` for a sharded state (``_sharded.py``); the
-directory is written as a hidden sibling and renamed into place (``_atomic.py``), so a
-crash at any instant leaves the old checkpoint or the new one. Nothing in it is a pickle,
-and loading never unpickles: records carry stable tags from one closed registry, never
-module paths (``_codec.py``).
+format"): ``manifest.json`` written last (its schema ``_manifest.py``, the snapshot encoded
+into it ``_format.py``), ``manifest.sha256``, the tensor files (``_tensorfiles.py``), and
+``dcp/`` for a sharded state (``_sharded.py``); the directory is written as a hidden
+sibling and renamed into place (``_atomic.py``), so a crash at any instant leaves the old
+checkpoint or the new one. Nothing in it is a pickle, and loading never unpickles: records
+carry stable tags from one closed registry, never module paths (``_codec.py``, with the
+rules a snapshot's values meet). A save checks what it writes by the reader a load runs.
 """
 
 from accelfn.checkpoint.checkpoints import Checkpoints

@@ -1,10 +1,11 @@
 """Atomic checkpoint directories: a crash at any instant leaves the old or the new one.
 
 A checkpoint ``parent/name`` is written into a hidden sibling ``parent/.name.tmp-<token>``;
-its files are fsynced, ``manifest.json`` is written last (write, fsync, rename), and the
-directory is fsynced. Then it is renamed to ``name``. An existing checkpoint at ``name`` is
-first renamed to ``.name.old-<token>`` and deleted only once the new one is in place; a
-crash between the two renames leaves both complete siblings, and ``resolve`` finds them.
+its files are fsynced, ``manifest.sha256`` and then ``manifest.json`` are written last
+(each write, fsync, rename: ``write_manifest``), and the directory is fsynced. Then it is
+renamed to ``name``. An existing checkpoint at ``name`` is first renamed to
+``.name.old-<token>`` and deleted only once the new one is in place; a crash between the
+two renames leaves both complete siblings, and ``resolve`` finds them.
 Leftovers (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned up by the
 next writer. A directory is a complete checkpoint iff it holds ``manifest.json``.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -32,9 +34,12 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from accelfn.checkpoint._format import MANIFEST
 from accelfn.errors import CheckpointError
 
+#: a checkpoint's last file (a directory is a complete checkpoint iff it holds it), and its sha256
+MANIFEST = "manifest.json"
+CHECKSUM = "manifest.sha256"
+_SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{16}$")
 
 
@@ -217,3 +222,39 @@ def remove(path: Path) -> None:
         return
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def write_manifest(directory: Path, data: bytes) -> None:
+    """Writes ``manifest.sha256``, then ``manifest.json`` (``data``), into ``directory``, each
+    durably and atomically (write, fsync, rename): the manifest is a checkpoint's last file."""
+    _write_durably(directory / CHECKSUM, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
+    _write_durably(directory / MANIFEST, data)
+
+
+def expected_sha256(directory: Path) -> str | None:
+    """The manifest's sha256 as ``manifest.sha256`` gives it, or None without that file.
+
+    Raises:
+        CheckpointError: the file cannot be read, or is not a sha256 line for the manifest.
+    """
+    path = directory / CHECKSUM
+    try:
+        text = path.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the manifest's checksum ({e})") from None
+    match = _SHA256.match(text)
+    if match is None:
+        raise CheckpointError(f"{path}: not a sha256 line for {MANIFEST} (\"<64 hex digits>  {MANIFEST}\"); "
+                              "the file is corrupted")
+    return match[1]

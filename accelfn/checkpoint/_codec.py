@@ -19,6 +19,15 @@ paths to today's tags, so they still load.
 Loading checks a decoded tree before it replaces anything: ``field_problems`` against a
 record's annotations, ``mismatches`` against the live value it is loaded over (an edited
 ``"lr": "fast"`` where the optimizer has a float).
+
+The rules a decoded snapshot's own values meet (``RULES``, run by ``invalid_values``) are one
+definition, applied by ``af.save`` to what it is about to write (before anything is written)
+and by ``af.load`` to what it read (before anything changes), with the same messages: the
+snapshot's field types, counters that are ints >= 0 with no fewer micro-batches than
+updates, the stop record, RNG states the generators take, the optimizer state's structure,
+a scheduler state with its type, and transform states under the name of the transform that
+keeps each record (``STATES``). What a snapshot must be to fit one particular state is
+``snapshot.check``; the manifest's own structure is ``_manifest``'s schema.
 """
 
 from __future__ import annotations
@@ -29,14 +38,16 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
 import torch
 
+from accelfn.checkpoint import _rng
 from accelfn.checkpoint._rng import RngState
 from accelfn.errors import CheckpointError
+from accelfn.state import TrainState
 from accelfn.transforms import Layout, LossScale, Node, PowerSGDMemory, SkipCount, TreeWindow, Window
 
 #: tag -> record class; the only records a checkpoint can hold
@@ -271,11 +282,11 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def describe(value: Any) -> str:
-    """``value`` in a message: short, with its type (``'fast' (a str)``, ``a tensor of shape (3,)``)."""
+    """``value`` in a message: short, with its type (``'fast' (a str)``, ``a float32 tensor of shape (3,)``)."""
     if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     if isinstance(value, np.ndarray):
-        return f"an array of shape {value.shape}"
+        return f"a {value.dtype} array of shape {value.shape}"
     if isinstance(value, Mapping):
         return "a mapping"
     name = type(value).__name__
@@ -344,37 +355,53 @@ def _scalar(value: Any) -> bool:
     return not isinstance(value, np.ndarray) or value.size == 1
 
 
-def mismatches(saved: Any, live: Any, path: str, source: str) -> list[str]:
+def mismatches(saved: Any, live: Any, path: str, source: str, *, complete: bool = False,
+               lengths: bool = True, none_fits: bool = True) -> list[str]:
     """Where the tree ``saved`` (from ``source``) cannot replace ``live``, the value it is
     loaded over: values of other kinds (a str where a number is, a bool where a str is),
-    tensors of other shapes, records of other classes. None fits anything either way, a
-    number and a one-element tensor fit each other, mappings are compared at their common
-    keys, sequences of the same length item by item (one of another length does not fit:
-    the lists in torch's optimizer and scheduler states keep their lengths as they train,
-    but for LBFGS's history, and LBFGS needs a closure no accelfn step passes);
-    objects of other types are not compared.
+    tensors and arrays of other shapes or dtypes, records of other classes. None fits
+    anything either way, a number and a one-element tensor fit each other, mappings are
+    compared at their common keys, sequences of the same length item by item, and one of
+    another length does not fit (the lists in torch's optimizer and scheduler states keep
+    their lengths as they train, but for LBFGS's history, and LBFGS needs a closure no
+    accelfn step passes). Objects of other types are not compared.
+
+    With ``complete``, a mapping must have every key the live one has (what a
+    ``load_state_dict`` reads); without ``lengths``, sequences of another length are not
+    compared (a user's ``extra`` state, whose history may grow); without ``none_fits``, None
+    fits only None (against the state an optimizer would hold, ``snapshot._probed_state``).
     """
     a, b = _kind(saved), _kind(live)
+    if not none_fits and (saved is None) != (live is None):
+        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
     if a is None or b is None:
         return []
     if a != b:
         if {a, b} == {"number", "tensor"} and _scalar(saved) and _scalar(live):
             return []
         return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
-    if a == "tensor" and tuple(saved.shape) != tuple(live.shape):
-        return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+    if a == "tensor":
+        if tuple(saved.shape) != tuple(live.shape):
+            return [f"{path}: {describe(saved)} in {source}, {describe(live)} here"]
+        if isinstance(saved, torch.Tensor) == isinstance(live, torch.Tensor) and saved.dtype != live.dtype:
+            return [f"{path}: dtype {saved.dtype} in {source}, {live.dtype} here"]
     if a == "mapping":
-        return [p for k in saved if k in live for p in mismatches(saved[k], live[k], _child(path, k), source)]
+        missing = [f"{_child(path, k)}: missing from {source} ({describe(live[k])} here)"
+                   for k in live if k not in saved] if complete else []
+        return missing + [p for k in saved if k in live for p in mismatches(
+            saved[k], live[k], _child(path, k), source, complete=complete, lengths=lengths, none_fits=none_fits)]
     if a == "sequence":
         if len(saved) != len(live):
-            return [f"{path}: {describe(saved)} in {source}, {describe(live)} here ({len(saved)} items, not "
-                    f"{len(live)})"]
-        return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(x, y, f"{path}[{i}]", source)]
+            return [] if not lengths else [
+                f"{path}: {describe(saved)} in {source}, {describe(live)} here ({len(saved)} items, not {len(live)})"]
+        return [p for i, (x, y) in enumerate(zip(saved, live)) for p in mismatches(
+            x, y, f"{path}[{i}]", source, complete=complete, lengths=lengths, none_fits=none_fits)]
     if a == "record":
         if type(saved) is not type(live):
             return [f"{path}: a {type(saved).__name__} in {source}, a {type(live).__name__} here"]
         return [p for f in attrs.fields(type(saved)) if f.init
-                for p in mismatches(getattr(saved, f.name), getattr(live, f.name), _join(path, f.name), source)]
+                for p in mismatches(getattr(saved, f.name), getattr(live, f.name), _join(path, f.name), source,
+                                    complete=complete, lengths=lengths, none_fits=none_fits)]
     return []
 
 
@@ -390,3 +417,166 @@ def _record_class(name: str, path: str) -> type:
         raise CheckpointError(f"{path}: a record tagged {name!r}, which this accelfn does not have (it reads "
                               f"{', '.join(map(repr, RECORDS))})")
     return cls
+
+
+#: TrainState fields a snapshot holds in parts of their own; every other field is a counter
+_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped", "data_state"})
+COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
+#: ``TrainState.transforms_state``'s keys and the record each holds (the transform that keeps
+#: it): loss scale and skip count (``with_precision``, ``skip_nonfinite``), the open
+#: accumulation window (``accumulate``), ``invariant()``'s layout and open window,
+#: ``replicate``'s PowerSGD memory
+STATES: Mapping[str, type] = MappingProxyType({
+    "loss_scale": LossScale,
+    "skips": SkipCount,
+    "window": Window,
+    "tree_window": TreeWindow,
+    "invariant": Layout,
+    "comm_hook": PowerSGDMemory,
+})
+
+Names = Callable[[str], str]
+
+
+class Rule(NamedTuple):
+    """A named check: every problem of a snapshot's values (``name(field)`` names a field in
+    messages, ``counters`` or ``ranks[1].rng``)."""
+
+    name: str
+    check: Callable[[Any, Names], list[str]]
+
+
+def _types(snap: Any, name: Names) -> list[str]:
+    fields = {f.name: getattr(snap, f.name) for f in attrs.fields(type(snap))}
+    return field_types(type(snap), fields, name)
+
+
+def field_types(cls: type, fields: Mapping[str, Any], name: Names) -> list[str]:
+    """``path: value, must be <annotation>`` for each of ``fields`` that does not have the type
+    the attrs class ``cls`` gives it (a snapshot's fields, checked before it is built)."""
+    return field_problems(cls, fields, {key: name(key) for key in fields})
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _counters(snap: Any, name: Names) -> list[str]:
+    counters, where = snap.counters, name("counters")
+    found = [f"{where}.{key}: {describe(value)}, must be an int >= 0"
+             for key, value in counters.items() if not _is_count(value)]
+    if set(counters) != set(COUNTERS):
+        found.append(f"{where}: {sorted(counters)}, must be {sorted(COUNTERS)}")
+    return found
+
+
+def _micro_step(snap: Any, name: Names) -> list[str]:
+    counters, where = snap.counters, name("counters")
+    if not all(_is_count(counters.get(key)) for key in ("step", "micro_step")):
+        return []  # the counters rule names them
+    if counters["micro_step"] < counters["step"]:
+        return [f"{where}.micro_step: {counters['micro_step']}, below {where}.step ({counters['step']}); "
+                "every optimizer update consumes at least one micro-batch"]
+    return []
+
+
+def _stopped(snap: Any, name: Names) -> list[str]:
+    stopped = snap.stopped
+    if stopped is None or (set(stopped) == {"step", "reason"} and isinstance(stopped["reason"], str)
+                           and _is_count(stopped["step"])):
+        return []
+    return [f"{name('stopped')}: {describe(stopped)}, must be None or {{'step': <int >= 0>, 'reason': <str>}}"]
+
+
+def _rng_states(snap: Any, name: Names) -> list[str]:
+    return [f"{name('rng')}.{problem}" for problem in _rng.problems(snap.rng)]
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _optimizer(snap: Any, name: Names) -> list[str]:
+    state, groups = snap.optimizer.get("state"), snap.optimizer.get("param_groups")
+    if (isinstance(state, Mapping) and all(isinstance(v, Mapping) for v in state.values())
+            and _is_sequence(groups) and all(
+                isinstance(g, Mapping) and _is_sequence(g.get("params"))
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in g["params"]) for g in groups)):
+        return []
+    return [f"{name('optimizer')}: not a state_dict of a torch optimizer (a mapping of 'state' to a mapping of "
+            "each parameter's index to a mapping, and 'param_groups' to a list of mappings, each with a list "
+            "of parameter indices under 'params')"]
+
+
+def _scheduler(snap: Any, name: Names) -> list[str]:
+    if (snap.scheduler is None) != (snap.scheduler_type is None):
+        return [f"{name('scheduler')}: {describe(snap.scheduler)} for a scheduler of type {snap.scheduler_type}"]
+    return []
+
+
+def _transforms_state(snap: Any, name: Names) -> list[str]:
+    where, found = name("transforms_state"), []
+    for key, value in snap.transforms_state.items():
+        cls = STATES.get(key)
+        if cls is None:
+            found.append(f"{where}.{key}: no transform keeps a state of this name (this accelfn's are "
+                         f"{', '.join(STATES)})")
+        elif type(value) is not cls:
+            found.append(f"{where}.{key}: {describe(value)}, must be a {cls.__name__} record")
+        elif isinstance(value, Window):
+            found += _window(value, f"{where}.{key}")
+    return found
+
+
+def _one_number(value: Any) -> bool:
+    """A number, or a tensor of one element (a count, a metric's sum)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _window(window: Window, where: str) -> list[str]:
+    """An open accumulation window's counts and sums are numbers or tensors of one element
+    (losses and metrics are scalars), its loss sum a floating-point one, its sample count an
+    int >= 0."""
+    found = [f"{where}.{name}: {describe(value)}, must be a number or a tensor of one element"
+             for name, value in (("reference", window.reference), ("count", window.count), ("unit", window.unit),
+                                 *((f"metric_sums.{k}", v) for k, v in window.metric_sums.items()))
+             if not _one_number(value)]
+    loss = window.loss_sum
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        found.append(f"{where}.loss_sum: {describe(loss)}, must be a floating-point tensor of one element")
+    if not _is_count(window.num_samples):
+        found.append(f"{where}.num_samples: {describe(window.num_samples)}, must be an int >= 0")
+    return found
+
+
+#: every rule, in the order they run; ``types`` first, the others only once it passed
+RULES: tuple[Rule, ...] = (
+    Rule("types", _types),
+    Rule("counters", _counters),
+    Rule("micro_step", _micro_step),
+    Rule("stopped", _stopped),
+    Rule("rng", _rng_states),
+    Rule("optimizer", _optimizer),
+    Rule("scheduler", _scheduler),
+    Rule("transforms_state", _transforms_state),
+)
+
+
+def invalid_values(snap: Any, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
+    """Every value of the snapshot ``snap`` that no state could take (empty if none), by
+    ``RULES``: fields of the wrong types, counters that are not ints >= 0 (or fewer
+    micro-batches than updates), a malformed stop record, RNG states the generators refuse,
+    an optimizer state without the structure torch's ``load_state_dict`` reads, a scheduler
+    state without its type, transform states under no transform's name or of another record.
+    ``names`` says how a Snapshot field is named in messages (``"ranks[1].rng"``; itself by
+    default)."""
+    def name(field: str) -> str:
+        return names.get(field, field)
+
+    first, *rest = RULES
+    found = first.check(snap, name)
+    if found:
+        return found
+    return [problem for rule in rest for problem in rule.check(snap, name)]

@@ -1,5 +1,5 @@
-"""The format of a checkpoint directory: ``manifest.json``'s records through one cattrs
-converter, and a Snapshot encoded into them (its tensors into tensor files) and decoded back.
+"""The format of a checkpoint directory: a Snapshot encoded into ``manifest.json`` (whose
+schema is ``_manifest``'s) and tensor files, read back and decoded.
 
 A Snapshot's fields that every rank shares go into the manifest (the model's tensors to
 ``model.safetensors`` under their own names, tied weights once; optimizer, scheduler and
@@ -9,30 +9,30 @@ rank's tensors in ``rank_<r>.safetensors``. A rank's part travels to the writer 
 a uint8 tensor: a JSON header (its entry, its tensors' dtypes and shapes) followed by the
 raw tensor bytes. The manifest's own sha256 is in ``manifest.sha256``, written just before
 the manifest; the layout as a whole is described in the package docstring.
+
+Reading checks, in order: the manifest's sha256, its schema (``_manifest``), its consistency
+(``consistency``), the decoding of each tree (``_codec.decode``), the Snapshot's field types
+and ``_codec.RULES``. Writing checks what it is about to write by the same reader
+(``problems``), before any file is written.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import struct
-import types
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import cattrs
 import orjson
 import torch
-from cattrs.gen import make_dict_unstructure_fn, override
-from cattrs.preconf.orjson import make_converter
 
 from accelfn._version import __version__
-from accelfn.checkpoint import _tensorfiles
-from accelfn.checkpoint._codec import TENSOR, Encoder, decode
+from accelfn.checkpoint import _atomic, _codec, _tensorfiles
+from accelfn.checkpoint._atomic import CHECKSUM, MANIFEST
+from accelfn.checkpoint._codec import NDARRAY, TENSOR, Encoder, decode, describe
+from accelfn.checkpoint._manifest import Manifest, RankEntry, ShardedTables, dumps, loads, unstructure, validated
 from accelfn.checkpoint._tensorfiles import ALGORITHMS, FileEntry
 from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError
@@ -51,198 +51,60 @@ SHARDED_FORMAT_VERSION = 5
 #: its DCP files (written only when there are some, so that an older accelfn, which would
 #: load None in their place, refuses it instead)
 EXTRA_DTENSORS_FORMAT_VERSION = 6
-MANIFEST = "manifest.json"
-CHECKSUM = "manifest.sha256"
-_SHA256 = re.compile(r"^([0-9a-f]{64})  " + re.escape(MANIFEST) + r"\n?$")
-
-
-@attrs.frozen
-class RankEntry:
-    """What differs between ranks (the Snapshot fields of the same names), as encoded trees.
-
-    ``extra``: this rank's state of each ``extra`` object whose state differs between the
-    ranks (a per-rank stream position, an EMA of this rank's shards), by name; None (no
-    key) when every rank's equals rank 0's, which the manifest's ``extra`` holds.
-    """
-
-    rng: Any
-    transforms_state: Any
-    grads: Any
-    extra: Any = None
-
-
-@attrs.frozen
-class ShardedTensor:
-    """One tensor in a sharded checkpoint's DCP files: its global shape and dtype name."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@attrs.frozen
-class ExtraTensor:
-    """A DTensor of an ``extra`` state in a sharded checkpoint's DCP files: the ``extra``
-    entry's name, where in its ``state_dict`` it is (mapping keys and list indices, from
-    the root), its global shape and dtype name."""
-
-    name: str
-    path: Any
-    shape: tuple[int, ...]
-    dtype: str
-
-
-@attrs.frozen
-class ShardedTables:
-    """Where the tensors in a sharded checkpoint's ``dcp/`` files belong (``_sharded``).
-
-    Attributes:
-        model: model ``state_dict`` name -> its tensor, stored under that name.
-        aliases: a tied weight's other names -> the name it is stored under.
-        optimizer: parameter name -> optimizer state key (``"exp_avg"``) -> its tensor,
-            stored as ``optimizer/<parameter>/<key>``.
-        grads: parameter name -> its open-window gradient, stored as ``grad/<parameter>``.
-        extra: DCP key (``extra/<name>/<path>``) -> a DTensor of an ``extra`` state, which the
-            manifest's tree holds as None (empty, and no key, in checkpoints without any:
-            older manifests read the same).
-    """
-
-    model: dict[str, ShardedTensor]
-    aliases: dict[str, str]
-    optimizer: dict[str, dict[str, ShardedTensor]]
-    grads: dict[str, ShardedTensor]
-    extra: dict[str, ExtraTensor] = attrs.field(factory=dict)
-
-
-@attrs.frozen
-class Manifest:
-    """Everything in a checkpoint but the tensors.
-
-    After the format fields come the Snapshot's shared fields as trees encoded by
-    ``accelfn.checkpoint._codec`` (tensors as references into the files), then each rank's entry and
-    the tensor files with their checksums; a sharded checkpoint's ``sharded`` table says
-    where the tensors in its DCP files belong (None in an unsharded one); ``stopped`` why a
-    hook's ``af.Stop`` ended the run (None, and no key, when none did: manifests written
-    before it existed read the same).
-    """
-
-    format_version: int
-    accelfn_version: str
-    torch_version: str
-    world_size: int
-    transforms: Any
-    counters: Any
-    model: Any
-    optimizer_type: Any
-    optimizer_params: Any
-    optimizer: Any
-    scheduler_type: Any
-    scheduler: Any
-    extra: Any
-    ranks: tuple[RankEntry, ...]
-    files: dict[str, FileEntry]
-    sharded: ShardedTables | None = None
-    stopped: Any = None
-
-
-_converter = make_converter()
-_converter.register_unstructure_hook(torch.dtype, str)
-# a transform's function option (replicate's comm_hook) as its module.qualname
-_converter.register_unstructure_hook(types.FunctionType, lambda f: f"{f.__module__}.{f.__qualname__}")
-# a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
-# ``sharded`` key (it reads as None)
-_converter.register_unstructure_hook(FileEntry, make_dict_unstructure_fn(FileEntry, _converter, _cattrs_omit_if_default=True))
-_converter.register_unstructure_hook(
-    ShardedTables, make_dict_unstructure_fn(ShardedTables, _converter, extra=override(omit_if_default=True)))
-_converter.register_unstructure_hook(
-    RankEntry, make_dict_unstructure_fn(RankEntry, _converter, extra=override(omit_if_default=True)))
-_converter.register_unstructure_hook(
-    Manifest, make_dict_unstructure_fn(Manifest, _converter, sharded=override(omit_if_default=True),
-                                       stopped=override(omit_if_default=True)))
-
-
-def unstructure(value: Any) -> Any:
-    """Plain data for a record (``torch.dtype`` as its name), e.g. a transform."""
-    return _converter.unstructure(value)
-
-
-def dumps(value: Any) -> bytes:
-    """JSON bytes of a record (orjson)."""
-    return _converter.dumps(value)
-
-
-def loads(data: bytes, cls: type) -> Any:
-    """The record of type ``cls`` in JSON ``data``.
-
-    Raises:
-        CheckpointError: the data is not JSON, or does not have the record's structure.
-    """
-    try:
-        return _converter.loads(data, cls)
-    except (orjson.JSONDecodeError, cattrs.BaseValidationError, KeyError, TypeError, ValueError) as e:
-        detail = "; ".join(cattrs.transform_error(e)) if isinstance(e, cattrs.BaseValidationError) else str(e)
-        raise CheckpointError(f"not a valid accelfn {cls.__name__}: {detail}") from None
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
 
 
 def write(directory: Path, manifest: Manifest) -> None:
-    """Writes ``manifest.sha256``, then ``manifest.json``, into ``directory``, each durably
-    and atomically (write, fsync, rename)."""
-    data = dumps(manifest)
-    _write_durably(directory / CHECKSUM, f"{hashlib.sha256(data).hexdigest()}  {MANIFEST}\n".encode())
-    _write_durably(directory / MANIFEST, data)
+    """Writes ``manifest`` into ``directory`` (``_atomic.write_manifest``: its sha256, then it)."""
+    _atomic.write_manifest(directory, dumps(manifest))
 
 
-def _expected_sha256(directory: Path) -> str | None:
-    """The manifest's sha256 as ``manifest.sha256`` gives it, or None without that file."""
-    path = directory / CHECKSUM
-    try:
-        text = path.read_text(encoding="ascii")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the manifest's checksum ({e})") from None
-    match = _SHA256.match(text)
-    if match is None:
-        raise CheckpointError(f"{path}: not a sha256 line for {MANIFEST} (\"<64 hex digits>  {MANIFEST}\"); "
-                              "the file is corrupted")
-    return match[1]
-
-
-def _check(path: Path, manifest: Manifest) -> None:
-    if manifest.world_size < 1 or manifest.world_size != len(manifest.ranks):
-        raise CheckpointError(f"{path}: world_size {manifest.world_size} with {len(manifest.ranks)} rank "
-                              "entries; the manifest is inconsistent")
+def consistency(manifest: Manifest) -> list[str]:
+    """How the manifest's fields contradict one another (empty if they do not): a world size
+    other than its number of rank entries, a file with no checksum or two, or of a rank
+    outside the world."""
+    found = []
+    if manifest.world_size != len(manifest.ranks):
+        found.append(f"world_size {manifest.world_size} with {len(manifest.ranks)} rank entries; the manifest "
+                     "is inconsistent")
     for name, entry in manifest.files.items():
         if sum(getattr(entry, algorithm) is not None for algorithm in ALGORITHMS) != 1:
-            raise CheckpointError(f"{path}: files.{name} must have exactly one checksum "
-                                  f"({' or '.join(ALGORITHMS)}); the manifest is inconsistent")
-        if entry.rank is not None and not 0 <= entry.rank < manifest.world_size:
-            raise CheckpointError(f"{path}: files.{name}.rank is {entry.rank}, outside the world of "
-                                  f"{manifest.world_size}")
+            found.append(f"files.{name} must have exactly one checksum ({' or '.join(ALGORITHMS)}); the manifest "
+                         "is inconsistent")
+        if entry.rank is not None and not entry.rank < manifest.world_size:
+            found.append(f"files.{name}.rank is {entry.rank}, outside the world of {manifest.world_size}")
+    return found
+
+
+class InvalidValues(CheckpointError):
+    """Values of a manifest that break its rules (``problems``, one a line)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n  ".join(problems))
+        self.problems = problems
+
+
+def invalid(where: Path | str, problems: list[str]) -> CheckpointError:
+    """The error of a checkpoint at ``where`` whose manifest holds ``problems``."""
+    return CheckpointError(f"{where}: invalid values in {MANIFEST}:\n  " + "\n  ".join(problems))
 
 
 def read(directory: Path) -> Manifest:
-    """The manifest of the checkpoint in ``directory``, verified against ``manifest.sha256``.
+    """The manifest of the checkpoint in ``directory``, verified against ``manifest.sha256``
+    and validated against its schema.
 
     Raises:
         CheckpointError: no manifest, an unreadable one, one whose sha256 differs from
-            ``manifest.sha256`` or without that file (from format version 2 on), an
-            inconsistent one, or a newer format version.
+            ``manifest.sha256`` or without that file (from format version 2 on), one that is
+            not JSON, a newer format version, or one whose fields do not have the schema's
+            types or contradict one another (every problem named, ``counters.step: 'x' (a
+            str), must be an int >= 0``).
     """
     path = directory / MANIFEST
     try:
         data = path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read the manifest ({e.strerror})") from None
-    expected = _expected_sha256(directory)
+    expected = _atomic.expected_sha256(directory)
     digest = hashlib.sha256(data).hexdigest()
     if expected is not None and digest != expected:
         raise CheckpointError(
@@ -250,9 +112,10 @@ def read(directory: Path) -> Manifest:
             "corrupted or was changed after the checkpoint was written"
         )
     try:
-        version = orjson.loads(data).get("format_version")
-    except (orjson.JSONDecodeError, AttributeError):
+        plain = orjson.loads(data)
+    except orjson.JSONDecodeError:
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
+    version = plain.get("format_version") if isinstance(plain, dict) else None
     if isinstance(version, bool) or not isinstance(version, int) or version > EXTRA_DTENSORS_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
@@ -261,18 +124,19 @@ def read(directory: Path) -> Manifest:
     if expected is None and version >= 2:
         raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "
                               f"has the sha256 of its {MANIFEST} in it; the checkpoint is incomplete")
-    try:
-        manifest = loads(data, Manifest)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    _check(path, manifest)
+    manifest, problems = validated(plain, Manifest)
+    if problems:
+        raise invalid(directory, problems)
+    contradictions = consistency(manifest)
+    if contradictions:
+        raise CheckpointError(f"{path}: " + "; ".join(contradictions))
     return manifest
 
 
 RankPart = tuple[RankEntry, dict[str, torch.Tensor]]
 #: Snapshot fields that differ between ranks (in each RankEntry) and those every rank shares
 #: (in the Manifest); the model's tensors go to their own table, under their own names
-PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads")
+PER_RANK: tuple[str, ...] = ("rng", "transforms_state", "grads", "data_state")
 SHARED: tuple[str, ...] = tuple(f.name for f in attrs.fields(Snapshot) if f.name not in PER_RANK)
 
 
@@ -283,16 +147,22 @@ def _rank_group(rank: int) -> str:
 def rank_part(snap: Snapshot) -> RankPart:
     """This rank's entry and its tensors (open-window gradients, transform-state tensors)."""
     encoder = Encoder()
-    entry = RankEntry(**{name: encoder.encode(getattr(snap, name), name) for name in PER_RANK},
-                      extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
+    trees = {name: encoder.encode(getattr(snap, name), name) for name in PER_RANK if name != "data_state"}
+    try:
+        trees["data_state"] = encoder.encode(snap.data_state, "data_state")
+    except TypeError as e:
+        raise TypeError(f"{e}. The data readers' state (a stream's position: the state_dict() of its "
+                        "datasets.IterableDataset, torchdata StatefulDataLoader or IterableDataset) is stored as "
+                        "JSON values and tensors, never pickled: make the dataset's state_dict() return those") from None
+    entry = RankEntry(**trees, extra={name: encoder.encode(tree, f"extra.{name}") for name, tree in snap.extra.items()})
     return entry, encoder.tensors
 
 
 def _refs(tree: Any) -> set[str]:
     """The tensor keys an encoded tree refers to."""
     if isinstance(tree, Mapping):
-        if set(tree) == {TENSOR}:
-            return {tree[TENSOR]}
+        if len(tree) == 1 and (TENSOR in tree or NDARRAY in tree):
+            return {next(iter(tree.values()))}
         return set().union(*(_refs(v) for v in tree.values())) if tree else set()
     if isinstance(tree, (list, tuple)):
         return set().union(*(_refs(v) for v in tree)) if tree else set()
@@ -327,73 +197,42 @@ def per_rank_extra(parts: list[RankPart]) -> list[RankPart]:
     return out
 
 
-def pack_tensors(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``header`` (JSON) and ``tensors`` as bytes in a uint8 tensor, to send to another rank:
-    the JSON header with each tensor's key, dtype and shape, then the tensors' raw bytes
-    (never pickled)."""
-    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-    data = orjson.dumps({**header, "tensors": [[key, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                                               for key, t in tensors.items()]})
-    head = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8)
-    return torch.cat([head, *flat])
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown tensor dtype {name!r} from another rank")
-    return dtype
-
-
-def unpack_tensors(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The header and tensors ``pack_tensors`` packed.
-
-    Raises:
-        CheckpointError: a tensor of a dtype this torch does not know.
-    """
-    raw = data.numpy().tobytes()
-    (length,) = struct.unpack_from("<Q", raw)
-    header = orjson.loads(raw[8:8 + length])
-    tensors, offset = {}, 8 + length
-    for key, dtype_name, shape in header["tensors"]:
-        dtype = _dtype(dtype_name)
-        numel = 1
-        for n in shape:
-            numel *= n
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        tensors[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
-        offset += nbytes
-    return header, tensors
-
-
 def pack_part(part: RankPart) -> torch.Tensor:
     """A rank's part as bytes in a uint8 tensor (``pack_tensors``)."""
     entry, tensors = part
-    return pack_tensors({"entry": unstructure(entry)}, tensors)
+    return _tensorfiles.pack_tensors({"entry": unstructure(entry)}, tensors)
 
 
 def unpack_part(data: torch.Tensor) -> RankPart:
     """The part ``pack_part`` packed."""
-    header, tensors = unpack_tensors(data)
+    header, tensors = _tensorfiles.unpack_tensors(data)
     return loads(orjson.dumps(header["entry"]), RankEntry), tensors
 
 
-def write_snapshot(directory: Path, snap: Snapshot, parts: list[RankPart], transforms: Any, *,
-                   sharded: ShardedTables | None = None, files: Mapping[str, FileEntry] = MappingProxyType({})) -> None:
-    """Writes ``snap`` (with every rank's part) into ``directory``: tensor files, then the
-    manifest, which also lists ``files`` written already (a sharded checkpoint's DCP files,
-    whose tensors ``sharded`` places)."""
+Groups = dict[str, tuple[Mapping[str, torch.Tensor], int | None]]
+
+
+@attrs.frozen(eq=False)
+class Encoded:
+    """A checkpoint ready to write: its manifest (the files written already, a sharded
+    checkpoint's DCP files, listed) and its tensor groups (group -> tensors, and the rank
+    whose own they are, or None)."""
+
+    manifest: Manifest
+    groups: Groups
+
+
+def encode(snap: Snapshot, parts: list[RankPart], transforms: Any, *, sharded: ShardedTables | None = None,
+           files: Mapping[str, FileEntry] = MappingProxyType({})) -> Encoded:
+    """``snap`` with every rank's part as a manifest and tensor groups (nothing written)."""
     parts = per_rank_extra(parts)
     encoders = {"model": Encoder(), "state": Encoder()}
     trees = {name: encoders[_table(name)].encode(getattr(snap, name), "" if name == "model" else name)
              for name in SHARED}
-    groups: dict[str, tuple[Mapping[str, torch.Tensor], int | None]] = {
-        table: (encoder.tensors, None) for table, encoder in encoders.items()
-    }
+    groups: Groups = {table: (encoder.tensors, None) for table, encoder in encoders.items()}
     for rank, (_, tensors) in enumerate(parts):
         groups[_rank_group(rank)] = (tensors, rank)
-    written = _tensorfiles.write(directory, groups)
-    write(directory, Manifest(
+    return Encoded(Manifest(
         format_version=(FORMAT_VERSION if sharded is None else EXTRA_DTENSORS_FORMAT_VERSION if sharded.extra
                         else SHARDED_FORMAT_VERSION),
         accelfn_version=__version__,
@@ -401,10 +240,53 @@ def write_snapshot(directory: Path, snap: Snapshot, parts: list[RankPart], trans
         world_size=len(parts),
         transforms=transforms,
         ranks=tuple(entry for entry, _ in parts),
-        files={**files, **written},
+        files=dict(files),
         sharded=sharded,
         **trees,
-    ))
+    ), groups)
+
+
+def problems(encoded: Encoded) -> list[str]:
+    """What ``af.load`` would refuse in ``encoded`` on any rank, whatever state it loads into
+    (empty if nothing): the manifest's schema and consistency, the decoding of every tree and
+    the Snapshot's rules, checked by the reader load runs (``validated``, ``decode_snapshot``),
+    on the manifest as JSON and the tensors in memory."""
+    plain = orjson.loads(dumps(encoded.manifest))
+    manifest, found = validated(plain, Manifest)
+    if manifest is None:
+        return found
+    found = consistency(manifest)
+    tables = {group: tensors for group, (tensors, _) in encoded.groups.items()}
+    for rank in range(manifest.world_size):
+        try:
+            snap = decode_snapshot(manifest, tables, rank=rank)
+        except InvalidValues as e:
+            found += e.problems
+            continue
+        except CheckpointError as e:
+            found.append(str(e))
+            continue
+        found += _codec.invalid_values(snap, names=field_names(rank))
+    return list(dict.fromkeys(found))  # a shared field's problem once, not once per rank
+
+
+def write_encoded(directory: Path, encoded: Encoded, files: Mapping[str, FileEntry] = MappingProxyType({})) -> None:
+    """Writes ``encoded`` into ``directory``: tensor files, then the manifest, which also
+    lists ``files`` written already (a sharded checkpoint's DCP files). Check
+    ``problems(encoded)`` first: nothing here checks it."""
+    written = _tensorfiles.write(directory, encoded.groups)
+    write(directory, attrs.evolve(encoded.manifest, files={**encoded.manifest.files, **files, **written}))
+
+
+def refuse(path: Path, found: list[str]) -> None:
+    """Raises for a checkpoint at ``path`` that would hold ``found`` (``problems``), if any.
+
+    Raises:
+        CheckpointError: naming every problem, and that nothing was written.
+    """
+    if found:
+        raise CheckpointError(f"{path}: not written: af.load would refuse a checkpoint of this state, which holds "
+                              f"invalid values:\n  " + "\n  ".join(found))
 
 
 def _table(name: str) -> str:
@@ -462,33 +344,52 @@ def field_names(section: int) -> dict[str, str]:
 def read_snapshot(directory: Path, manifest: Manifest, *, rank: int,
                   files: Mapping[str, FileEntry] | None = None) -> Snapshot:
     """The snapshot of ``rank`` from the checkpoint in ``directory``, its tensor ``files``
-    (by default all the manifest lists) verified as they are read; its values are checked
-    by ``snapshot.verify``, not here.
-
-    Rank ``r`` takes rank ``r``'s RNG and transform states, or rank 0's when the checkpoint
-    was written by fewer processes. The tensors stay mapped to the files: the snapshot is
-    put in place by copying (``snapshot.put(copy=True)``), into the state's own tensors
-    where it has them.
+    (by default all the manifest lists) verified as they are read (``decode_snapshot``).
 
     Raises:
-        CheckpointError: a missing, truncated or corrupted file, or a value of the manifest
-            that does not decode (the message names the field, such as
-            ``ranks[0].transforms_state.loss_scale.scale``).
+        CheckpointError: a missing, truncated or corrupted file, or as ``decode_snapshot``.
     """
     own_section = section(manifest, rank)
     listed = manifest.files if files is None else files
     tables = _tensorfiles.read(directory, {name: e for name, e in listed.items()
                                            if e.rank is None or e.rank == own_section})
+    try:
+        return decode_snapshot(manifest, tables, rank=rank)
+    except InvalidValues as e:
+        raise invalid(directory, e.problems) from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory / MANIFEST}: {e}") from None
+
+
+def decode_snapshot(manifest: Manifest, tables: Mapping[str, Mapping[str, torch.Tensor]], *, rank: int) -> Snapshot:
+    """The snapshot of ``rank`` the manifest describes, its tensors looked up in ``tables``
+    (group -> key -> tensor); its values' rules are checked by ``snapshot.verify``, not here.
+
+    Rank ``r`` takes rank ``r``'s RNG and transform states, or rank 0's when the checkpoint
+    was written by fewer processes. Tensors stay those of ``tables`` (mapped to the files, when
+    read): the snapshot is put in place by copying (``snapshot.put(copy=True)``).
+
+    Raises:
+        InvalidValues: decoded fields of other types than the Snapshot's.
+        CheckpointError: a value of the manifest that does not decode (the message names the
+            field, such as ``ranks[0].transforms_state.loss_scale.scale``).
+    """
+    own_section = section(manifest, rank)
     own = tables.get(_rank_group(own_section), {})
     entry = manifest.ranks[own_section]
     paths = field_names(own_section)
-    try:
-        fields = {name: decode(getattr(manifest, name), tables.get(_table(name), {}), paths[name]) for name in SHARED}
-        fields |= {name: decode(getattr(entry, name), own, paths[name]) for name in PER_RANK}
-        if entry.extra:  # this rank's own states of the entries that differ between ranks
-            fields["extra"] = {**fields["extra"], **decode(entry.extra, own, f"ranks[{own_section}].extra")}
-    except CheckpointError as e:
-        raise CheckpointError(f"{directory / MANIFEST}: {e}") from None
+    fields = {name: decode(getattr(manifest, name), tables.get(_table(name), {}), paths[name]) for name in SHARED}
+    fields |= {name: decode(getattr(entry, name), own, paths[name]) for name in PER_RANK}
+    found = _codec.field_types(Snapshot, fields, paths.__getitem__)
+    if entry.extra:  # this rank's own states of the entries that differ between ranks
+        where = f"ranks[{own_section}].extra"
+        own_extra = decode(entry.extra, own, where)
+        if isinstance(own_extra, Mapping) and isinstance(fields["extra"], Mapping):
+            fields["extra"] = {**fields["extra"], **own_extra}
+        else:
+            found.append(f"{where}: {describe(own_extra)}, must be a mapping")
+    if found:  # before the Snapshot's converters meet a value they cannot take
+        raise InvalidValues(found)
     return Snapshot(**fields)
 
 
@@ -506,7 +407,7 @@ def transforms_record(program: Step | None) -> Any:
         return None
     records = [{"type": type(t).__name__, **{k: _described(getattr(t, k)) if isinstance(getattr(t, k), frozenset) else v
                                              for k, v in unstructure(t).items()}} for t in _recorded(program)]
-    return orjson.loads(_converter.dumps(records, default=_described))  # as it reads back from a manifest
+    return orjson.loads(dumps(records, default=_described))  # as it reads back from a manifest
 
 
 def _described(value: Any) -> Any:

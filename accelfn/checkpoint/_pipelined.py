@@ -26,9 +26,9 @@ import orjson
 import torch
 
 from accelfn import distributed
-from accelfn.checkpoint import _format
+from accelfn.checkpoint import _manifest, _tensorfiles
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.checkpoint._format import ShardedTables, ShardedTensor
+from accelfn.checkpoint._manifest import ShardedTables, ShardedTensor
 from accelfn.checkpoint.snapshot import Snapshot, _param_names, clean_name, unwrap
 from accelfn.distributed import ProcessContext
 from accelfn.distributed.pipeline import StageLayout, gather_bytes, stage_layout
@@ -39,14 +39,14 @@ __all__ = ["file_part", "kept", "kept_tables", "merged", "stage_layout", "stage_
 
 
 def _pack(tree: Any) -> torch.Tensor:
-    """``tree`` encoded (its tensors by key) and packed to send (``_format.pack_tensors``)."""
+    """``tree`` encoded (its tensors by key) and packed to send (``_tensorfiles.pack_tensors``)."""
     encoder = Encoder()
     plain = encoder.encode(tree, "")
-    return _format.pack_tensors({"tree": plain}, encoder.tensors)
+    return _tensorfiles.pack_tensors({"tree": plain}, encoder.tensors)
 
 
 def _unpack(data: torch.Tensor) -> Any:
-    header, tensors = _format.unpack_tensors(data)
+    header, tensors = _tensorfiles.unpack_tensors(data)
     return decode(header["tree"], tensors)
 
 
@@ -96,12 +96,12 @@ def merged(shell: Snapshot, tables: ShardedTables, layout: StageLayout, backend:
     encoder = Encoder()
     plain = encoder.encode({str(i): v for i, v in shell.optimizer["state"].items()}, "optimizer.state")
     assert not encoder.tensors, "split() moves every tensor of the optimizer state to the DCP files"
-    sent = {"tables": _format.unstructure(tables), "state": plain}
+    sent = {"tables": _manifest.unstructure(tables), "state": plain}
     model: dict[str, ShardedTensor] = {}
     whole = ShardedTables(model={}, aliases={}, optimizer={}, grads={}, extra={})
     state: dict[int, Any] = {}
     for part in distributed.exchange(sent, device=backend.collective_device):
-        received = _format.loads(orjson.dumps(part["tables"]), ShardedTables)
+        received = _manifest.loads(orjson.dumps(part["tables"]), ShardedTables)
         model.update(received.model)
         whole.aliases.update(received.aliases)
         whole.optimizer.update(received.optimizer)

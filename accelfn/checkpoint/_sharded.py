@@ -33,6 +33,8 @@ without them only loses this feature, with a clear error.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import re
 import warnings
@@ -42,12 +44,14 @@ from types import ModuleType
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from accelfn import distributed
 from accelfn.checkpoint import _tensorfiles
-from accelfn.checkpoint._format import MANIFEST, ExtraTensor, ShardedTables, ShardedTensor
+from accelfn.checkpoint._format import MANIFEST
+from accelfn.checkpoint._manifest import ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
 from accelfn.distributed import ProcessContext, is_dtensor
@@ -300,13 +304,16 @@ def manifest_files(files: Mapping[str, FileEntry]) -> dict[str, FileEntry]:
     return {name: e for name, e in files.items() if e.group != GROUP}
 
 
-def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry]) -> None:
+def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry],
+                tables: ShardedTables) -> None:
     """Checks the DCP files of a checkpoint before any is read: none the manifest does not list
-    (DCP's reader would read them too), and the size and checksum of each, the ranks sharing
-    the work (a collective).
+    (DCP's reader would read them too), the size and checksum of each, the ranks sharing the
+    work, and what their headers say DCP will read (``_chunk_problems``) against ``tables``
+    (a collective).
 
     Raises:
-        CheckpointError: on every rank, naming each unlisted, missing, truncated or corrupted file.
+        CheckpointError: on every rank, naming each unlisted, missing, truncated or corrupted
+            file, and each tensor whose chunks do not fit the manifest's tables.
     """
     unexpected = _unexpected_files(directory, files)
     if unexpected:
@@ -324,8 +331,72 @@ def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, Fi
     found = [problem for problem in _tensorfiles.in_parallel(check, names[backend.rank::backend.world_size])
              if problem]
     problems = distributed.failures("\n".join(found) or None, device=backend.collective_device)
+    if not problems:  # the verified files' headers (small, all of them: the chunks of every tensor)
+        chunks = _chunk_problems(directory, names, tables) if backend.rank == 0 else []
+        problems = distributed.failures("\n".join(chunks) or None, device=backend.collective_device)
     if problems:
         raise CheckpointError("\n".join(problems))
+
+
+def _placed(tables: ShardedTables) -> dict[str, ShardedTensor | ExtraTensor]:
+    """Every tensor the DCP files hold by the manifest's tables: its DCP key -> its global shape and dtype."""
+    placed: dict[str, ShardedTensor | ExtraTensor] = dict(tables.model)
+    placed |= {f"optimizer/{name}/{key}": meta for name, entries in tables.optimizer.items()
+               for key, meta in entries.items()}
+    return placed | {f"grad/{name}": meta for name, meta in tables.grads.items()} | tables.extra
+
+
+def _chunk_problems(directory: Path, names: list[str], tables: ShardedTables) -> list[str]:
+    """How the headers of the DCP files ``names`` disagree with ``tables``: a tensor the tables
+    do not place, a chunk of another dtype than its tensor's or outside its shape (the chunk's
+    offsets are in the header's ``DCP_SHARDING_INFO``), or a tensor its chunks do not cover
+    exactly once (DCP would read it so, silently: an integer read into a float tensor, a
+    region never written). Empty when the files hold what the tables say."""
+    placed, found = _placed(tables), []
+    chunks: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for name in names:
+        read = _tensorfiles.read_header(directory / name)
+        try:
+            sharding = json.loads(read[1].get("DCP_SHARDING_INFO", "{}")) if read is not None else None
+        except (TypeError, ValueError):
+            sharding = None
+        if read is None or not isinstance(sharding, dict):
+            found.append(f"{directory / name}: not a safetensors file of DCP's (its header does not parse)")
+            continue
+        for key, (dtype, shape) in read[0].items():
+            meta, where = placed.get(key), f"{directory / name}: {key!r}"
+            info = sharding.get(key)
+            offsets = info.get("saved_offsets") if isinstance(info, dict) else [0] * len(shape)
+            if meta is None:
+                found.append(f"{where}: a tensor the manifest's sharded tables do not place")
+            elif str(dtype).removeprefix("torch.") != meta.dtype:
+                found.append(f"{where}: dtype {str(dtype).removeprefix('torch.')} in the file, {meta.dtype} in "
+                             f"{MANIFEST}")
+            elif not (isinstance(offsets, list) and len(offsets) == len(shape) == len(meta.shape)
+                      and all(type(o) is int and 0 <= o and o + n <= g for o, n, g in zip(offsets, shape, meta.shape))):
+                found.append(f"{where}: a chunk of shape {tuple(shape)} at {offsets}, outside its shape "
+                             f"{tuple(meta.shape)} in {MANIFEST}")
+            else:
+                chunks.setdefault(key, []).append((offsets, shape))
+    for key, meta in placed.items():
+        mine = [chunk for chunk in chunks.get(key, []) if math.prod(chunk[1])]
+        if sum(math.prod(shape) for _, shape in mine) != math.prod(meta.shape) or _overlap(mine):
+            found.append(f"{directory / DCP_DIR}: {key!r}: its chunks do not cover its shape {tuple(meta.shape)} "
+                         f"in {MANIFEST} exactly once ({len(mine)} chunks)")
+    return found
+
+
+def _overlap(chunks: list[tuple[list[int], list[int]]]) -> bool:
+    """True if two of the boxes ``(offsets, shape)`` share an element: counted on the grid of
+    their edges (skipped past 4M cells, where only their sizes' sum is checked)."""
+    edges = [sorted({o for o, _ in dims} | {o + n for o, n in dims}) for dims in
+             zip(*[list(zip(offsets, shape)) for offsets, shape in chunks])]
+    if len(chunks) < 2 or math.prod(len(e) - 1 for e in edges) > 1 << 22:
+        return False
+    counts = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)
+    for offsets, shape in chunks:
+        counts[tuple(slice(e.index(o), e.index(o + n)) for e, o, n in zip(edges, offsets, shape))] += 1
+    return bool((counts > 1).any())
 
 
 def _unexpected_files(directory: Path, files: Mapping[str, FileEntry]) -> list[str]:

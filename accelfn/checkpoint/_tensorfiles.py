@@ -206,8 +206,8 @@ def _tensor_table(data: memoryview) -> dict[str, tuple[torch.dtype, list[int], i
             dtype, shape, (start, end) = _TORCH_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             return None
-        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
-                and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+        if not (isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                and type(start) is int and type(end) is int and 0 <= start <= end
                 and end - start == math.prod(shape) * dtype.itemsize):
             return None
         table[key] = (dtype, shape, base + start, base + end)
@@ -217,6 +217,25 @@ def _tensor_table(data: memoryview) -> dict[str, tuple[torch.dtype, list[int], i
             return None
         position = end
     return table if position == len(data) else None
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[torch.dtype, list[int]]], dict[str, Any]] | None:
+    """The tensors (``key -> (dtype, shape)``) and the ``__metadata__`` of the safetensors file
+    ``path``, one another writer made (DCP's), or None where its header does not parse or does
+    not describe the file exactly (the checks of ``_tensor_table``); reads the header only."""
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            view = memoryview(data)
+            table = _tensor_table(view)
+            head = bytes(view[8:8 + struct.unpack_from("<Q", view, 0)[0]]) if table is not None else b""
+            view.release()
+    if table is None:
+        return None
+    metadata = orjson.loads(head).get("__metadata__")
+    tensors = {key: (dtype, shape) for key, (dtype, shape, _, _) in table.items()}
+    return tensors, metadata if isinstance(metadata, dict) else {}
 
 
 def _tensor(data: mmap.mmap, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:
@@ -441,3 +460,42 @@ def verify_file(path: Path, entry: FileEntry) -> None:
     if digest != expected:
         raise CheckpointError(f"{path}: {algorithm} {digest} does not match the manifest's {algorithm} {expected}; "
                               "the file is corrupted or was changed after the checkpoint was written")
+
+
+def pack_tensors(header: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``header`` (JSON) and ``tensors`` as bytes in a uint8 tensor, to send to another rank:
+    the JSON header with each tensor's key, dtype and shape, then the tensors' raw bytes
+    (never pickled)."""
+    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    data = orjson.dumps({**header, "tensors": [[key, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                               for key, t in tensors.items()]})
+    head = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8)
+    return torch.cat([head, *flat])
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r} from another rank")
+    return dtype
+
+
+def unpack_tensors(data: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The header and tensors ``pack_tensors`` packed.
+
+    Raises:
+        CheckpointError: a tensor of a dtype this torch does not know.
+    """
+    raw = data.numpy().tobytes()
+    (length,) = struct.unpack_from("<Q", raw)
+    header = orjson.loads(raw[8:8 + length])
+    tensors, offset = {}, 8 + length
+    for key, dtype_name, shape in header["tensors"]:
+        dtype = _dtype(dtype_name)
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        tensors[key] = data[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        offset += nbytes
+    return header, tensors

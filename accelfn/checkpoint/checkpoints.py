@@ -269,14 +269,15 @@ class _Background:
     def __init__(self) -> None:
         self.buffers = HostBuffers()
         self.path: Path | None = None  # the save in flight, on every rank
+        self.step = -1  # its state's step
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def start(self, path: Path, write_files: Callable[[], None] | None) -> None:
+    def start(self, path: Path, step: int, write_files: Callable[[], None] | None) -> None:
         """Records the save of ``path`` as in flight and, on rank 0 (``write_files`` given),
         runs it in a new thread; the previous save must have been waited for."""
         assert self.path is None, "a background save is still in flight"
-        self.path, self._error = path, None
+        self.path, self.step, self._error = path, step, None
         if write_files is not None:
             self._thread = threading.Thread(target=self._run, args=(write_files,), name=f"accelfn-save-{path.name}",
                                             daemon=False)
@@ -296,12 +297,14 @@ class _Background:
         """True while a background write is running (on rank 0)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def failed(self) -> bool:
-        """True if the save in flight has finished with an error (this rank's own view)."""
-        return self._thread is not None and not self._thread.is_alive() and self._error is not None
+    def finished(self) -> bool:
+        """True when this rank writes the save in flight and its thread has ended (well or not)."""
+        return self._thread is not None and not self._thread.is_alive()
 
-    def wait(self, backend: ProcessContext, *, agree: bool = True) -> None:
-        """Waits for the save in flight and raises its error, on every rank.
+    def wait(self, backend: ProcessContext, *, agree: bool = True) -> tuple[int, Path] | None:
+        """Waits for the save in flight and raises its error, on every rank; returns the step
+        and path of the checkpoint it completed (None when none was in flight, or, without
+        ``agree``, when it failed).
 
         Args:
             backend: the process context.
@@ -313,7 +316,7 @@ class _Background:
             CheckpointError: the background write failed (on rank 0 with its cause chained;
                 on the other ranks, naming rank 0 and the step).
         """
-        thread, path, error = self._thread, self.path, self._error
+        thread, path, step, error = self._thread, self.path, self.step, self._error
         if thread is not None:
             thread.join()
             error = self._error
@@ -323,14 +326,16 @@ class _Background:
             failure = CheckpointError(f"writing the checkpoint {path} in the background failed: "
                                       f"{type(error).__name__}: {error}")
             failure.__cause__ = error
+        done = None if path is None else (step, path)
         if not agree:
             if failure is not None:
                 print(f"accelfn: {failure}", file=sys.stderr, flush=True)
-            return
-        step = -1 if path is None else Checkpoints.step_of(path)
+                return None
+            return done
         distributed.outcome_of_rank_0(failure, lambda: CheckpointError(
             f"rank 0 failed to write the checkpoint of step {step} in the background; its error says why"),
             device=backend.collective_device)
+        return done
 
 
 class Schedule:
@@ -339,8 +344,9 @@ class Schedule:
 
     With ``policy.asynchronous``, a due checkpoint is copied to host memory and written in
     the background; after every optimizer update the ranks agree (one update late, without
-    blocking) whether a background write failed, and all raise its error together.
-    ``close`` waits for the save in flight.
+    blocking) whether the background write has ended, and then all take its outcome
+    together: its error, raised on every rank, or the complete checkpoint, handed out by
+    ``completed`` on every rank at the same update. ``close`` waits for the save in flight.
 
     Args:
         policy: where and how often to save.
@@ -359,9 +365,10 @@ class Schedule:
         self._clock: Agreement | None = None
         self._saved_period = 0
         self._background = _Background() if policy.asynchronous else None
-        self._failure: Agreement | None = None
+        self._finished: Agreement | None = None  # whether (and which) background write has ended, agreed
         if self._background is not None and backend.world_size > 1:
-            self._failure = Agreement(backend.world_size, timeout_s)
+            self._finished = Agreement(backend.world_size, timeout_s)
+        self._completed: list[tuple[int, Path]] = []  # complete on disk, not yet handed out by `completed`
         self._lock: Path | None = None  # the directory's write lock, rank 0's for the whole run
         failure = None
         if backend.is_main_process:
@@ -380,16 +387,32 @@ class Schedule:
         Raises:
             CheckpointError, OSError: as ``af.save``, or a background save's failure.
         """
-        if self._background is not None:
-            self._background.wait(self._backend)
+        self._wait_background()
         path = self.policy.save(state, self._backend, program=self._program)
         self.last_step = state.step
+        self._completed.append((state.step, path))
         return path
+
+    def completed(self) -> list[tuple[int, Path]]:
+        """The checkpoints complete on disk since the last call, as (step, path), oldest
+        first: a synchronous
+        save at once, a background one at the first update (agreed by all ranks) after its
+        write ended. The same on every rank, when called at the same point on every rank."""
+        done, self._completed = self._completed, []
+        return done
+
+    def _wait_background(self, *, agree: bool = True) -> None:
+        """Waits for the background save in flight (a collective with ``agree``) and records
+        its checkpoint as complete."""
+        if self._background is not None:
+            done = self._background.wait(self._backend, agree=agree)
+            if done is not None:
+                self._completed.append(done)
 
     def _save_in_background(self, state: TrainState) -> Path:
         background = self._background
         assert background is not None
-        background.wait(self._backend)
+        self._wait_background()
         path = self.policy.path_for(state.step)
         main = self._backend.is_main_process
         buffers = background.buffers if main else None
@@ -398,7 +421,7 @@ class Schedule:
         collected = collect(state, self._backend, self._program, to_host=buffers, path=path)
         if buffers is not None:
             buffers.synchronize()
-        background.start(path, None if collected is None else lambda: self.policy._write(path, collected.write))
+        background.start(path, state.step, None if collected is None else lambda: self.policy._write(path, collected.write))
         self.last_step = state.step
         return path
 
@@ -431,30 +454,36 @@ class Schedule:
         return self._background is not None and self._background.in_flight()
 
     def _check_background(self) -> None:
-        """Raises a finished background save's error, on every rank at the same update."""
+        """Takes the outcome of a background save whose write has ended, on every rank at the
+        same update: raises its error, or records its checkpoint as complete.
+
+        Rank 0 (the writer) proposes the step of the save whose thread has ended, plus one
+        (0: none); the ranks act on the agreed value, one update late, only while that save
+        is still the one in flight (a later save started meanwhile is not waited for).
+        """
         background = self._background
         if background is None:
             return
-        failed = background.failed()
-        if self._failure is not None:
-            failed = bool(self._failure.propose(int(failed)))
-        if failed:
-            background.wait(self._backend)
+        in_flight = background.path is not None
+        proposal = background.step + 1 if in_flight and background.finished() else 0
+        agreed = self._finished.propose(proposal) if self._finished is not None else proposal
+        if agreed and in_flight and background.step + 1 == agreed:
+            self._wait_background()
 
     def close(self, *, ok: bool) -> None:
         """Ends the schedule: waits for the save in flight and raises its error (with
         ``ok``, on every rank together), or, when an error already ends the run, waits for
-        this rank's save and prints a failure instead.
+        this rank's save and prints a failure instead. The checkpoint it completes is then
+        handed out by ``completed``.
 
         Raises:
             CheckpointError: the background save in flight failed (only with ``ok``).
         """
         try:
-            if self._background is not None:
-                self._background.wait(self._backend, agree=ok)
+            self._wait_background(agree=ok)
         finally:
-            if self._failure is not None:
-                self._failure.close(wait=ok)
+            if self._finished is not None:
+                self._finished.close(wait=ok)
             if self._lock is not None:
                 _atomic.release(self._lock)
                 self._lock = None

@@ -20,7 +20,8 @@ import torch
 
 from accelfn import distributed
 from accelfn.checkpoint import _atomic, _format, _pipelined, _sharded
-from accelfn.checkpoint._format import Manifest, RankPart
+from accelfn.checkpoint._format import RankPart
+from accelfn.checkpoint._manifest import Manifest
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, capture, is_sharded, put, unwrap, verify
 from accelfn.distributed import ProcessContext, is_dtensor
@@ -173,12 +174,15 @@ class Collected:
     transforms: Any
 
     def write(self, path: Path) -> None:
-        """Writes the checkpoint ``path`` atomically.
+        """Writes the checkpoint ``path`` atomically, once it is checked by the rules a load
+        applies (``_format.problems``): nothing is written if a load would refuse it.
 
         Raises:
             CheckpointError, OSError: as ``save``.
         """
-        _atomic.write_directory(path, lambda d: _format.write_snapshot(d, self.snap, self.parts, self.transforms))
+        encoded = _format.encode(self.snap, self.parts, self.transforms)
+        _format.refuse(path, _format.problems(encoded))
+        _atomic.write_directory(path, lambda d: _format.write_encoded(d, encoded))
 
 
 def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
@@ -272,10 +276,11 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
         nonlocal announced
         announced = True
         _sharded.announce(backend, path, directory)
-        files = _sharded.write_shards(backend, path, directory, flat)
-        _format.write_snapshot(directory, shell, parts, transforms, sharded=tables, files=files)
+        _format.write_encoded(directory, encoded, _sharded.write_shards(backend, path, directory, flat))
 
     try:
+        encoded = _format.encode(shell, parts, transforms, sharded=tables)
+        _format.refuse(path, _format.problems(encoded))  # before any rank writes a shard
         _atomic.write_directory(path, fill)
     except BaseException as e:  # told to the other ranks by the caller
         if not announced:
@@ -389,7 +394,7 @@ def open_checkpoint(path: Path, *, into: TrainState, backend: ProcessContext | N
     directory, manifest = _agreed(backend, lambda: _manifest(path, backend))
     files = manifest.files
     if manifest.sharded is not None:  # a collective that raises on every rank alike
-        _sharded.check_files(backend, directory, files)
+        _sharded.check_files(backend, directory, files, manifest.sharded)
         files = _sharded.manifest_files(files)
         if _pipelined.stage_layout(unwrap(into.model)) is not None:  # DCP reads this rank's stages only
             manifest = attrs.evolve(manifest, sharded=_pipelined.kept_tables(manifest.sharded, into))

@@ -12,6 +12,7 @@ a snapshot serialized.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -21,9 +22,10 @@ import torch
 
 from accelfn.checkpoint import _rng
 from accelfn.checkpoint._codec import (
+    COUNTERS,
     copy_tree,
     describe,
-    field_problems,
+    invalid_values,
     mismatches,
     view_key,
 )
@@ -33,9 +35,6 @@ from accelfn.distributed import is_dtensor
 from accelfn.errors import CheckpointError
 from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 
-#: TrainState fields a snapshot holds in parts of their own; every other field is a counter
-_PARTS = frozenset({"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"})
-COUNTERS: tuple[str, ...] = tuple(f.name for f in attrs.fields(TrainState) if f.name not in _PARTS)
 #: transform state that belongs to the micro-batches consumed (the open accumulation
 #: window): restored from the snapshot or dropped, never kept from the target state
 TRANSIENT = frozenset({"window", "tree_window"})
@@ -69,6 +68,8 @@ class Snapshot:
         rng: the global generators of this process (torch CPU/CUDA, ``random``, NumPy).
         stopped: ``{"step": int, "reason": str}`` when a hook's ``af.Stop`` ended the run
             (``TrainState.stopped``), else None (and in snapshots of accelfn before it).
+        data_state: this process's data readers' saved state (``TrainState.data_state``:
+            plain data and tensors, a stream's position), or None.
     """
 
     model: Mapping[str, Any] = attrs.field(converter=_frozen)
@@ -83,6 +84,7 @@ class Snapshot:
     grads: Mapping[str, torch.Tensor] = attrs.field(converter=_frozen)
     rng: RngState
     stopped: Mapping[str, Any] | None = None
+    data_state: Mapping[str, Any] | None = None
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -184,7 +186,16 @@ def capture(state: TrainState, *, copy: bool,
         grads={clean_name(n): to_cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
         rng=_rng.capture(),
         stopped=None if state.stopped is None else {"step": state.stopped.step, "reason": state.stopped.reason},
+        data_state=copy_tree(saved_data_state(state.data_state), to_cpu),
     )
+
+
+def saved_data_state(value: Any) -> Mapping[str, Any] | None:
+    """``TrainState.data_state`` as a snapshot holds it: a mapping as it is, the live readers'
+    ``state_dict()`` (their state after the micro-batches consumed), or None."""
+    if value is None or isinstance(value, Mapping):
+        return value
+    return value.state_dict()
 
 
 def snapshot(state: TrainState) -> Snapshot:
@@ -254,7 +265,8 @@ def _check_optimizer(state: TrainState, snap: Snapshot, model: torch.nn.Module) 
 
 
 def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> list[str]:
-    """The saved param groups' hyperparameters and per-parameter states against the live ones."""
+    """The saved param groups' hyperparameters against the live ones, and each parameter's
+    state against the one it would hold under them (``_probed_state``), else its live one."""
     live = optimizer_of(state).state_dict()
     saved_groups, live_groups = snap.optimizer["param_groups"], live["param_groups"]
     if len(saved_groups) != len(live_groups):
@@ -266,46 +278,112 @@ def _check_optimizer_values(state: TrainState, snap: Snapshot, source: str) -> l
                             f"{describe(here['params'])} here")
         hyper = {k: v for k, v in saved.items() if k != "params"}
         problems += mismatches(hyper, here, f"optimizer.param_groups[{i}]", source)
-        problems += _refused_hyperparameters(state.optimizer, hyper, f"optimizer.param_groups[{i}]", source)
+        problems += _refused_hyperparameters(state.optimizer, hyper, here, f"optimizer.param_groups[{i}]", source)
     indices = {i for group in live_groups for i in group["params"]}
     # torch keys a parameter's state by its index, and keeps any other key as it is
-    unknown = [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]
-    if unknown:
+    if unknown := [key for key in snap.optimizer["state"] if isinstance(key, int) and key not in indices]:
         problems.append(f"optimizer.state: entries for parameters {_names([repr(k) for k in unknown])} in "
                         f"{source}; the optimizer has parameters 0..{len(indices) - 1}")
-    return problems + mismatches(snap.optimizer["state"], live["state"], "optimizer.state", source)
+    probed = _probed_state(state, saved_groups) if not problems else {}
+    for index, entry in snap.optimizer["state"].items():
+        where, expected = f"optimizer.state[{index}]", probed.get(index)
+        if entry and expected is not None:  # an empty entry is a parameter's state before its first update
+            problems += mismatches(entry, expected, where, source, complete=True, none_fits=False)
+        elif index in live["state"]:
+            problems += mismatches(entry, live["state"][index], where, source)
+    return problems
 
 
-def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[str, Any], path: str,
-                             source: str) -> list[str]:
-    """The ValueError of a new optimizer of ``optimizer``'s class given the saved ``hyper``
-    (torch's own checks: ``lr`` < 0, ``betas`` outside [0, 1), ...), as a problem; empty when
-    it accepts them or its constructor cannot be called with them alone."""
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    options = {k: v for k, v in hyper.items() if k in accepted and k not in ("self", "params")}
+def _options(cls: type, hyper: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A param group's hyperparameters ``hyper`` as keyword arguments of the optimizer class
+    ``cls``, or None where its constructor needs others."""
+    accepted = inspect.signature(cls).parameters
+    options = {k: v for k, v in hyper.items() if k in accepted and k != "params"}
     free = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     required = [name for name, p in accepted.items()
-                if name not in ("self", "params") and p.default is inspect.Parameter.empty and p.kind not in free]
-    if any(name not in options for name in required):
+                if name != "params" and p.default is inspect.Parameter.empty and p.kind not in free]
+    return None if any(name not in options for name in required) else options
+
+
+def _refused_hyperparameters(optimizer: torch.optim.Optimizer, hyper: Mapping[str, Any], live: Mapping[str, Any],
+                             path: str, source: str) -> list[str]:
+    """A new optimizer of ``optimizer``'s class given the saved ``hyper``: its ValueError
+    (``lr`` < 0, ``betas`` outside [0, 1)), or the keys of the ``live`` group its
+    ``__setstate__`` (which fills in options added since) leaves out, as problems."""
+    cls, options = type(optimizer), _options(type(optimizer), hyper)
+    if options is None:
         return []
     device = next((p.device for group in optimizer.param_groups for p in group["params"]), torch.device("cpu"))
     try:
-        cls([torch.zeros(1, device=device, requires_grad=True)], **options)
+        new = cls([torch.zeros(1, device=device, requires_grad=True)], **options)
+        new.__setstate__({**new.__getstate__(), "param_groups": [{**hyper, "params": new.param_groups[0]["params"]}]})
     except ValueError as e:
         return [f"{path}: {cls.__name__} refuses the hyperparameters in {source}: {e}"]
-    except (TypeError, RuntimeError):  # values of other kinds are reported by mismatches
+    except Exception:  # a probe: values of other kinds (betas='') are reported by mismatches
         return []
-    return []
+    return [f"{path}.{key}: missing from {source} ({describe(live[key])} here)"
+            for key in live if key != "params" and key not in new.param_groups[0]]
+
+
+#: a stand-in parameter's sizes (primes: a state tensor's sizes name the dimensions they follow)
+_SIZES = (2, 3, 5, 7, 11, 13)
+
+
+def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The state ``state``'s optimizer would hold per parameter index after an update under the
+    hyperparameters of ``groups`` (tensors as "meta" ones): a step on zero gradients, as DCP
+    initializes a state, of a new optimizer over CPU stand-ins of each kind of parameter, their
+    state's sizes mapped back. Empty where it cannot step so (LBFGS); no guess is refused."""
+    optimizer, cls = optimizer_of(state), type(state.optimizer)
+    probes, kinds = [], []
+    for group, saved in zip(optimizer.param_groups, groups):
+        options = _options(cls, {k: v for k, v in saved.items() if k != "params"})
+        if options is None:
+            return {}
+        kinds.append({(p.dtype, p.dim()): torch.zeros(_SIZES[:p.dim()], dtype=p.dtype, requires_grad=True)
+                      for p in group["params"] if p.dim() <= len(_SIZES) and p.is_floating_point()})
+        if kinds[-1]:
+            on_cpu = {k: v for k, v in {"fused": None, "capturable": False, "foreach": None}.items() if k in options}
+            probes.append({"params": list(kinds[-1].values()), **options, **on_cpu})  # CPU stand-ins
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe = cls(probes, **{k: v for k, v in probes[0].items() if k != "params"})
+            for t in (t for group in probes for t in group["params"]):
+                t.grad = torch.zeros_like(t)
+            getattr(cls.step, "__wrapped__", cls.step)(probe)  # the step itself, without the step hooks
+    except Exception:  # a probe: a class that cannot be stepped so is not checked against one
+        return {}
+    found: dict[int, dict[str, Any]] = {}
+    metas: dict[tuple[Any, ...], torch.Tensor] = {}  # one "meta" tensor per shape and dtype
+    params = [(p, kinds[g].get((p.dtype, p.dim()))) for g, group in enumerate(optimizer.param_groups)
+              for p in group["params"]]
+    for index, (p, stand_in) in enumerate(params):
+        entry = {} if stand_in is None else {key: _like(v, p.shape, metas) for key, v in probe.state[stand_in].items()}
+        if entry and all(value is not None for value in entry.values()):
+            found[index] = entry
+    return found
+
+
+def _like(value: Any, shape: torch.Size, metas: dict[tuple[Any, ...], torch.Tensor]) -> Any:
+    """A stand-in's state ``value`` for a parameter of ``shape`` ("meta"; None if a dimension does not map)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    sizes = _SIZES[:len(shape)]
+    if any(n != 1 and n not in sizes for n in value.shape):
+        return None
+    key = (tuple(1 if n == 1 else shape[sizes.index(n)] for n in value.shape), value.dtype)
+    if key not in metas:
+        metas[key] = torch.empty(key[0], dtype=key[1], device="meta")
+    return metas[key]
 
 
 def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
           names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
-    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes
-    of tensors, and values of other kinds than the live ones they would replace (its own
-    values are checked by :func:`invalid_values`). ``source`` says where the values come from (``"manifest.json"``),
-    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default).
-    """
+    """Every way ``snap`` does not fit ``state`` (empty if it fits): keys, shapes and dtypes of
+    tensors, values of other kinds than the live ones they would replace (its own values are
+    ``invalid_values``'). ``source`` says where the values come from (``"manifest.json"``),
+    ``names`` how a Snapshot field is named there (``"ranks[1].rng"``; itself by default)."""
     model = unwrap(state.model)
     problems = _check_tensors("model", {clean_name(k): v for k, v in model.state_dict().items()}, snap.model)
     optimizer = _check_optimizer(state, snap, model)
@@ -313,66 +391,33 @@ def check(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
     scheduler_type = None if state.scheduler is None else _type_name(state.scheduler)
     if snap.scheduler_type != scheduler_type:
         problems.append(f"scheduler: {snap.scheduler_type} in the checkpoint, {scheduler_type} here")
-    elif state.scheduler is not None:
-        problems += mismatches(snap.scheduler, state.scheduler.state_dict(), "scheduler", source)
+    elif state.scheduler is not None:  # torch's load keeps a live value the saved state lacks: an option added
+        live = state.scheduler.state_dict()  # since (private) may be missing, a public one may not
+        problems += [f"scheduler.{k}: missing from {source} ({describe(v)} here)" for k, v in live.items()
+                     if not str(k).startswith("_") and k not in (snap.scheduler or {})]
+        problems += mismatches(snap.scheduler, live, "scheduler", source)
     if set(snap.extra) != set(state.extra):
         problems.append(f"extra: {sorted(snap.extra)} in the checkpoint, {sorted(state.extra)} here")
-    if set(snap.counters) != set(COUNTERS):
-        problems.append(f"counters: {sorted(snap.counters)} in the checkpoint, {sorted(COUNTERS)} here")
+    for name in sorted(set(snap.extra) & set(state.extra)):  # what its own load_state_dict reads
+        saved, live_state = snap.extra[name], state.extra[name].state_dict()
+        if isinstance(live_state, Mapping) and not isinstance(saved, Mapping):
+            problems.append(f"extra.{name}: {describe(saved)} in {source}, a mapping here")
+        problems += mismatches(saved, live_state, f"extra.{name}", source, complete=True, lengths=False)
     for key, saved in snap.transforms_state.items():
         if key in state.transforms_state:
             where = f"{names.get('transforms_state', 'transforms_state')}.{key}"
             problems += mismatches(saved, state.transforms_state[key], where, source)
-    params = {clean_name(n): p for n, p in model.named_parameters()}
-    unknown = [n for n in snap.grads if n not in params]
-    if unknown:
+    params = {clean_name(n): p for n, p in model.named_parameters()}  # FSDP2 keeps grads in its reduce dtype
+    if unknown := [n for n in snap.grads if n not in params]:
         problems.append(f"gradients of unknown parameters: {_names(unknown)}")
     for name, grad in snap.grads.items():
-        if name in params and grad.shape != params[name].shape:
+        param = params.get(name)
+        if param is not None and grad.shape != param.shape:
             problems.append(f"gradient {name!r}: shape {tuple(grad.shape)} in the checkpoint, "
-                            f"{tuple(params[name].shape)} here")
+                            f"{tuple(param.shape)} here")
+        elif param is not None and grad.dtype != param.dtype and not (is_dtensor(param) and grad.is_floating_point()):
+            problems.append(f"gradient {name!r}: dtype {grad.dtype} in the checkpoint, {param.dtype} here")
     return problems
-
-
-def invalid_values(snap: Snapshot, *, names: Mapping[str, str] = MappingProxyType({})) -> list[str]:
-    """Every value of ``snap`` that no state could take (empty if none): fields of the wrong
-    types, counters that are not ints >= 0 (or fewer micro-batches than updates), RNG states
-    the generators refuse, an optimizer state without the structure torch's
-    ``load_state_dict`` reads. ``names`` as for ``check``.
-    """
-    fields = {f.name: getattr(snap, f.name) for f in attrs.fields(Snapshot)}
-    found = field_problems(Snapshot, fields, {name: names.get(name, name) for name in fields})
-    if found:
-        return found
-    counters = names.get("counters", "counters")
-    found += [f"{counters}.{name}: {describe(value)}, must be an int >= 0" for name, value in snap.counters.items()
-              if isinstance(value, bool) or not isinstance(value, int) or value < 0]
-    if not found and snap.counters.get("micro_step", 0) < snap.counters.get("step", 0):
-        found.append(f"{counters}.micro_step: {snap.counters['micro_step']}, below {counters}.step "
-                     f"({snap.counters['step']}); every optimizer update consumes at least one micro-batch")
-    stopped = snap.stopped
-    if stopped is not None and not (set(stopped) == {"step", "reason"} and isinstance(stopped["reason"], str)
-                                    and isinstance(stopped["step"], int) and not isinstance(stopped["step"], bool)
-                                    and stopped["step"] >= 0):
-        found.append(f"{names.get('stopped', 'stopped')}: {describe(stopped)}, must be None or "
-                     "{'step': <int >= 0>, 'reason': <str>}")
-    found += [f"{names.get('rng', 'rng')}.{problem}" for problem in _rng.problems(snap.rng)]
-    groups = snap.optimizer.get("param_groups")
-    if not (isinstance(snap.optimizer.get("state"), Mapping) and isinstance(groups, (list, tuple))
-            and all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups)):
-        found.append("optimizer: not a state_dict of a torch optimizer (a mapping of 'state' to a mapping, and "
-                     "'param_groups' to a list of mappings with a list of 'params')")
-    if (snap.scheduler is None) != (snap.scheduler_type is None):
-        found.append(f"scheduler: {describe(snap.scheduler)} for a scheduler of type {snap.scheduler_type}")
-    return found
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    for param in model.parameters():
-        return param.device
-    for buffer in model.buffers():
-        return buffer.device
-    return torch.device("cpu")
 
 
 def verify(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
@@ -398,19 +443,24 @@ def verify(state: TrainState, snap: Snapshot, *, source: str = "the snapshot",
 def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
     """Puts a verified ``snap`` in place; ``copy=False`` lets the state take ownership of
     the snapshot's tensors (the snapshot must not be used again). Cannot fail but in a
-    user's ``extra`` object, whose ``load_state_dict`` therefore runs first.
+    user's ``extra`` object, whose ``load_state_dict`` therefore runs first (its error a
+    CheckpointError naming it).
 
     Parameters and buffers are copied into the model's own tensors; so are optimizer
     states where the optimizer already holds a tensor of the same shape, dtype and key
     (no fresh memory); any other tensor is copied (``copy``) or taken over."""
     model = unwrap(state.model)
-    device = _device(model)
+    device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
 
     def own(t: torch.Tensor) -> torch.Tensor:
         return t.clone() if copy else t
 
     for name, obj in state.extra.items():
-        obj.load_state_dict(copy_tree(snap.extra[name], own))
+        try:
+            obj.load_state_dict(copy_tree(snap.extra[name], own))
+        except Exception as e:  # its own checks, past the structure ``check`` compared
+            raise CheckpointError(f"extra[{name!r}].load_state_dict refused the saved state: {type(e).__name__}: {e} "
+                                  "(nothing else was loaded; the entries of extra before it were)") from e
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     live = {clean_name(k): (k, v) for k, v in model.state_dict().items()}
     values = {}
@@ -432,7 +482,8 @@ def put(state: TrainState, snap: Snapshot, *, copy: bool) -> TrainState:
             restored[key] = value
     _rng.restore(snap.rng)
     stopped = None if snap.stopped is None else Stopped(snap.stopped["step"], snap.stopped["reason"])
-    return state.replace(transforms_state=restored, stopped=stopped, **snap.counters)
+    data_state = None if snap.data_state is None else copy_tree(snap.data_state, own)
+    return state.replace(transforms_state=restored, stopped=stopped, data_state=data_state, **snap.counters)
 
 
 def _into(target: Any, value: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:

@@ -49,6 +49,9 @@ def _skipped(config: _config.LaunchConfig) -> list[tuple[str, str]]:
         installed = importlib.util.find_spec("torch_xla") is not None
         why = "run `accelfn test --backend xla`" if installed else "torch_xla is not installed"
         rows.append(("xla: every check", why))
+    if importlib.util.find_spec("deepspeed") is None:
+        rows.append(("deepspeed: every check", "DeepSpeed is not installed (`pip install --no-build-isolation "
+                     "deepspeed` beside this torch)"))
     return rows
 
 

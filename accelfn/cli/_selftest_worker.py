@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,11 +28,16 @@ from accelfn.loop import run
 from accelfn.state import TrainState
 from accelfn.step import Step, train_step
 from accelfn.transforms import (
+    Transform,
     accumulate,
     clip,
     compose,
+    deepspeed,
+    pipeline,
     replicate,
     shard_data,
+    shard_params,
+    tensor_parallel,
     with_precision,
 )
 
@@ -42,9 +48,14 @@ TOLERANCE = 1e-5
 Check = tuple[str, str, str]  # name, PASS/FAIL/SKIP, detail
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, *, stages: int = 1, width: int = HIDDEN) -> torch.nn.Module:
+    """``FEATURES -> width -> tanh -> CLASSES``; with ``stages`` > 1, ``stages - 1`` hidden
+    ``width -> width -> tanh`` layers in between (module names "2", "4", ...: where a
+    pipeline's stages begin)."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+    hidden = [layer for _ in range(stages - 1) for layer in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, width), torch.nn.Tanh(), *hidden,
+                               torch.nn.Linear(width, CLASSES))
 
 
 def _data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,15 +70,21 @@ def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
     return F.cross_entropy(model(x).float(), y)
 
 
-def _state(seed: int = 0) -> TrainState:
-    model = _model(seed)
+def _pipeline_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``_loss`` in ``pipeline``'s form: the last stage's output and the targets."""
+    return F.cross_entropy(output.float(), targets)
+
+
+def _state(seed: int = 0, *, stages: int = 1, width: int = HIDDEN) -> TrainState:
+    model = _model(seed, stages=stages, width=width)
     return TrainState.create(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
 
 
-def _reference(world_size: int) -> list[torch.Tensor]:
-    """The hand-written 1-process loop: each update on the whole global batch, clipped."""
+def _reference(world_size: int, *, stages: int = 1, width: int = HIDDEN) -> list[torch.Tensor]:
+    """The hand-written 1-process loop: each update on the whole global batch (of
+    ``world_size`` ranks' micro-batches), clipped."""
     x, y = _data(world_size)
-    model = _model()
+    model = _model(stages=stages, width=width)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     size = BATCH * WINDOW * world_size
     for u in range(UPDATES):
@@ -83,14 +100,18 @@ def _program(fault: str | None, *transforms: Any) -> Step:
     return compose(shard_data(), *data_parallel, accumulate(WINDOW), clip(MAX_NORM), *transforms)(train_step(_loss))
 
 
-def _train(backend: Backend, state: TrainState, step: Step, epochs: int = 1) -> TrainState:
-    x, y = _data(backend.world_size)
+def _train(backend: Backend, state: TrainState, step: Step, epochs: int = 1,
+           data_world: int | None = None) -> TrainState:
+    """``step`` over ``_data(data_world)`` (by default the world size: the ranks read shards of it)."""
+    x, y = _data(backend.world_size if data_world is None else data_world)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH)
     return run(step, state, loader, backend=backend, epochs=epochs, progress=False)
 
 
 def _params(state: TrainState) -> list[torch.Tensor]:
-    return [p.detach().float().cpu() for p in state.model.parameters()]
+    """The parameters, whole (a sharded one gathered from every rank: call on every rank)."""
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+            for p in state.model.parameters()]
 
 
 def _max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -113,6 +134,44 @@ def check_training(backend: Backend, fault: str | None) -> tuple[str, TrainState
     if state.step != UPDATES or not difference <= TOLERANCE:
         raise AssertionError(detail)
     return detail, state
+
+
+def check_parallel(backend: Backend, kind: str) -> str:
+    """Training under ``kind`` (``"shard_params"``, ``"tensor_parallel"``, ``"pipeline"`` or
+    ``"deepspeed"``, over every rank) with accumulation and clipping equals the 1-process
+    reference on the same global batches: shard_params and deepspeed shard the data over the
+    ranks; tensor_parallel and pipeline split one model over them, every rank reading the
+    whole batch."""
+    n = backend.world_size
+    stages = n if kind == "pipeline" else 1
+    width = -(-HIDDEN // n) * n if kind == "tensor_parallel" else HIDDEN  # split evenly over the ranks
+    builders: dict[str, Callable[[], Transform]] = {
+        "shard_params": shard_params,
+        "tensor_parallel": lambda: tensor_parallel({"0": "colwise", "2": "rowwise"}, size=n),
+        "pipeline": lambda: pipeline([str(2 * i) for i in range(1, n)], size=n, schedule="gpipe"),
+        # SGD is not one of the optimizers DeepSpeed's ZeRO was tested with: allowed by name
+        "deepspeed": lambda: deepspeed({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}),
+    }
+    parallel = builders[kind]()
+    loss: Any = _pipeline_loss if kind == "pipeline" else _loss  # pipeline's form: (output, targets)
+    step = compose(shard_data(), parallel, accumulate(WINDOW), clip(MAX_NORM))(train_step(loss))
+    data_world = n if kind in ("shard_params", "deepspeed") else 1
+    state = _train(backend, _state(stages=stages, width=width), step, data_world=data_world)
+    difference = _max_difference(_whole(backend, state, kind), _reference(data_world, stages=stages, width=width))
+    detail = f"max |difference| {difference:.1e} after {state.step} updates (tolerance {TOLERANCE:g})"
+    if state.step != UPDATES or not difference <= TOLERANCE:
+        raise AssertionError(detail)
+    return detail
+
+
+def _whole(backend: Backend, state: TrainState, kind: str) -> list[torch.Tensor]:
+    """The whole model's parameters on every rank: a pipeline's stages hold theirs alone (by
+    name), gathered from every rank; a sharded one's are gathered by ``_params``."""
+    if kind != "pipeline":
+        return _params(state)
+    mine = {name: p.detach().float().cpu() for name, p in state.model.named_parameters()}
+    whole = {name: p for part in backend.gather_object(mine) for name, p in part.items()}
+    return [whole[name] for name, _ in _model(stages=backend.world_size).named_parameters()]
 
 
 def check_checkpoint(backend: Backend, state: TrainState, directory: Path, fault: str | None) -> str:
@@ -212,6 +271,17 @@ def checks(backend: Backend, out: Path, fault: str | None) -> list[Check]:
         backend, trained[0] if trained else _train(backend, _state(), _program(None)),
         out / f"checkpoint-{backend.world_size}", fault)))
     results.append(_attempt(f"{where}: gather of unequal sizes", lambda: check_gather(backend)))
+    if backend.world_size > 1 and backend.name != "xla":
+        n = backend.world_size
+        names = {"shard_params": "shard_data + shard_params",
+                 "tensor_parallel": f"tensor_parallel(size={n})",
+                 "pipeline": f"pipeline(size={n}, schedule='gpipe')",
+                 "deepspeed": "shard_data + deepspeed(ZeRO-1)"}
+        for kind, name in names.items():
+            if kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+                continue  # `accelfn test` prints why it skips it
+            results.append(_attempt(f"{where}: {name} + accumulate({WINDOW}) + clip({MAX_NORM}) equals 1 process "
+                                    f"on the whole batch", lambda: check_parallel(backend, kind)))  # noqa: B023
     if backend.world_size == 1:
         for each in precision_backends(backend):
             for precision in each.supported_precisions:

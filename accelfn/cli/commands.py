@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from accelfn._version import __version__
+from accelfn.cli import _loopback
 from accelfn.cli import config as _config
 from accelfn.cli import precedence as _precedence
 from accelfn.cli._environment import availability, devices, package_versions
@@ -111,10 +112,12 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None) -> _precedence.Resolved:
+def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None,
+                   placed: bool = True) -> _precedence.Resolved:
     """The launch config in effect for ``args`` (flags, environment, files, defaults; see
-    ``accelfn.cli.config.resolve``); the files read are announced on ``stderr``."""
-    resolved = _precedence.resolve(_given(args), config_file=args.config)
+    ``accelfn.cli.precedence.resolve``; ``placed``: joining the job of an engine that started
+    this process); the files read are announced on ``stderr``."""
+    resolved = _precedence.resolve(_given(args), config_file=args.config, placed=placed)
     if stderr is not None and resolved.files and args.config is None:
         print(f"accelfn: using the launch config {', '.join(map(str, resolved.files))} (pass --config to "
               "choose another)", file=stderr)
@@ -128,7 +131,7 @@ def _launch(args: argparse.Namespace) -> int:
     config = resolved.config
     if not args.module and not Path(args.script).is_file():
         raise LaunchError(f"the training script {args.script!r} does not exist (use -m/--module for a module name)")
-    torchrun_args = [*config.torchrun_args(), *(["--module"] if args.module else []), args.script, *args.script_args]
+    config.check()
     # torchrun's workers inherit this process's environment (the config already holds the
     # variables set there, below the flags)
     for name, value in config.worker_env().items():
@@ -143,7 +146,10 @@ def _launch(args: argparse.Namespace) -> int:
         os.environ.pop(PRECISION_FROM_ENV, None)
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
-    return run_torchrun(torchrun_args, config)
+    os.environ.update(_loopback.worker_variables(config, os.environ))
+    with _loopback.rendezvous_store(config) as port:  # a job on this machine listens on loopback alone
+        script = [*(["--module"] if args.module else []), args.script, *args.script_args]
+        return run_torchrun([*config.torchrun_args(loopback_port=port), *script], config)
 
 
 # -- accelfn plan ---------------------------------------------------------------------------
@@ -288,13 +294,15 @@ def _report(args: argparse.Namespace) -> int:
         taken = ", ".join(f"{name}={value}" for name, value in env.engine_vars)
         out.write(f"launch engine: {env.engine}{f' ({taken})' if taken else ''}; rendezvous "
                   f"{f'{env.master_addr}:{env.master_port}' if env.master_addr else 'none'}\n")
+        placed = True
     except LaunchError as e:
         out.write(f"launch environment: invalid: {e}\n")
+        placed = False  # the engine's variables that do not place this process place no launch either
     passed = _config.launcher_set(os.environ)
     if passed:
         out.write(f"set by the launch that started this process, for its workers (not settings of a launch "
                   f"from here): {', '.join(f'{k}={v}' for k, v in passed.items())}\n")
-    resolved = _active_config(args)
+    resolved = _active_config(args, placed=placed)
     source = ", ".join(map(str, resolved.files)) or "none found, the defaults"
     out.write(f"launch config ({source}):\n")
     for line in _config.to_yaml(resolved.config).splitlines():
@@ -306,21 +314,26 @@ def _report(args: argparse.Namespace) -> int:
 # -- accelfn test ---------------------------------------------------------------------------
 
 def _test(args: argparse.Namespace) -> int:
-    return self_test(_active_config(args, stderr=sys.stderr).config, fault=args.fault)
+    return self_test(_active_config(args, stderr=sys.stderr, placed=False).config, fault=args.fault)
 
 
 # -- the parser -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``accelfn`` argument parser (its ``--help`` documents every flag)."""
+    # allow_abbrev=False everywhere: an argument after SCRIPT that starts like a flag of ours
+    # (`--n`, `--timeout`, `--master`) is the script's, never an abbreviation to expand or an
+    # "ambiguous option" error (argparse classifies every argument before the script's REMAINDER
+    # takes them); ours are spelled out in full
     parser = argparse.ArgumentParser(
         prog="accelfn", description="Run accelfn training scripts on one or many processes and machines.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{launch,plan,config,env,test}")
 
     launch = commands.add_parser(
-        "launch", help="run a script on N processes per node (drives torch.distributed.run)",
+        "launch", allow_abbrev=False, help="run a script on N processes per node (drives torch.distributed.run)",
         description="Runs SCRIPT on --nproc-per-node processes on each of --nnodes nodes through "
         "torch.distributed.run (torchrun). Workers get RANK, LOCAL_RANK, WORLD_SIZE, "
         "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and ACCELFN_BACKEND, ACCELFN_PRECISION, "
@@ -345,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=_launch, parser=launch)
 
     plan = commands.add_parser(
-        "plan", help="print what a launch would do, hold and break on, training nothing (af.plan)",
+        "plan", allow_abbrev=False, help="print what a launch would do, hold and break on, training nothing (af.plan)",
         description="Runs SCRIPT unchanged in one process that stands for the launch's "
         "--nproc-per-node x --nnodes processes: af.run prints af.plan(...) for that world size "
         "(updates, samples per rank, memory per rank, collectives per update, misconfigurations) "
@@ -363,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan, parser=plan)
 
     config = commands.add_parser(
-        "config", help="write a YAML launch config for `accelfn launch`",
+        "config", allow_abbrev=False, help="write a YAML launch config for `accelfn launch`",
         description="Writes a launch config: the flags given, the defaults for the rest (or, with "
         "--interactive, answers read from standard input).",
     )
@@ -378,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(run=_write_config, parser=config)
 
     env = commands.add_parser(
-        "env", help="print versions, devices, backends and the launch config (for bug reports)",
+        "env", allow_abbrev=False, help="print versions, devices, backends and the launch config (for bug reports)",
         description="Prints accelfn, torch, Python and platform versions, devices, which "
         "distributed backends this installation can use, the launch environment and the "
         "active launch config.",
@@ -389,13 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
     env.set_defaults(run=_report, parser=env)
 
     test = commands.add_parser(
-        "test", help="check this machine end to end: training, backends, precisions, checkpoints, collectives",
+        "test", allow_abbrev=False, help="check this machine end to end: training, backends, precisions, checkpoints, collectives",
         description="Trains a tiny model on 1 process and on --nproc-per-node processes (2 when the "
         "config says 1) with the launch config in effect, and prints one line per check: PASS, FAIL or "
         "SKIP. Checks: shard_data + replicate + accumulate + clip equals 1 process on the whole batch; "
         "each available backend and precision lowers the loss; a checkpoint saves and loads bitwise; "
-        "gather joins tensors of unequal sizes. The config's precision, accumulate and compile defaults "
-        "are left out (the checks set their own). Exits 1 when a check fails.",
+        "gather joins tensors of unequal sizes; on several processes, shard_params, tensor_parallel, "
+        "pipeline and (where installed) deepspeed over all of them equal 1 process too. The config's "
+        "precision, accumulate and compile defaults are left out (the checks set their own). Exits 1 when "
+        "a check fails.",
     )
     test.add_argument("--config", metavar="FILE",
                       help="YAML launch config (default $ACCELFN_CONFIG_FILE, else "

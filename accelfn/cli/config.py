@@ -175,11 +175,14 @@ class LaunchConfig:
                 "--master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT"
             )
 
-    def torchrun_args(self) -> list[str]:
+    def torchrun_args(self, *, loopback_port: int | None = None) -> list[str]:
         """The ``torch.distributed.run`` options for this job (the script comes after them).
 
-        One node without a port or endpoint uses ``--standalone``: a c10d rendezvous on
-        ``localhost:0``, so the OS picks a free port and two jobs on one machine never collide.
+        One node without a port or endpoint rendezvous at ``127.0.0.1:loopback_port``, the
+        store this process hosts on loopback (``accelfn/cli/_loopback.py``; the OS picked the
+        port, so two jobs on one machine never collide), with ``--local-addr 127.0.0.1`` so
+        the workers' store is on loopback too; without ``loopback_port``, ``--standalone``
+        (a c10d rendezvous on ``localhost:0``, whose store listens on every interface).
         ``timeout_s`` also bounds the rendezvous, the wait for every node to join (torchrun's
         own default is 600 s): ``--rdzv-conf timeout=`` for the static and etcd rendezvous,
         ``join_timeout=`` for c10d and etcd-v2, in whole seconds, rounded up.
@@ -195,6 +198,9 @@ class LaunchConfig:
             key = "timeout" if self.rdzv_backend in ("static", "etcd") else "join_timeout"
             return [*args, "--rdzv-backend", self.rdzv_backend, "--rdzv-endpoint", self.rdzv_endpoint,
                     "--rdzv-id", self.rdzv_id, "--rdzv-conf", f"{key}={seconds}"]
+        if self.master_port is None and loopback_port is not None:
+            return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{loopback_port}",
+                    "--rdzv-id", self.rdzv_id, "--local-addr", "127.0.0.1", "--rdzv-conf", f"join_timeout={seconds}"]
         if self.master_port is None:
             return [*args, "--standalone", "--rdzv-conf", f"join_timeout={seconds}"]
         return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),

@@ -4,7 +4,10 @@ notebook or a script (Accelerate's ``notebook_launcher``), by torch's elastic ag
 from __future__ import annotations
 
 import importlib
+import io
+import multiprocessing
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -17,13 +20,18 @@ from typing import Any, TypeVar
 
 import orjson
 
+from accelfn.cli import _loopback
 from accelfn.cli.config import LaunchConfig
+from accelfn.distributed.engines import World, placement
 from accelfn.distributed.env import DEFAULT_TIMEOUT_S, launcher_environment
 from accelfn.distributed.process_group import user_code
 from accelfn.errors import LaunchError
 
 _R = TypeVar("_R")
 _START_METHODS = ("spawn", "fork", "forkserver")
+#: set for the workers of ``launch``: the folder where a worker writes the exception it raised
+#: (a spawned worker inherits it while it imports the script, before it has its arguments)
+FAILURES_ENV = "ACCELFN_LAUNCH_FAILURES"
 
 
 def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: str | None = None,
@@ -38,9 +46,11 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
     (a signal, ``os._exit``) raises ``LaunchError``.
 
     Args:
-        fn: the function; with ``start_method="spawn"`` it must be importable by name (a
-            module's top-level function; in a script, keep the call under
-            ``if __name__ == "__main__":``), and ``args`` and its result picklable.
+        fn: the function; with ``start_method="spawn"`` (or ``"forkserver"``) it must be
+            importable by name (a module's top-level ``def``, not a lambda or a nested
+            function) and ``args`` picklable; in a script, keep the call under
+            ``if __name__ == "__main__":`` (each spawned worker imports the script). Its
+            result must be picklable (it is sent back to this process).
         *args: the arguments of ``fn``.
         nproc_per_node: processes to start, >= 1.
         backend: ``"cpu"``, ``"cuda"`` or ``"xla"`` for ``auto()`` in the workers
@@ -56,10 +66,17 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         rank 0's return value.
 
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable; with a spawning ``start_method``, ``fn`` or an
+            argument cannot be pickled (a lambda, a nested function, a lock, ...), raised
+            before any worker starts; a worker's result cannot be pickled (raised from rank 0
+            or the first rank that returned one).
         ValueError: an unknown ``start_method``; a bad ``nproc_per_node``, ``backend`` or
             ``timeout_s`` (as ``accelfn launch`` checks them).
-        LaunchError: a worker that died without an exception, or a rendezvous that failed.
+        LaunchError: a worker that died without an exception, or a rendezvous that failed;
+            an engine that started this process as one of several (a Kubeflow pod of a
+            PyTorchJob, a task of an ``srun`` step, an ``mpirun`` rank: each would train alone);
+            ``launch`` called while a spawned worker imports the script (a script without
+            ``if __name__ == "__main__":``, whose top level each worker runs again).
         BaseException: the exception a worker raised (its class, rebuilt from its arguments;
             a LaunchError with its traceback where that cannot be done).
 
@@ -72,6 +89,8 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
     """
     if not callable(fn):
         raise TypeError(f"launch(fn, ...) takes a function, got {type(fn).__name__}")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own test
+        _refuse_in_a_starting_worker()
     if start_method is None:
         main = getattr(sys.modules.get("__main__"), "__file__", None)  # "<stdin>" for python reading stdin
         start_method = "spawn" if main is not None and os.path.isfile(main) else "fork"
@@ -83,14 +102,19 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
         config.check()
     except LaunchError as e:
         raise ValueError(f"launch(...): {e}") from None
+    _refuse_a_placed_process(placement(os.environ))
+    if start_method != "fork":
+        _check_picklable(fn, args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
     from torch.distributed.launcher.api import elastic_launch
 
-    elastic = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
-                            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                            start_method=start_method, rdzv_configs={"join_timeout": timeout_s})
-    with tempfile.TemporaryDirectory(prefix="accelfn-launch-") as failures, _worker_environment(config):
+    with (tempfile.TemporaryDirectory(prefix="accelfn-launch-") as failures, _worker_environment(config, failures),
+          _loopback.rendezvous_store(config) as port):  # the job listens on loopback alone
+        elastic = ElasticConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
+                                rdzv_backend="c10d", rdzv_endpoint=f"{_loopback.LOOPBACK}:{port}",
+                                local_addr=_loopback.LOOPBACK, max_restarts=0, start_method=start_method,
+                                rdzv_configs={"join_timeout": timeout_s})
         try:
             results = elastic_launch(elastic, _run_worker)(fn, args, failures)
         except ChildFailedError as e:
@@ -98,14 +122,84 @@ def launch(fn: Callable[..., _R], *args: Any, nproc_per_node: int = 2, backend: 
     return results[0]
 
 
+def _refuse_a_placed_process(world: World | None) -> None:
+    """Raises LaunchError where an engine started this process as one of several (``world``,
+    from ``engines.placement``): ``launch`` starts a world on this machine alone, so each of
+    the engine's processes would train alone on the whole data set."""
+    if world is None:
+        return
+    taken = ", ".join(f"{name}={value}" for name, value in world.taken[:2])
+    raise LaunchError(
+        f"af.launch starts workers on this machine alone, but {world.engine} ({taken}) started this process as "
+        f"process {world.rank} of {world.world_size}: each of them would start a world of its own and train alone on "
+        "the whole data set. Make the engine's command `accelfn launch --nproc-per-node N script.py` (it joins the "
+        f"{world.world_size} processes' nodes into one world), or call af.launch from one process (`srun "
+        "--ntasks=1`, a single pod, or unset the engine's variables)"
+    )
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Pickles ``fn`` and each argument as a spawned worker's start does (multiprocessing's
+    pickler, into nothing), before any worker starts.
+
+    Raises:
+        TypeError: ``fn`` or an argument cannot be pickled, naming it and the fix.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    for what, value in (("fn", fn), *((f"argument {i}", arg) for i, arg in enumerate(args))):
+        try:
+            ForkingPickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(value)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            name = getattr(value, "__qualname__", type(value).__name__)
+            fix = (f"Define {name!r} with `def` at the top level of a module or of the script (a lambda or a "
+                   "function defined inside another cannot be imported by name)" if what == "fn" else
+                   "Pass something picklable (data, paths, tensors), or build the object inside fn")
+            raise TypeError(f"launch(...): {what} ({name}) cannot be sent to the spawned workers: "
+                            f"{type(e).__name__}: {e}. {fix}, or pass start_method=\"fork\" (Linux; a notebook's "
+                            "default), which copies this process instead") from None
+
+
+class _Discard(io.RawIOBase):
+    """A file that keeps nothing written to it."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return len(memoryview(data))
+
+
+def _refuse_in_a_starting_worker() -> None:
+    """Raised where ``launch`` is called while a spawned worker imports the script (its top
+    level runs again in every worker when it is not under ``if __name__ == "__main__":``); the
+    reason is also written for the launching process, which raises it in turn.
+
+    Raises:
+        LaunchError: always.
+    """
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the script"
+    message = (f"af.launch was called again while a spawned worker was importing {script}: its top level, "
+               "which calls af.launch, runs in every worker. Put the code that starts the workers under "
+               "`if __name__ == \"__main__\":` (as multiprocessing's spawn start method requires), e.g. "
+               "`if __name__ == \"__main__\": print(af.launch(fn, nproc_per_node=2))`")
+    folder = os.environ.get(FAILURES_ENV)
+    if folder and os.path.isdir(folder):
+        record = {"raised_ns": time.monotonic_ns(), "rank": None, "module": LaunchError.__module__,
+                  "name": LaunchError.__qualname__, "args": [message], "traceback": ""}
+        (Path(folder) / f"starting{os.getpid()}").write_bytes(orjson.dumps(record))
+    raise LaunchError(message)
+
+
 @contextmanager
-def _worker_environment(config: LaunchConfig) -> Iterator[None]:
+def _worker_environment(config: LaunchConfig, failures: str) -> Iterator[None]:
     """This process's environment with the variables ``accelfn launch`` gives its workers
-    (which inherit it when they start); afterwards the environment as it was (torch's agent
-    sets variables of its own in it too)."""
+    (which inherit it when they start) and the folder for their exceptions; afterwards the
+    environment as it was (torch's agent sets variables of its own in it too)."""
     saved = dict(os.environ)
     try:
-        for name, value in {**config.worker_env(), **launcher_environment(config.backend)}.items():
+        for name, value in {**config.worker_env(), **launcher_environment(config.backend),
+                            **_loopback.worker_variables(config, os.environ), FAILURES_ENV: failures}.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
@@ -123,17 +217,34 @@ def _run_worker(fn: Callable[..., _R], args: tuple[Any, ...], failures: str) -> 
     its traceback) for the launching process, then raised."""
     try:
         with user_code("af.launch's function"):  # raised on one rank: leave without the exit barrier
-            return fn(*args)
+            result = fn(*args)
+        _check_result(fn, result)
+        return result
     except BaseException as e:
         rank = int(os.environ.get("RANK", "0"))
         try:
             arguments = orjson.loads(orjson.dumps(list(e.args)))
         except (TypeError, orjson.JSONEncodeError):
             arguments = None  # the launching process raises it as text
-        record = {"raised_ns": time.monotonic_ns(), "module": type(e).__module__, "name": type(e).__qualname__,
-                  "args": arguments, "traceback": "".join(traceback.format_exception(e))}
+        record = {"raised_ns": time.monotonic_ns(), "rank": rank, "module": type(e).__module__,
+                  "name": type(e).__qualname__, "args": arguments, "traceback": "".join(traceback.format_exception(e))}
         (Path(failures) / f"rank{rank:06d}").write_bytes(orjson.dumps(record))
         raise
+
+
+def _check_result(fn: Callable[..., Any], result: Any) -> None:
+    """Raises TypeError, naming ``fn`` and the result's type, where ``result`` cannot be pickled
+    to be sent back to the launching process (torch's agent would fail after ``fn`` returned,
+    with no word of why)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(result)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(f"launch(...): {getattr(fn, '__qualname__', fn)!s} returned a "
+                        f"{type(result).__module__}.{type(result).__qualname__} that cannot be sent back to the "
+                        f"launching process ({type(e).__name__}: {e}); return picklable values (tensors, numbers, "
+                        "lists, dicts, state_dict()s), or save the object to a file and return its path") from None
 
 
 def _worker_failure(failures: Path, error: Exception) -> BaseException:
@@ -144,10 +255,12 @@ def _worker_failure(failures: Path, error: Exception) -> BaseException:
     raised = []
     for path in failures.iterdir():
         record = orjson.loads(path.read_bytes())
-        raised.append((record["raised_ns"], int(path.name.removeprefix("rank")), record))
+        raised.append((record["raised_ns"], -1 if record["rank"] is None else record["rank"], record))
     if not raised:
         return LaunchError(f"launch: a worker ended without raising an exception (a signal or os._exit): {error}")
     _, rank, record = min(raised, key=lambda r: r[:2])
+    if record["rank"] is None:  # raised while the worker started, before fn: its message says it all
+        return LaunchError(*record["args"])
     note = f"raised in af.launch's worker of rank {rank}:\n{record['traceback']}"
     exception = _rebuilt(record)
     if exception is None:

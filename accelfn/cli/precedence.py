@@ -7,7 +7,13 @@
                                                   for a value an outer launch set for its
                                                   workers (LAUNCHER_SET_ENV): not the user's;
                                                   below them, Kubeflow Trainer v2's PET_NNODES,
-                                                  PET_NPROC_PER_NODE, ... (ENGINE_ENV)
+                                                  PET_NPROC_PER_NODE, ... (ENGINE_ENV); where
+                                                  none of those is set, the place of a launcher
+                                                  an engine started as one of N processes
+                                                  (``engines.placement``: a Kubeflow v1 pod's
+                                                  RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+                                                  a task of an srun step; an mpirun rank):
+                                                  node RANK of N nodes at the engine's address
     3  the chosen config file: --config FILE, else $ACCELFN_CONFIG_FILE, else ./accelfn.yaml
     4  the user's config file                     $XDG_CONFIG_HOME/accelfn/config.yaml
                                                   (~/.config/accelfn/config.yaml)
@@ -16,6 +22,10 @@
 A file sets only the keys it holds with a value other than ``null``, so a user file with
 ``precision: bf16`` still applies under a project file that names only ``nproc_per_node``
 (or ``precision: null``, as ``accelfn config`` writes an option it was not given).
+
+A launcher an engine placed joins the engine's job, never a world of its own in which it
+would train alone on the whole data set: its ``nnodes`` is the engine's number of
+processes, and a flag that says otherwise is an error.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from accelfn.cli.config import (
     launcher_set,
     merge,
 )
+from accelfn.distributed.engines import World, placement
 from accelfn.errors import LaunchError
 
 #: the variable naming the config file to use instead of ./accelfn.yaml
@@ -124,7 +135,7 @@ def _environment(environ: Mapping[str, str], variables: Mapping[str, str] = WORK
 
 
 def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.PathLike[str] | None = None,
-            environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> Resolved:
+            environ: Mapping[str, str] | None = None, cwd: Path | None = None, placed: bool = True) -> Resolved:
     """The launch config in effect: flags over the environment over the chosen config file
     over the user's config file over the defaults (see this module's docstring).
 
@@ -132,16 +143,21 @@ def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.Pat
         flags: options given on the command line, by field name (None values ignored).
         config_file: the file named by ``--config``, or None.
         environ: the environment (default ``os.environ``): ``ACCELFN_CONFIG_FILE``,
-            ``XDG_CONFIG_HOME``, ``HOME`` and the variables of ``WORKER_ENV`` and ``ENGINE_ENV``.
+            ``XDG_CONFIG_HOME``, ``HOME``, the variables of ``WORKER_ENV`` and ``ENGINE_ENV``,
+            and the launch engines' (``engines.placement``).
         cwd: the working directory, where ``accelfn.yaml`` is looked for.
+        placed: whether a launcher an engine placed joins the engine's job (False for
+            ``accelfn test``, which checks this machine alone).
 
     Returns:
         Resolved: the config and the source of each option.
 
     Raises:
         LaunchError: a file named by ``--config`` or ``ACCELFN_CONFIG_FILE`` that cannot be
-            read; an invalid file or variable (the message names it); options that are
-            valid alone but not together are left to :meth:`LaunchConfig.check`.
+            read; an invalid file or variable (the message names it); an engine's incomplete
+            variables; a flag's ``--nnodes`` other than the number of processes of the engine
+            that placed this launcher; options that are valid alone but not together are left
+            to :meth:`LaunchConfig.check`.
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -157,11 +173,41 @@ def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.Pat
         values.update({key: getattr(config, key) for key in keys})
         sources.update(dict.fromkeys(keys, str(path)))
         files.append(path)
+    given = {name: value for name, value in (flags or {}).items() if value is not None}
+    world = placement(env) if placed and not any(v in env for v in ENGINE_ENV.values()) else None
+    if world is not None:
+        joined = _joined(world, env, endpoint="rdzv_endpoint" in given or "rdzv_endpoint" in values)
+        values.update({name: value for name, (value, _) in joined.items()})
+        sources.update({name: source for name, (_, source) in joined.items()})
     for variables in (ENGINE_ENV, WORKER_ENV):
         from_env = _environment(env, variables)
         values.update(from_env)
         sources.update({name: variables[name] for name in from_env})
-    given = {name: value for name, value in (flags or {}).items() if value is not None}
     values.update(given)
     sources.update({name: "--" + name.replace("_", "-") for name in given})
+    if world is not None and values["nnodes"] != world.world_size:
+        raise LaunchError(
+            f"--nnodes {values['nnodes']}, but {_named(world)} says this launcher is process {world.rank} of "
+            f"{world.world_size}: a launch of its own would train alone on the whole data set. Leave --nnodes and "
+            f"--node-rank out (the launch joins the job as node {world.rank} of {world.world_size}), give --nnodes "
+            f"{world.world_size}, or unset the engine's variables to run a job on this machine alone"
+        )
     return Resolved(merge(LaunchConfig(), **values), sources, tuple(files))
+
+
+def _named(world: World) -> str:
+    """The engine and the variables it placed this process with: ``kubeflow (RANK=1, WORLD_SIZE=2)``."""
+    return f"{world.engine} ({', '.join(f'{name}={value}' for name, value in world.taken[:2])})"
+
+
+def _joined(world: World, environ: Mapping[str, str], *, endpoint: bool) -> dict[str, tuple[Any, str]]:
+    """The options by which a launcher the engine placed joins its job, and the source of
+    each: node ``world.rank`` of ``world.world_size``, at the engine's rendezvous address
+    (static; not where a ``rdzv_endpoint`` is given)."""
+    rank_var, size_var = (name for name, _ in world.taken[:2])
+    joined: dict[str, tuple[Any, str]] = {"nnodes": (world.world_size, size_var), "node_rank": (world.rank, rank_var)}
+    if not endpoint:
+        where = f"{world.engine}'s rendezvous address"
+        joined["master_addr"] = (world.master_addr, "MASTER_ADDR" if environ.get("MASTER_ADDR") else where)
+        joined["master_port"] = (world.master_port, "MASTER_PORT" if environ.get("MASTER_PORT") else where)
+    return joined

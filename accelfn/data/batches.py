@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence, Sized
 from typing import Any, cast
 
 import torch
@@ -24,10 +25,12 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
-    get_worker_info,
 )
 
+from accelfn.data import streams
+from accelfn.data._loaders import rebuild as _rebuild
 from accelfn.data._workers import SeededFetch, start_iterating, worker_generator
+from accelfn.data.streams import Readers, ShardedIterable
 from accelfn.data.tree import num_samples
 from accelfn.transforms import ShardData
 
@@ -130,32 +133,21 @@ class _IndexSampler(Sampler[Any]):
         return len(self.indices)
 
 
-class ShardedIterable(IterableDataset):
-    """Item ``i`` of ``dataset`` goes to exactly one (rank, DataLoader worker) pair.
-
-    The stream is split round-robin over ``world_size * num_workers`` readers, so every
-    item is read exactly once. Do not also split by worker inside ``dataset``.
-    """
-
-    def __init__(self, dataset: Iterable[Any], *, rank: int, world_size: int):
-        self.dataset, self.rank, self.world_size = dataset, rank, world_size
-
-    def __iter__(self) -> Iterator[Any]:
-        info = get_worker_info()
-        num_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        readers = self.world_size * num_workers
-        me = self.rank * num_workers + worker
-        return itertools.islice(iter(self.dataset), me, None, readers)
-
-
 def _is_map_style(loader: DataLoader) -> bool:
     return not isinstance(loader.dataset, IterableDataset)
 
 
+def _random_samplers() -> tuple[type, ...]:
+    """The samplers ``shuffle=True`` builds: torch's ``RandomSampler``, and torchdata's own
+    (a ``StatefulDataLoader(shuffle=True)``'s, not a subclass of torch's) once imported."""
+    torchdata = sys.modules.get("torchdata.stateful_dataloader.sampler")
+    return (RandomSampler,) if torchdata is None else (RandomSampler, torchdata.RandomSampler)
+
+
 def _shuffles(loader: DataLoader) -> bool:
     sampler = loader.sampler
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:  # noqa: SLF001
+    if isinstance(sampler, _random_samplers()):
+        if sampler.replacement or sampler._num_samples is not None:  # type: ignore[attr-defined]  # noqa: SLF001  # both kinds have them
             raise ValueError(
                 "shard_data() cannot shard a RandomSampler that draws with replacement or a "
                 "custom num_samples; use shuffle=True without them"
@@ -167,29 +159,6 @@ def _shuffles(loader: DataLoader) -> bool:
         f"shard_data() replaces the DataLoader's sampler, but this one uses "
         f"{type(sampler).__name__}; build the DataLoader with shuffle=True/False (or drop "
         "shard_data() and shard the data yourself)"
-    )
-
-
-def _rebuild(loader: DataLoader, *, dataset: Any = None, sampler: Sampler | None = None,
-             generator: torch.Generator | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
-             drop_last: bool | None = None, batch_size: int | None = None) -> DataLoader:
-    """The same DataLoader (batch size, collate, workers, pinning) over a new sampler/dataset."""
-    workers = loader.num_workers
-    return DataLoader(
-        loader.dataset if dataset is None else dataset,
-        batch_size=loader.batch_size if batch_size is None else batch_size,
-        sampler=sampler,
-        num_workers=workers,
-        collate_fn=loader.collate_fn if collate_fn is None else collate_fn,
-        pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last if drop_last is None else drop_last,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context if workers else None,
-        generator=generator,
-        prefetch_factor=loader.prefetch_factor if workers else None,
-        persistent_workers=loader.persistent_workers if workers else False,
-        pin_memory_device=loader.pin_memory_device,
     )
 
 
@@ -208,6 +177,9 @@ class EpochBatches:
         padding_ranks: the ranks whose final batch ends with one sample added by wrapping
             (the samples ``gather_for_metrics`` drops).
         is_last: whether the batch most recently yielded is the epoch's last.
+        readers: when ``source`` is a stream's :class:`~accelfn.data.streams.Readers`, they
+            (their ``state_dict()`` is where the epoch stands: ``TrainState.data_state``),
+            else None.
     """
 
     def __init__(self, source: Iterable[Any], *, num_batches: int | None, start: int,
@@ -224,16 +196,26 @@ class EpochBatches:
         self._place, self._sync = place, sync
         self.padding_ranks = padding_ranks
         self.is_last = False
+        self.readers = source if isinstance(source, Readers) else None
 
     def __len__(self) -> int:
         if self.num_batches is None:
             raise TypeError("the number of batches of this data is not known in advance")
         return max(self.num_batches - self.start, 0)
 
-    def __iter__(self) -> Iterator[tuple[Any, bool]]:
+    def __iter__(self) -> Generator[tuple[Any, bool], None, None]:
         it: Iterator[Any] = start_iterating(self._source)
         if self._sync is not None:
             it = self._sync(it)
+        yield from (self._batches(it) if self.readers is None else self._counted(it, self.readers))
+
+    def _counted(self, it: Iterator[Any], readers: Readers) -> Iterator[tuple[Any, bool]]:
+        """The batches of ``it``, each counted in ``readers.consumed`` as it is given out."""
+        for pair in self._batches(it):
+            readers.consumed += 1
+            yield pair
+
+    def _batches(self, it: Iterator[Any]) -> Iterator[tuple[Any, bool]]:
         place = self._place
         if self.num_batches is not None:
             remaining = len(self)
@@ -312,9 +294,15 @@ def num_batches(data: Iterable[Any], shard: ShardData | None, *, rank: int, worl
 def epoch_batches(
     data: Iterable[Any], shard: ShardData | None, *, rank: int, world_size: int, epoch: int,
     start: int = 0, place: Callable[[Any], Any] = lambda b: b,
-    sync: Callable[[Iterator[Any]], Iterator[Any]] | None = None,
+    sync: Callable[[Iterator[Any]], Iterator[Any]] | None = None, data_state: Any = None,
 ) -> EpochBatches:
     """This rank's micro-batches of ``epoch`` from position ``start`` (micro-batches skipped).
+
+    A stream (a DataLoader over an IterableDataset under ``shard_data``, or a torchdata
+    ``StatefulDataLoader``) is read by :class:`~accelfn.data.streams.Readers`, whose state
+    the returned ``readers`` keeps for checkpoints; resumed from ``data_state``, the saved
+    state of the same readers, it continues where they stopped instead of reading the first
+    ``start`` micro-batches again (``accelfn.data.streams``).
 
     Args:
         data: a DataLoader (map-style or iterable dataset) or any iterable of batches.
@@ -325,13 +313,28 @@ def epoch_batches(
         place: moves a batch to the device.
         sync: for data whose length is unknown, a wrapper that keeps ranks in step (pads
             ranks that run out by replaying a batch) so that no collective hangs.
+        data_state: ``TrainState.data_state``: the readers' saved state at ``start`` (or the
+            live readers of an earlier call), or None.
 
     Raises:
-        ValueError: a DataLoader whose sampler cannot be sharded, or ``start`` beyond the epoch.
+        ValueError: a DataLoader whose sampler cannot be sharded, ``start`` beyond the
+            epoch, or a ``datasets.IterableDataset`` already split over processes.
+
+    Warns:
+        RuntimeWarning: a mid-epoch resume that does not continue exactly (a DataLoader
+            that reshuffles on every pass) or reads batches again (a stream without its
+            readers' saved state); the cost of a stream's split (``accelfn.data.streams``).
     """
     if shard is not None and not (isinstance(data, DataLoader) and _is_map_style(data)):
         _check_not_split(shard)
     if shard is None or world_size == 1 and not isinstance(data, DataLoader):
+        num = num_batches(data, shard, rank=rank, world_size=world_size)
+        if streams.is_stateful_loader(data):
+            readers = streams.own_loader(cast(DataLoader, data), rank=rank, world_size=world_size, epoch=epoch,
+                                         start=start, data_state=data_state, ahead=num is None)
+            if readers is not None:
+                return EpochBatches(readers, num_batches=num, start=start, place=place,
+                                    sync=sync if world_size > 1 and num is None else None)
         if start and isinstance(data, DataLoader) and _is_map_style(data) and not isinstance(
                 data.sampler, SequentialSampler):
             warnings.warn(
@@ -343,17 +346,16 @@ def epoch_batches(
                 RuntimeWarning,
                 stacklevel=4,
             )
-        num = num_batches(data, shard, rank=rank, world_size=world_size)
         return EpochBatches(_LazySlice(data, start), num_batches=num, start=start, place=place,
                             sync=sync if world_size > 1 and num is None else None)
     if isinstance(data, DataLoader):
         if _is_map_style(data):
             return _map_style(data, shard, rank=rank, world_size=world_size, epoch=epoch, start=start, place=place)
         _check_shardable(data)
-        loader = _rebuild(data, dataset=ShardedIterable(cast(Iterable[Any], data.dataset), rank=rank, world_size=world_size),
-                          generator=worker_generator(shard.seed, epoch, rank))
-        return EpochBatches(_LazySlice(loader, start), num_batches=None, start=start,
-                            place=place, sync=sync if world_size > 1 else None)
+        source = streams.epoch_stream(data, seed=shard.seed, rank=rank, world_size=world_size, epoch=epoch,
+                                      start=start, data_state=data_state)
+        return EpochBatches(source, num_batches=None, start=start, place=place,
+                            sync=sync if world_size > 1 else None)
     if isinstance(data, Sequence):
         indices = shard_indices(len(data), rank=rank, world_size=world_size, shuffle=False, seed=shard.seed,
                                 epoch=epoch, drop_last=shard.drop_last, even_batches=shard.even_batches)
@@ -503,7 +505,8 @@ def keyed_batches(data: Iterable[Any], *, rank: int, world_size: int) -> Iterabl
         Iterable of ``(keys, batch)``: ``keys`` an int64 tensor of shape ``(batch,)``.
 
     Raises:
-        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler).
+        ValueError: a DataLoader without ``batch_size`` (a custom batch sampler), or over a
+            ``datasets.IterableDataset`` with workers (which split it by shards themselves).
     """
     if isinstance(data, DataLoader):
         if data.batch_size is None:
@@ -511,6 +514,12 @@ def keyed_batches(data: Iterable[Any], *, rank: int, world_size: int) -> Iterabl
                 "evaluate() needs a DataLoader built with batch_size=...; one with a custom "
                 "batch_sampler cannot be split by samples"
             )
+        if data.num_workers and streams.is_hf_stream(data.dataset):
+            raise ValueError(
+                "evaluate() puts the outputs back in stream order by each item's position in the stream, but in "
+                f"DataLoader workers a datasets.IterableDataset gives each worker only its own shards ({data.num_workers} "
+                "workers here), so those positions are lost (and items with them); evaluate it with num_workers=0, "
+                "or a map-style datasets.Dataset")
         collate = _KeyedCollate(data.collate_fn)
         if _is_map_style(data):
             indices = shard_indices(len(data.dataset), rank=rank, world_size=world_size,  # type: ignore[arg-type]  # map-style: sized
@@ -560,7 +569,7 @@ def check_eval_loader(data: Any) -> None:
             "gather_for_metrics), so it cannot honour drop_last=True; build the evaluation DataLoader "
             "with drop_last=False"
         )
-    if not isinstance(data.sampler, (SequentialSampler, RandomSampler)):
+    if not isinstance(data.sampler, (SequentialSampler, *_random_samplers())):
         raise TypeError(
             f"eval_batches() replaces the DataLoader's sampler, but this one uses "
             f"{type(data.sampler).__name__}; build the DataLoader with shuffle=False"

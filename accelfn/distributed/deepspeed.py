@@ -9,7 +9,8 @@ partitions a stage-3 model's parameters in place) and the same optimizer (DeepSp
 its groups at its fp32 partitions); the engine is kept on the model (``engine_of``), where
 the step function (``backends._deepspeed``) and the checkpoint code find it.
 
-DeepSpeed is imported on first use: it is an optional dependency (``accelfn[deepspeed]``).
+DeepSpeed is imported on first use: it is an optional dependency (``accelfn[deepspeed]``),
+installed after torch with ``pip install --no-build-isolation deepspeed``.
 """
 
 from __future__ import annotations
@@ -44,11 +45,51 @@ def import_deepspeed() -> Any:
         import deepspeed
     except ImportError as e:
         raise NotImplementedError(
-            f"af.deepspeed(...) needs DeepSpeed, which is not installed here ({e}); install it with "
-            "`pip install --no-build-isolation 'accelfn[deepspeed]'` (next to the torch you have), or "
-            "use af.shard_params() (FSDP2) instead"
+            f"af.deepspeed(...) needs DeepSpeed, which is not installed here ({e}); install it after torch, "
+            "against it: `pip install --no-build-isolation deepspeed` (docs/15), or use af.shard_params() "
+            "(FSDP2) instead"
         ) from e
     return deepspeed
+
+
+#: torch optimizers whose update of each element reads only that element's gradient and state
+#: (and the step count): stepping them on ZeRO's flat partitions is the same update as on the
+#: whole parameters, so accelfn lets DeepSpeed's ZeRO take them (``zero_allow_untested_optimizer``)
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+def optimizer_options(optimizer: torch.optim.Optimizer, config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config entries ZeRO needs for ``optimizer``: ``{"zero_allow_untested_optimizer":
+    True}`` for an elementwise torch optimizer DeepSpeed has not listed as tested (SGD,
+    RMSprop, ...: its update on ZeRO's flat partitions is exactly the whole-parameter one);
+    nothing for DeepSpeed's tested ones and its own optimizers (DeepSpeed checks those), at
+    ZeRO stage 0, or where ``config`` sets the key.
+
+    Raises:
+        TypeError: at ZeRO stage 1-3, an optimizer that is neither tested by DeepSpeed nor
+            elementwise (LBFGS, Adafactor, Muon, a subclass with its own ``step``...): ZeRO
+            steps it on flat 1-D partitions of the parameters, which changes the update of an
+            optimizer that reads a parameter's shape or whole tensor.
+    """
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS  # (its checker logs through a process group)
+
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if (stage == 0 or "zero_allow_untested_optimizer" in config or type(optimizer) in ZERO_SUPPORTED_OPTIMIZERS
+            or type(optimizer).__module__.startswith("deepspeed.")):  # DeepSpeed's own: its checks speak for them
+        return {}
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS:
+        return {"zero_allow_untested_optimizer": True}
+    raise TypeError(
+        f"deepspeed() with ZeRO stage {stage}: DeepSpeed has not tested {type(optimizer).__name__} with ZeRO, "
+        "which steps the optimizer on flat 1-D partitions of the parameters, and accelfn does not know it to "
+        "update each element on its own (as torch's Adam, AdamW, Adagrad, SGD, RMSprop, Adamax, NAdam, RAdam, "
+        "Adadelta, Rprop and ASGD do). An optimizer that reads a parameter's shape or whole tensor (LBFGS, "
+        "Adafactor, Muon, LAMB's per-parameter trust ratio) would compute another update. Use one of those, "
+        "ZeRO stage 0, or af.shard_params(); if you know yours is elementwise, set "
+        "\"zero_allow_untested_optimizer\": true in the DeepSpeed config")
 
 
 def engine_of(model: torch.nn.Module) -> Any:
@@ -88,12 +129,15 @@ class Engine(ModelPhase):
         return None if spec is None else cls(spec)
 
     def check(self, prep: Preparation) -> None:
-        """Raises NotImplementedError where DeepSpeed is not installed; ValueError when the model
-        was prepared with another DeepSpeed configuration before."""
+        """Raises NotImplementedError where DeepSpeed is not installed; TypeError for an optimizer
+        ZeRO would change the update of (:func:`optimizer_options`); ValueError when the model
+        was prepared with another DeepSpeed configuration before, or a config ``engine_config``
+        refuses."""
         import_deepspeed()
         self.config = engine_config(self.spec, num_micro_batches=window_size(prep.step, self.spec),
                                     clip=prep.step.find(Clip), precision=prep.policy.name, micro_batch_size=1,
-                                    world_size=prep.hardware.world_size)
+                                    world_size=prep.hardware.world_size, scaling=prep.policy.scaling)
+        self.config.update(optimizer_options(prep.state.optimizer, self.config))
         engine = engine_of(prep.state.model)
         if engine is not None and engine._accelfn_config != json.dumps(self.config, sort_keys=True):  # noqa: SLF001
             raise ValueError(

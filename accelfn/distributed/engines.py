@@ -27,7 +27,11 @@ does); MPI's is 127.0.0.1 when every rank is on one node (else ``MASTER_ADDR`` m
 and port ``MPI_DEFAULT_PORT``.
 
 A world that looks like several processes to an engine but one to accelfn is an error, not
-a silent solo run: each process would train on the whole data set alone.
+a silent solo run: each process would train on the whole data set alone. A launcher the
+engine started as one of N (``srun accelfn launch``, a PyTorchJob pod running ``accelfn
+launch``) joins the engine's job as node RANK of N instead (``placement``, read by the
+launch config's precedence); one started by a batch script outside any step forms a world
+of its own, on which the job's task count is no claim.
 
 All functions here are pure: they take the environment as a mapping
 (``accelfn/distributed/env.py`` is the one place that passes ``os.environ``).
@@ -86,7 +90,7 @@ def detect(env: Mapping[str, str]) -> World:
     """
     _torchrun_pair(env)
     world = next((w for w in (adapter(env) for adapter in ENGINES) if w is not None), World())
-    claims = [(names, n) for names, n in _claims(env) if n > world.world_size]
+    claims = [(names, n) for names, n in _claims(env, world) if n > world.world_size]
     if claims:
         names, n = claims[0]
         seen = (f"{world.engine} says {world.world_size}" if world.engine != "none"
@@ -101,6 +105,25 @@ def detect(env: Mapping[str, str]) -> World:
             "--ntasks=1`, or unset these variables)"
         )
     return world
+
+
+def placement(env: Mapping[str, str]) -> World | None:
+    """Where an engine other than torchrun placed this process, when it says the job has
+    several processes: a launcher it started (``srun accelfn launch``, a Kubeflow pod whose
+    command is ``accelfn launch``, ``mpirun accelfn launch``) is one node of that many.
+
+    Returns:
+        World | None: the engine's world; None for one process, where no engine's variables
+        are set, or inside torchrun's workers (a launch started there is a job of its own).
+
+    Raises:
+        LaunchError: an engine's variables are incomplete or not numbers (as :func:`detect`).
+    """
+    if torchrun(env) is not None:
+        return None
+    _torchrun_pair(env)
+    world = next((w for w in (adapter(env) for adapter in ENGINES) if w is not None), None)
+    return world if world is not None and world.world_size > 1 else None
 
 
 def _torchrun_pair(env: Mapping[str, str]) -> None:
@@ -210,14 +233,23 @@ def _mpi(engine: str, env: Mapping[str, str], names: tuple[str, str, str, str]) 
 ENGINES: tuple[Adapter, ...] = (torchrun, slurm, open_mpi, mpich, kubeflow)
 
 
-def _claims(env: Mapping[str, str]) -> list[tuple[str, int]]:
-    """What each engine's variables say the number of processes is, where they say one."""
+def _claims(env: Mapping[str, str], world: World) -> list[tuple[str, int]]:
+    """What each engine's variables say the number of processes is, where they say one.
+
+    A Slurm job's task count is no claim on a torchrun world started outside a step (by
+    ``accelfn launch`` or ``af.launch`` in the batch script of ``sbatch --ntasks=N``, or in an
+    ``salloc`` shell): that launcher is one process of the job, not N tasks, and the world it
+    starts is its own. Inside a step (``srun accelfn launch``) each task is a launcher, so the
+    count is a claim there.
+    """
+    in_step = bool(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"))
     found = []
-    for names in (("SLURM_NTASKS",), ("SLURM_NPROCS",), ("OMPI_COMM_WORLD_SIZE",), ("PMI_SIZE",),
-                  ("WORLD_SIZE",)):
-        text = env.get(names[0], "")
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE"):
+        text = env.get(name, "")
+        if name.startswith("SLURM_") and world.engine == "torchrun" and not in_step:
+            continue
         if text.isdigit():
-            found.append((f"{names[0]}={text}", int(text)))
+            found.append((f"{name}={text}", int(text)))
     return found
 
 

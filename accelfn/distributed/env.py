@@ -114,6 +114,11 @@ class LaunchEnv:
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.
         plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
             for this many processes (that many per node) and exits without training.
+        agent_store: torchrun's agent hosts the workers' store at ``master_addr:master_port``
+            (``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 hosts none.
+        debug_collectives: ``ACCELFN_DEBUG_COLLECTIVES=1``: every collective is first checked
+            across ranks (function, op, shape, dtype), a mismatch named on every rank at once
+            (``accelfn.distributed.ops``), and torch's ``TORCH_DISTRIBUTED_DEBUG`` is DETAIL.
     """
 
     rank: int = 0
@@ -134,6 +139,8 @@ class LaunchEnv:
     plan_world_size: int | None = None
     plan_local_world_size: int | None = None
     deepspeed: str | None = None
+    agent_store: bool = False
+    debug_collectives: bool = False
 
     @property
     def env_rendezvous(self) -> bool:
@@ -155,7 +162,8 @@ class LaunchEnv:
                 a multi-process world without a rendezvous address, an engine that says
                 several processes while the one detected says one, an unknown backend or
                 precision name, an accumulation count below 1, a compile flag other than
-                1/0/true/false, a ``shard_params`` spec that does not parse, or a timeout that
+                1/0/true/false (or a collectives debug flag other than those), a ``shard_params``
+                spec that does not parse, or a timeout that
                 is not > 0; the message names the variable
                 and how the process should be started.
         """
@@ -179,6 +187,9 @@ class LaunchEnv:
         compile_flag = env.get("ACCELFN_COMPILE", "").strip().lower()
         if compile_flag not in ("", "0", "1", "true", "false"):
             raise LaunchError(f"ACCELFN_COMPILE={compile_flag!r} must be 1 or 0 (true or false)")
+        debug_flag = env.get("ACCELFN_DEBUG_COLLECTIVES", "").strip().lower()
+        if debug_flag not in ("", "0", "1", "true", "false"):
+            raise LaunchError(f"ACCELFN_DEBUG_COLLECTIVES={debug_flag!r} must be 1 or 0 (true or false)")
         plan_world = _int(env, PLAN_WORLD_SIZE_ENV, 0) or None
         plan_local = _int(env, PLAN_LOCAL_WORLD_SIZE_ENV, 0) or None
         if plan_world is not None and (plan_world < 1 or world.world_size > 1):
@@ -199,7 +210,8 @@ class LaunchEnv:
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
-            deepspeed=deepspeed_config,
+            deepspeed=deepspeed_config, debug_collectives=debug_flag in ("1", "true"),
+            agent_store=world.engine == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 

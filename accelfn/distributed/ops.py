@@ -5,13 +5,26 @@ one rank, and is the identity (or its one-rank equivalent) otherwise. Tensors mu
 the device the process group's backend expects (CPU for gloo, the rank's GPU for NCCL,
 the XLA device for torch_xla's group); the backends' methods of the same names take care
 of that.
+
+Debug mode (``set_debug(True)``; a launch with ``ACCELFN_DEBUG_COLLECTIVES=1`` sets it, as
+Accelerate's ``ACCELERATE_DEBUG_MODE`` does its operations' check): before each collective
+the ranks exchange what they are about to do (the function, its reduce op or source rank,
+the tensor's shape and dtype) and where they were called from, and where any rank differs
+they all raise at once, naming each rank's call, instead of hanging until the timeout or
+computing silently with mismatched ops (gloo and NCCL all-reduce a SUM on one rank with a
+MAX on another without a word). It costs two all-gathers per collective; off, one test of
+a flag. torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, which the backends switch on with
+it, checks the collectives made outside this module (DDP's, FSDP's) at the c10d level:
+their op types, shapes and dtypes, not their reduce ops.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
 import orjson
@@ -24,6 +37,83 @@ if TYPE_CHECKING:
 ReduceOp = Literal["sum", "mean", "max", "min"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min")
 T = TypeVar("T")
+
+_debug = False  # set_debug: check each collective's call across ranks first
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # accelfn's own frames ...
+_COLLECTIVES = str(Path(__file__).resolve().parent) + os.sep  # ... and this folder's, skipped in "where"
+
+
+def set_debug(on: bool) -> None:
+    """Turns the cross-rank check of every collective of this module on or off (the module's
+    docstring); the backends turn it on for ``ACCELFN_DEBUG_COLLECTIVES=1``."""
+    global _debug
+    _debug = bool(on)
+
+
+def debugging() -> bool:
+    """True while the cross-rank check of the collectives is on (``set_debug``)."""
+    return _debug
+
+
+def _where() -> str:
+    """Where the collective was called: the first caller outside ``accelfn/collectives``
+    (and, when that is accelfn's own code, the first caller outside accelfn), as
+    ``file:line (function)``, the file relative to the working directory when under it."""
+    def shown(frame: Any) -> str:
+        name = frame.f_code.co_filename
+        relative = os.path.relpath(name) if name.startswith(os.getcwd() + os.sep) else name
+        return f"{relative}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_COLLECTIVES):
+        frame = frame.f_back
+    outside = frame
+    while outside.f_back is not None and outside.f_code.co_filename.startswith(_PACKAGE):
+        outside = outside.f_back
+    if outside is frame or outside.f_code.co_filename.startswith(_PACKAGE):
+        return shown(frame)
+    return f"{shown(frame)}, from {shown(outside)}"
+
+
+def _agree(call: str, **fields: Any) -> None:
+    """Debug mode: raises ValueError on every rank when the ranks are about to make different
+    collective calls (another function, reduce op, source rank, shape or dtype)."""
+    mine = {"call": call, **fields}
+    everyone = _all_json([mine, _where()])
+    if all(what == everyone[0][0] for what, _ in everyone):
+        return
+    differ = [k for k in {k: None for what, _ in everyone for k in what}
+              if any(what.get(k) != everyone[0][0].get(k) for what, _ in everyone)]
+    calls: dict[str, list[int]] = {}
+    for r, (what, where) in enumerate(everyone):
+        shown = f"{what['call']}({', '.join(f'{k}={v!r}' for k, v in what.items() if k != 'call')}) at {where}"
+        calls.setdefault(shown, []).append(r)
+    listed = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {shown}"
+                       for shown, ranks in calls.items())
+    raise ValueError(
+        f"the ranks are making different collective calls (checked by ACCELFN_DEBUG_COLLECTIVES=1; they differ in "
+        f"{', '.join(differ)}): {listed}. Every rank must make the same collective calls in the same order, with "
+        "the same op, source rank, dtype and shape (gather: all but the first dimension)")
+
+
+def _all_json(value: Any) -> list[Any]:
+    """Every rank's JSON-able ``value`` over two all-gathers of the default group, outside the
+    checked functions (debug mode's own exchange)."""
+    data = orjson.dumps(value)
+    device, n = default_device(), world_size()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(n)]
+    dist.all_gather(lengths, length)
+    sizes = [int(x.item()) for x in lengths]
+    buffer = torch.zeros(max(sizes), dtype=torch.uint8)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(buffer, device=device) for _ in range(n)]
+    dist.all_gather(parts, buffer.to(device))
+    return [orjson.loads(p[:size].cpu().numpy().tobytes()) for p, size in zip(parts, sizes)]
+
+
+def _described(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
 def is_dtensor(value: object) -> TypeGuard[DTensor]:
@@ -59,6 +149,8 @@ def default_device() -> torch.device:
 def barrier() -> None:
     """Waits until every rank reaches this call."""
     if world_size() > 1:
+        if _debug:
+            _agree("barrier")
         dist.barrier()
 
 
@@ -86,6 +178,8 @@ def reduce(tensor: torch.Tensor, op: ReduceOp = "mean") -> torch.Tensor:
     n = world_size()
     if n == 1:
         return out
+    if _debug:
+        _agree("reduce", op=op, **_described(tensor))
     torch_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
                 "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     dist.all_reduce(out, op=torch_op)
@@ -103,6 +197,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raise ValueError(f"broadcast(src={src}): ranks are 0..{n - 1}")
     out = tensor.detach().clone()
     if n > 1:
+        if _debug:
+            _agree("broadcast", src=src, **_described(tensor))
         dist.broadcast(out, src=src)
     return out
 
@@ -129,14 +225,20 @@ def sync_buffers(module: torch.nn.Module, device: torch.device | None = None) ->
     dtype (the buffers flattened together), on ``device`` (the process group's; default:
     ``default_device()``).
     """
-    if not getattr(module, _REPLICAS, False) or world_size() == 1:
+    if world_size() == 1:
         return
-    device = device if device is not None else default_device()
+    replicas = getattr(module, _REPLICAS, False)
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buffer in module.buffers():
+    for buffer in module.buffers() if replicas or _debug else ():
         if is_dtensor(buffer):  # sharded: each rank holds its own part
             continue
         groups.setdefault(buffer.dtype, []).append(buffer)
+    if _debug:
+        _agree("sync_buffers", replicas=replicas,
+               buffers={str(d).removeprefix("torch."): sum(b.numel() for b in bs) for d, bs in groups.items()})
+    if not replicas:
+        return
+    device = device if device is not None else default_device()
     for dtype, buffers in groups.items():
         flat = torch.cat([b.detach().reshape(-1).to(device) for b in buffers])
         dist.broadcast(flat, src=0)
@@ -159,6 +261,8 @@ def pad_across_processes(
         pad_first: pad at the start instead of the end.
     """
     n = world_size()
+    if n > 1 and _debug:
+        _agree("pad_across_processes", dim=dim, ndim=tensor.ndim, dtype=str(tensor.dtype).removeprefix("torch."))
     if n == 1 or tensor.ndim == 0:
         return tensor
     size = torch.tensor([tensor.shape[dim]], device=tensor.device, dtype=torch.int64)
@@ -191,6 +295,8 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     n = world_size()
     if n == 1:
         return tensor.detach().clone()
+    if _debug:
+        _agree("gather", trailing_shape=list(tensor.shape[1:]), dtype=str(tensor.dtype).removeprefix("torch."))
     tensor = tensor.detach().contiguous()
     local = torch.tensor(_describe(tensor), device=tensor.device, dtype=torch.int64)
     descriptions = [torch.zeros_like(local) for _ in range(n)]
@@ -234,6 +340,8 @@ def gather_object(obj: T) -> list[T]:
     n = world_size()
     if n == 1:
         return [obj]
+    if _debug:
+        _agree("gather_object")
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj)
     return out
@@ -244,6 +352,8 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     pickled: for the job's own data, never for files)."""
     if world_size() == 1:
         return obj
+    if _debug:
+        _agree("broadcast_object", src=src)
     box: list[Any] = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -283,6 +393,8 @@ def exchange(value: Any, *, device: torch.device | None = None) -> list[Any]:
     data = orjson.dumps(value)
     if world_size() == 1:
         return [orjson.loads(data)]
+    if _debug:
+        _agree("exchange")
     device = default_device() if device is None else device
     payload = torch.frombuffer(bytearray(struct.pack("<Q", len(data)) + data), dtype=torch.uint8).to(device)
     lengths = gather(torch.tensor([payload.numel()], dtype=torch.int64, device=device)).cpu().tolist()

@@ -33,6 +33,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import ipaddress
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from accelfn.distributed.env import LaunchEnv
+from accelfn.distributed import ops
 from accelfn.errors import LaunchError
 
 _registered = False
@@ -110,7 +113,7 @@ def _all_leaving() -> bool:
     missing ranks)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ended_by = _ended_by
-    try:  # torch's own accessor (private, stable since 1.x), as collectives.arrive uses
+    try:  # torch's own accessor (private, stable since 1.x), as distributed.arrive uses
         store = dist.PrefixStore("accelfn/leave/", dist.distributed_c10d._get_default_store())
         store.set(str(rank), ended_by or "end")
         if ended_by is None:
@@ -139,7 +142,10 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """Joins the default process group of ``env``'s world (nothing for one process).
 
     The group has a finite timeout (``env.timeout_s``), so a rank that never arrives makes
-    the others fail with an error instead of waiting forever.
+    the others fail with an error instead of waiting forever. With
+    ``env.debug_collectives`` every collective of ``accelfn.collectives`` is checked across
+    ranks first (``ops.set_debug``) and torch's debug level is DETAIL, so the group is made
+    with torch's collective checks (``TORCH_DISTRIBUTED_DEBUG=DETAIL``).
 
     Raises:
         LaunchError: a group already exists with another world size or rank, or the other
@@ -147,6 +153,9 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
     """
     if env.world_size == 1:
         return
+    if env.debug_collectives:  # each collective checked across ranks; torch's DETAIL wraps the group made below
+        ops.set_debug(True)
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     if dist.is_initialized():
         if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
             raise LaunchError(
@@ -156,9 +165,11 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
         leave_at_exit()  # a group the script made: accelfn's collectives still run on its workers
         return
     try:
+        store = _store_on_this_machine(env)
         dist.init_process_group(
             backend=backend,
-            init_method=_init_method(env),
+            init_method=None if store is not None else _init_method(env),
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=env.timeout_s),
@@ -172,6 +183,58 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device | None
             "from every node"
         ) from e
     leave_at_exit()
+
+
+def _store_on_this_machine(env: LaunchEnv) -> dist.Store | None:
+    """The group's store where its address is a loopback address (every rank is on this
+    machine: ``accelfn launch`` on one node, ``af.launch``, mpirun on one node): rank 0's
+    server listens on that address alone, the others connect to it. None where torch's own
+    rendezvous makes it (another machine must reach it, or torchrun's agent hosts it).
+
+    Raises:
+        LaunchError: ``MASTER_PORT`` is in use on this machine.
+    """
+    if env.agent_store or env.master_port is None or not is_loopback(env.master_addr):
+        return None
+    assert env.master_addr is not None  # is_loopback
+    timeout = datetime.timedelta(seconds=env.timeout_s)
+    if env.rank != 0:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
+    return store_on_loopback(env.master_addr, env.master_port, world_size=env.world_size, timeout=timeout)
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` is written as an IPv4 loopback address (127.0.0.0/8): what listens
+    there is reached from this machine alone."""
+    try:
+        return ipaddress.IPv4Address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+def store_on_loopback(host: str, port: int, *, world_size: int | None = None,
+                      timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``host:port`` alone (``port`` 0: a free port, read
+    back from ``.port``), for a loopback ``host``. TCPStore's own server binds its socket to
+    every interface whatever its host (torch 2.13: ``*:PORT`` in ``ss -ltn``), so the socket
+    is bound here and handed to it (``master_listen_fd``). The server is multi-tenant: a
+    ``TCPStore(host, port, is_master=True, multi_tenant=True)`` made later in this process
+    (torchrun's rendezvous) is served by it.
+
+    Raises:
+        LaunchError: ``port`` is in use on this machine.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own (TIME_WAIT)
+        listener.bind((host, port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError as e:
+        listener.close()
+        raise LaunchError(f"cannot listen on {host}:{port} for a store of this job: {e.strerror} (another job, or "
+                          "one that has not exited yet, holds the port)") from None
+    return dist.TCPStore(host, listener.getsockname()[1], world_size, True, timeout, multi_tenant=True,
+                         master_listen_fd=listener.detach())
 
 
 def _init_method(env: LaunchEnv) -> str:

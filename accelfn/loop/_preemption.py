@@ -2,7 +2,7 @@
 
 Clusters announce preemption with SIGTERM and a grace period; Ctrl-C sends SIGINT. While
 ``run`` trains, both only set a flag. After each micro-batch ``run`` asks ``requested()``;
-in a multi-process world the ranks agree (``collectives.Agreement``, one round late) so
+in a multi-process world the ranks agree (``distributed.Agreement``, one round late) so
 that all of them stop after the same micro-batch, one micro-batch after the first rank saw
 the signal. ``stop`` then writes a checkpoint, even in the middle of an accumulation
 window, and exits with the

@@ -231,9 +231,18 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
         try:
             if schedule is not None:  # waits for a checkpoint written in the background
                 schedule.close(ok=ended)
+                if ended:  # ... and hands it to the trackers (a collective for af.RayTrain)
+                    _hand_out(schedule, bar)
         finally:
             bar.close()
     return state
+
+
+def _hand_out(schedule: Schedule, bar: Progress) -> None:
+    """Hands each checkpoint complete on disk since the last call to the trackers (a
+    background one at the update the ranks agreed it ended, on every rank together)."""
+    for step, path in schedule.completed():
+        bar.saved(step, path)
 
 
 def _total_steps(step: Step, data: Iterable[Any], backend: Backend, state: TrainState, epochs: int | None,
@@ -261,35 +270,41 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
     profiler_step = profiler.step if profiler is not None else None
     while epochs is None or state.epoch < epochs:
         epoch, consumed = state.epoch, state.micro_step
-        for batch, last in backend.batches(data, step, epoch, start=state.epoch_micro_step):
-            state, metrics = step_once(state, batch, flush=last)
-            if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
-                state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
-            if metrics:
-                bar.update(state.step, metrics)
-                if profiler_step is not None:
-                    profiler_step()
-                if after_update is not None:  # before a checkpoint of this step, which then holds their changes
-                    bar.log(state.step, after_update(state, last))
-                    if hooks.stop_reason is not None:  # part of the state, and of its checkpoints
-                        state = state.replace(stopped=Stopped(state.step, hooks.stop_reason))
-            if preemption is not None and preemption.requested():
-                preemption.stop(state, schedule)
-            if not metrics:
-                continue
-            if schedule is not None:
-                saved = schedule.maybe_save(state)
-                if saved is None and bar.save_requested() and schedule.last_step != state.step:
-                    saved = schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
-                if saved is not None:
-                    bar.saved(state.step, saved)  # the points up to a checkpoint survive a kill after it
-            if max_steps is not None and state.step >= max_steps:
-                break
-            if state.stopped is not None:
-                if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
-                    bar.saved(state.step, schedule.save(state))
-                backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
-                return state
+        batches = backend.batches(data, step, epoch, start=state.epoch_micro_step, data_state=state.data_state)
+        # a stream's readers: their state after the micro-batches consumed goes into checkpoints
+        state = state.replace(data_state=batches.readers)
+        with contextlib.closing(iter(batches)) as reading:  # left early (max_steps, a stop, an error): its
+            # DataLoader workers end now, not when collected
+            for batch, last in reading:
+                state, metrics = step_once(state, batch, flush=last)
+                if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
+                    state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
+                if metrics:
+                    bar.update(state.step, metrics)
+                    if profiler_step is not None:
+                        profiler_step()
+                    if after_update is not None:  # before a checkpoint of this step, which then holds their changes
+                        bar.log(state.step, after_update(state, last))
+                        if hooks.stop_reason is not None:  # part of the state, and of its checkpoints
+                            state = state.replace(stopped=Stopped(state.step, hooks.stop_reason))
+                if preemption is not None and preemption.requested():
+                    preemption.stop(state, schedule)
+                if not metrics:
+                    continue
+                if schedule is not None:
+                    saved = schedule.maybe_save(state)
+                    if saved is None and bar.save_requested() and schedule.last_step != state.step:
+                        schedule.save(state)  # a tracker's request (af.RayTrain: Ray's preemption notice)
+                    _hand_out(schedule, bar)  # the points up to a checkpoint survive a kill after it
+                if max_steps is not None and state.step >= max_steps:
+                    break
+                if state.stopped is not None:
+                    if schedule is not None and schedule.last_step != state.step:  # a rerun resumes here
+                        schedule.save(state)
+                    if schedule is not None:
+                        _hand_out(schedule, bar)
+                    backend.print(f"accelfn: stopped at step {state.step}: {hooks.stop_reason}", file=sys.stderr)
+                    return state
         if max_steps is not None and state.step >= max_steps:
             return state
         if state.epoch == epoch:  # nothing (left) to read in this epoch
@@ -297,7 +312,7 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                 _warn_empty_epoch(state, epochs)
                 if epochs is None:
                     return state
-            state = state.replace(epoch=epoch + 1, epoch_micro_step=0)
+            state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
     if max_steps is not None and backend.is_main_process:  # the job's warning: once, not per rank
         warnings.warn(
             f"run stopped after epochs={epochs} at step {state.step}, before max_steps={max_steps}; "

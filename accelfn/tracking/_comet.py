@@ -27,9 +27,10 @@ class Comet:
     ``mode=None`` Comet decides from its own settings (``COMET_START_ONLINE``). Comet's
     automatic logging (code, git, environment, console output, its own metrics) is off: the
     experiment holds what ``run`` logs. The experiment starts at the first call, on the
-    process that logs (the main process), and ``close`` ends it; a ``log`` after ``close``
-    continues the same experiment (same ``experiment_key``; offline, in a second archive
-    that ``comet upload`` adds to it). Installed by ``pip install "accelfn[comet]"``.
+    process that logs (the main process), and ``close`` ends it; a ``log`` after ``close``,
+    or :meth:`reopen`, continues the same experiment (same ``experiment_key``; offline, in a
+    second archive that ``comet upload`` adds to it), and reading :attr:`experiment` after
+    ``close`` does not. Installed by ``pip install "accelfn[comet]"``.
 
     A later ``run`` through the same tracker that continues (it starts at or after the last
     step logged: phases, a ``run`` per epoch) continues the same experiment; a changed
@@ -69,6 +70,7 @@ class Comet:
         #: the experiment's key once it started (``experiment.get_key()``), else None
         self.experiment_key: str | None = None
         self._experiment: Any = None
+        self._ended: Any = None  # the experiment `close` ended, until it continues
         self._runs = Runs()
 
     def __repr__(self) -> str:
@@ -76,10 +78,30 @@ class Comet:
 
     @property
     def experiment(self) -> Any:
-        """The ``comet_ml`` experiment (started if it was not): for what ``run`` does not log
-        (``tracker.experiment.log_asset(...)``). Use it on the main process only, as ``run``
-        does: on another process it starts an experiment of its own."""
+        """The ``comet_ml`` experiment ``run`` logs to (started if none has started): for what
+        ``run`` does not log (``tracker.experiment.log_asset(...)`` in a hook). Use it on the
+        main process only, as ``run`` does: on another process it starts an experiment of
+        its own.
+
+        After ``close`` (``af.run`` closes its trackers at its end) it is the ended
+        experiment, to read (``get_key()``, ``get_name()``, ``url``), never a restarted one;
+        a call on it that would log raises ``RuntimeError`` (comet_ml would ignore it
+        silently): call :meth:`reopen` to add to the experiment after the run.
+        """
+        if self._experiment is None and self._ended is not None:
+            return _Ended(self._ended)
+        return self._open()
+
+    def reopen(self) -> Any:
+        """Continues the experiment ``close`` ended (the same ``experiment_key``; offline, in a
+        second archive that ``comet upload`` adds to it), or starts one if none has started,
+        and returns it; the next ``close`` ends it again."""
+        return self._open()
+
+    def _open(self) -> Any:
+        """The experiment in progress, started (or continued) if there is none."""
         if self._experiment is None:
+            self._ended = None
             if self.mode == "offline":  # no network: comet_ml reports its own errors to Sentry from import on
                 os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
             import comet_ml
@@ -105,19 +127,45 @@ class Comet:
         the next call starts a new one (class docstring)."""
         if self._runs.start(step) and self.experiment_key is not None:
             self.close()
-            self.experiment_key = None
+            self.experiment_key, self._ended = None, None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Logs the metrics at Comet step ``step``."""
-        self.experiment.log_metrics(dict(metrics), step=step)
+        """Logs the metrics at Comet step ``step`` (after ``close``: continuing the experiment)."""
+        self._open().log_metrics(dict(metrics), step=step)
         self._runs.logged(step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Logs the configuration as parameters, nested keys joined by dots (``"accelfn.world_size"``)."""
-        self.experiment.log_parameters(flatten(config))
+        self._open().log_parameters(flatten(config))
 
     def close(self) -> None:
         """Ends the experiment (offline: writes its archive)."""
         if self._experiment is not None:
             self._experiment.end()
-            self._experiment = None
+            self._ended, self._experiment = self._experiment, None
+
+
+class _Ended:
+    """An ended ``comet_ml`` experiment, as :attr:`Comet.experiment` gives it after ``close``:
+    attributes and ``get_*`` methods read it; any other method (``log_*``, ``set_*``...)
+    raises, where comet_ml would ignore the call on an ended experiment silently."""
+
+    def __init__(self, experiment: Any):
+        object.__setattr__(self, "_experiment", experiment)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._experiment, name)
+        if callable(value) and not name.startswith("get_") and name != "end":
+            raise RuntimeError(
+                f"Comet.experiment.{name}: the experiment {self._experiment.get_key()} has ended (af.run closes "
+                "its trackers at its end), and comet_ml ignores what is logged to an ended experiment; call "
+                "tracker.reopen() to continue it (the same key; offline, a second archive that `comet upload` "
+                "adds to it), then tracker.close()")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise RuntimeError(f"Comet.experiment.{name} = ...: the experiment has ended; call tracker.reopen() to "
+                           "continue it")
+
+    def __repr__(self) -> str:
+        return f"<ended {self._experiment!r}>"

@@ -31,8 +31,10 @@ class Tracker(Protocol):
     from an earlier step (accelfn's trackers do, see ``accelfn.tracking._runs``); and
     and ``flush()``: ``run`` calls it after each checkpoint it writes, so the points up to a
     checkpoint are on disk when the process is killed after it; and ``saved(path, step)``:
-    ``run`` calls it after each checkpoint it writes, before ``flush()``, with the checkpoint's
-    directory (still being written with ``Checkpoints(asynchronous=True)``). ``run`` calls a
+    ``run`` calls it once each checkpoint it writes is complete on disk, before ``flush()``,
+    with the checkpoint's directory and step (with ``Checkpoints(asynchronous=True)``, after
+    the first update at which the ranks agree its background write has ended, or when the
+    run ends; so possibly a few updates after ``step``). ``run`` calls a
     tracker on the main process only, unless it has ``every_rank = True``: then on every
     process, at the same points with the same values (``af.RayTrain``, whose reports are
     collectives); such a tracker may set ``save_requested = True`` in ``log``, and ``run``

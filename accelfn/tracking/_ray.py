@@ -31,8 +31,10 @@ class RayTrain:
     storage (``RunConfig(storage_path=...)``) and ``Result.checkpoint`` is the last one.
     Rank 0's directory must hold the whole checkpoint, which it does on one node or a
     shared file system (a ``shard_params`` checkpoint is written by every rank into one
-    directory). Use synchronous checkpoints (``af.Checkpoints(asynchronous=False)``, the
-    default): a background checkpoint would be reported while it is still being written.
+    directory). A checkpoint is reported once it is complete on disk: with
+    ``af.Checkpoints(asynchronous=True)``, at the first update after its background write
+    has ended (all ranks agree on that update, one update late), or when the run ends, with
+    the metrics of its own step if they are the last logged, else only ``"step"``.
 
     :meth:`resume` gives the checkpoint Ray hands a restarted worker group
     (``ray.train.get_checkpoint()``, after a failure that ``FailureConfig(max_failures=N)``

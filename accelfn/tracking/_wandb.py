@@ -22,8 +22,9 @@ class WandB:
     ``dir/wandb/offline-run-*`` (upload it later with ``wandb sync``, or read it with
     ``wandb leet inspect``). With ``mode=None`` W&B decides, from ``WANDB_MODE`` or
     ``wandb offline``/``wandb login``. The W&B run starts at the first call, on the process
-    that logs (the main process), and ``close`` finishes it; a ``log`` after ``close``
-    resumes the same run (same ``run_id``). Installed by ``pip install "accelfn[wandb]"``.
+    that logs (the main process), and ``close`` finishes it; a ``log`` after ``close``, or
+    :meth:`reopen`, resumes the same run (same ``run_id``), and reading :attr:`run` after
+    ``close`` does not. Installed by ``pip install "accelfn[wandb]"``.
 
     A later ``run`` through the same tracker that continues (it starts at or after the last
     step logged: phases, a ``run`` per epoch) resumes the same W&B run, its rows after the
@@ -61,6 +62,7 @@ class WandB:
         self.project, self.name, self.mode, self.entity, self.tags = project, name, mode, entity, tuple(tags)
         self.run_id: str | None = None
         self._run: Any = None
+        self._finished: Any = None  # the run `close` finished, until it resumes
         self._config: dict[str, Any] = {}
         self._runs = Runs()
 
@@ -69,10 +71,28 @@ class WandB:
 
     @property
     def run(self) -> Any:
-        """The ``wandb`` run (started if it was not): for what ``run`` does not log
-        (``tracker.run.log({"samples": wandb.Table(...)})``). Use it on the main process only,
-        as ``af.run`` does: on another process it starts a W&B run of its own."""
+        """The ``wandb`` run ``af.run`` logs to (started if none has started): for what
+        ``af.run`` does not log (``tracker.run.log({"samples": wandb.Table(...)})`` in a hook).
+        Use it on the main process only, as ``af.run`` does: on another process it starts a
+        W&B run of its own.
+
+        After ``close`` (``af.run`` closes its trackers at its end) it is the finished run, to
+        read (``id``, ``name``, ``url``), never a resumed one; W&B refuses what is logged to
+        it (``wandb.errors.UsageError``): call :meth:`reopen` to add to the run after the run.
+        """
+        if self._run is None and self._finished is not None:
+            return self._finished
+        return self._open()
+
+    def reopen(self) -> Any:
+        """Resumes the W&B run ``close`` finished (the same ``run_id``), or starts one if none
+        has started, and returns it; the next ``close`` finishes it again."""
+        return self._open()
+
+    def _open(self) -> Any:
+        """The W&B run in progress, started (or resumed) if there is none."""
         if self._run is None:
+            self._finished = None
             import wandb
 
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -90,12 +110,12 @@ class WandB:
         the next call starts a new one (class docstring)."""
         if self._runs.start(step) and self.run_id is not None:
             self.close()
-            self.run_id = None
+            self.run_id, self._finished = None, None
             self._config = {}
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         """Logs the metrics as one row at W&B step ``step`` (rows of the same step merge)."""
-        self.run.log(dict(metrics), step=step)
+        self._open().log(dict(metrics), step=step)
         self._runs.logged(step)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -109,4 +129,4 @@ class WandB:
         """Finishes the W&B run (its files are complete on disk)."""
         if self._run is not None:
             self._run.finish()
-            self._run = None
+            self._finished, self._run = self._run, None

@@ -34,7 +34,7 @@ from accelfn.step import Phase, TransformBase
 from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.invariant import Invariant
-from accelfn.transforms.precision import WithPrecision
+from accelfn.transforms.precision import DynamicScaling, WithPrecision
 from accelfn.transforms.replicate import Replicate
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.tensor_parallel import TensorParallel
@@ -45,6 +45,9 @@ STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 #: DeepSpeed's precision sections, by the ``with_precision`` policy each stands for
 PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
+#: the entries ``engine_config`` fills in from the program's other transforms
+FILLED_FROM_PROGRAM = ("gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
+                       "train_micro_batch_size_per_gpu", "fp16.enabled", "bf16.enabled")
 
 
 def _load(value: object) -> dict[str, Any]:
@@ -82,8 +85,68 @@ def _load(value: object) -> dict[str, Any]:
     return config
 
 
+def _auto_paths(value: object, path: str = "") -> list[str]:
+    """The dotted paths of every ``"auto"`` value in ``value`` (a JSON tree)."""
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in _auto_paths(item, f"{path}.{key}" if path else str(key))]
+    if isinstance(value, list):
+        return [p for i, item in enumerate(value) for p in _auto_paths(item, f"{path}[{i}]")]
+    return [path] if value == "auto" else []
+
+
+def _describe_section(section: object) -> str:
+    """``AdamW (lr=0.0003)``: a config section's type and params, for messages."""
+    if not isinstance(section, dict):
+        return repr(section)
+    params = section.get("params")
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) if isinstance(params, dict) else ""
+    return f"{section.get('type', '?')}({shown})"
+
+
+def _check_sections(config: dict[str, Any]) -> None:
+    """Raises one ValueError naming every section DeepSpeed would act on behind the
+    TrainState's back (``optimizer``, ``scheduler``) and every ``"auto"`` value, which only
+    the Hugging Face Trainer resolves."""
+    problems = []
+    if "optimizer" in config:
+        problems.append(
+            f"the config's \"optimizer\" section ({_describe_section(config['optimizer'])}) would not be used: the "
+            "TrainState's optimizer is the one handed to deepspeed.initialize, and DeepSpeed ignores the section "
+            "when given one, so its hyperparameters would silently not apply. Remove the section and build that "
+            "optimizer in the TrainState (a torch.optim optimizer, or DeepSpeed's own, such as "
+            "deepspeed.ops.adam.DeepSpeedCPUAdam)")
+    if "scheduler" in config:
+        problems.append(
+            f"the config's \"scheduler\" section ({_describe_section(config['scheduler'])}) would be built by "
+            "DeepSpeed outside the TrainState: it would drive the learning rate while no checkpoint holds it, and "
+            "a resumed run would start it again. Remove the section and give the schedule to the TrainState, e.g. "
+            "af.TrainState.create(model, optimizer, scheduler=deepspeed.runtime.lr_schedules.WarmupLR(optimizer, "
+            "warmup_min_lr=..., warmup_max_lr=..., warmup_num_steps=...)) or any torch.optim.lr_scheduler: "
+            "DeepSpeed steps it once per applied update, and accelfn's checkpoints save and resume it")
+    autos = _auto_paths({k: v for k, v in config.items() if k not in ("optimizer", "scheduler")})
+    if autos:
+        filled = [p for p in autos if p in FILLED_FROM_PROGRAM]
+        others = [p for p in autos if p not in FILLED_FROM_PROGRAM]
+        parts = []
+        if filled:
+            parts.append(f"remove {', '.join(filled)}: accelfn fills them from the program (accumulate, clip, "
+                         "with_precision, the batch size)")
+        if others:
+            parts.append(f"give {', '.join(others)} numbers (or remove them for DeepSpeed's defaults)")
+        problems.append(f"\"auto\" is resolved by the Hugging Face Trainer, not by DeepSpeed or accelfn; found at "
+                        f"{', '.join(autos)}: " + "; ".join(parts))
+    if len(problems) == 1:
+        raise ValueError(f"deepspeed(config=...): {problems[0]}")
+    if problems:
+        names = [f'the "{k}" section' for k in ("optimizer", "scheduler") if k in config]
+        names += ['"auto" values'] * bool(autos)
+        raise ValueError(f"deepspeed(config=...): {' and '.join(names)} cannot be used:"
+                         + "".join(f"\n- {p}" for p in problems))
+
+
 def _check(config: dict[str, Any]) -> None:
     """Raises ValueError for the entries accelfn reads that hold values DeepSpeed would refuse."""
+    _check_sections(config)
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ValueError(f"deepspeed(config=...): zero_optimization must be an object, got {zero!r}")
@@ -105,6 +168,41 @@ def _check(config: dict[str, Any]) -> None:
                              f"got {section!r}")
     if len(enabled_precisions(config)) > 1:
         raise ValueError("deepspeed(config=...): bf16 and fp16 are both enabled; enable at most one")
+
+
+def loss_scale_options(scaling: DynamicScaling | None) -> tuple[dict[str, int], str | None]:
+    """The ``fp16`` section entries that carry ``with_precision("fp16", ...)``'s loss-scale
+    options to DeepSpeed's dynamic loss scaler, and the reason options that it has no
+    counterpart for cannot be given (or None).
+
+    Only the options that differ from :class:`DynamicScaling`'s defaults are carried (the
+    others leave DeepSpeed's own defaults: an initial scale of 2**16, ``loss_scale_window``
+    1000, ``hysteresis`` 2, ``min_loss_scale`` 1). ``init_scale`` becomes
+    ``initial_scale_power`` (so it must be a power of two), ``growth_interval`` becomes
+    ``loss_scale_window``; DeepSpeed's scaler always grows by 2 and backs off by 2, and its
+    floor is ``fp16.min_loss_scale``.
+    """
+    if scaling is None:
+        return {}, None
+    default = DynamicScaling()
+    options: dict[str, int] = {}
+    if scaling.init_scale != default.init_scale:
+        mantissa, exponent = math.frexp(scaling.init_scale)
+        if mantissa != 0.5:
+            return {}, (f"DeepSpeed's fp16 loss scale starts at a power of two (fp16.initial_scale_power); "
+                        f"with_precision('fp16', init_scale={scaling.init_scale!r}) is none")
+        options["initial_scale_power"] = exponent - 1
+    if scaling.growth_interval != default.growth_interval:
+        options["loss_scale_window"] = scaling.growth_interval
+    fixed = [f"{name}={getattr(scaling, name)!r}" for name in ("growth_factor", "backoff_factor", "min_scale",
+                                                               "max_consecutive_skips")
+             if getattr(scaling, name) != getattr(default, name)]
+    if fixed:
+        return {}, (f"DeepSpeed's fp16 loss scaler grows and backs off by a factor of 2, stops at "
+                    f"fp16.min_loss_scale and has no limit of skipped updates in a row; with_precision('fp16', "
+                    f"{', '.join(fixed)}) cannot be given to it. Drop those options (set fp16.min_loss_scale in "
+                    "the config for the floor)")
+    return options, None
 
 
 def enabled_precisions(config: Mapping[str, Any]) -> list[str]:
@@ -183,7 +281,30 @@ class DeepSpeed(TransformBase):
             if enabled and enabled != [name]:
                 return (f"the DeepSpeed config enables {enabled[0]} ({enabled[0]}.enabled: true), which "
                         f"contradicts with_precision({name!r}); keep one of them, or make them agree")
+            autocast = config.get("torch_autocast")
+            if isinstance(autocast, dict) and autocast.get("enabled") is True:
+                return (f"the DeepSpeed config's torch_autocast section (enabled: true) sets the precision of the "
+                        f"forward, and so does with_precision({name!r}); keep one of them")
+            if name == "fp16":
+                return _loss_scale_conflict(config.get("fp16", {}), other)
         return None
+
+
+def _loss_scale_conflict(section: Mapping[str, Any], other: WithPrecision) -> str | None:
+    """Why the config's ``fp16`` section contradicts ``with_precision("fp16", ...)``, or None."""
+    static = section.get("loss_scale", 0)
+    if static != 0:
+        return (f"the DeepSpeed config's fp16.loss_scale={static} is a static loss scale, which contradicts "
+                "with_precision('fp16') (a dynamic one); set loss_scale to 0 (or leave it out), or drop "
+                "with_precision and keep the config's")
+    options, reason = loss_scale_options(other.policy.scaling)
+    if reason is not None:
+        return reason
+    for key, value in options.items():
+        if key in section and section[key] != value:
+            return (f"the DeepSpeed config's fp16.{key}={section[key]!r} contradicts with_precision('fp16', ...)'s "
+                    f"{value!r}; keep one of them, or make them equal")
+    return None
 
 
 def deepspeed(config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeed:
@@ -227,7 +348,8 @@ def deepspeed(config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeed:
 
 
 def engine_config(ds: DeepSpeed, *, num_micro_batches: int, clip: Clip | None, precision: str,
-                  micro_batch_size: int, world_size: int) -> dict[str, Any]:
+                  micro_batch_size: int, world_size: int,
+                  scaling: DynamicScaling | None = None) -> dict[str, Any]:
     """The configuration given to ``deepspeed.initialize``: the user's, filled in by the
     program's other transforms (composition already refused contradictions).
 
@@ -238,9 +360,16 @@ def engine_config(ds: DeepSpeed, *, num_micro_batches: int, clip: Clip | None, p
         precision: the program's precision policy name (``"fp32"``, ``"bf16"``, ``"fp16"``).
         micro_batch_size: samples per micro-batch on each process.
         world_size: the number of processes.
+        scaling: ``with_precision("fp16", ...)``'s loss-scale options, carried into the
+            ``fp16`` section as :func:`loss_scale_options` says (None: DeepSpeed's defaults).
 
     Returns:
         dict: a new configuration (``ds.config`` is not changed).
+
+    Raises:
+        ValueError: the config's ``train_batch_size`` is not micro-batch size x
+            ``num_micro_batches`` x ``world_size``; loss-scale options DeepSpeed has no
+            counterpart for.
     """
     config = ds.config
     config["gradient_accumulation_steps"] = num_micro_batches
@@ -252,6 +381,10 @@ def engine_config(ds: DeepSpeed, *, num_micro_batches: int, clip: Clip | None, p
         section["enabled"] = True
         if precision == "fp16":
             section.setdefault("loss_scale", 0)  # 0: dynamic, as with_precision("fp16") scales
+            options, reason = loss_scale_options(scaling)
+            if reason is not None:
+                raise ValueError(reason)
+            section.update(options)
         config[PRECISION_SECTIONS[precision]] = section
     if "train_micro_batch_size_per_gpu" not in config:
         config["train_micro_batch_size_per_gpu"] = micro_batch_size

@@ -11,7 +11,7 @@ height, the lower one aligned to twice its size), they are replaced by their sum
 lower-index node's tensor plus the higher's), so the stack holds at most ``log2(L) + 1``
 nodes. At the end the stack is folded from its top: ``T_0 + (T_1 + (... + T_m))``. A rank
 that holds ``A = 2^a`` consecutive leaves builds a complete node of height ``a``; the ranks'
-nodes are then leaves of the same rule one level up (``collectives.canonical_all_reduce``),
+nodes are then leaves of the same rule one level up (``distributed.canonical_all_reduce``),
 so the sum is the same tree, hence the same bits, for every ``(W, A)`` with ``W * A = L``
 and ``A`` a power of two (or ``W = 1``). For any other ``A`` each rank's stack holds the
 complete subtrees inside its block; the ranks gather them all and push them in order, which

@@ -2,8 +2,8 @@
 
 ``size`` is the mesh's ``tensor`` dimension, its innermost (``distributed.mesh``): rank ``r``
 of a world of data-parallel groups sits at ``(r // size, r % size)``, so the ranks of one
-tensor-parallel group are consecutive (on one node, where the per-layer collectives are cheapest). Inside a group the
-layers the plan names are split (``torch.distributed.tensor.parallel.parallelize_module``):
+tensor-parallel group are consecutive (on one node, where the per-layer collectives are
+cheapest). Inside a group the layers the plan names are split (``torch.distributed.tensor.parallel.parallelize_module``):
 a column-wise linear layer keeps ``out_features / size`` rows of its weight, a row-wise one
 ``in_features / size`` columns, and one all-reduce per row-wise layer joins the partial
 outputs. The ranks of a group compute one model together, so they read the same batch:

@@ -21,7 +21,8 @@ from tests.helpers import deepspeed_programs as D
 from tests.helpers import programs as P
 from tests.helpers.pool import Pools
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'accelfn[deepspeed]')")
+deepspeed = pytest.importorskip(
+    "deepspeed", reason="DeepSpeed is not installed (after torch: pip install --no-build-isolation deepspeed)")
 
 #: the first run on a machine JIT-builds DeepSpeed's shm_comm and cpu_adam ops (4 and 10 minutes
 #: on the loaded 2-core CI machine; then cached in EXTENSIONS): past pytest's 300 s per test
@@ -91,6 +92,60 @@ def test_bf16_trains_as_deepspeed_by_hand(trained: dict[str, Any]) -> None:
     losses = [p["loss"] for p in trained["s2_bf16"]["points"]]
     assert len(losses) == D.UPDATES
     assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
+
+
+def test_sgd_under_zero_trains_as_hand_written_loop(checks: dict[str, Any]) -> None:
+    """SGD (momentum, weight decay), which DeepSpeed's ZeRO has not tested and asserts on,
+    trains at ZeRO-2 on 2 processes (accelfn allows it: its update is elementwise) to the
+    1-process torch SGD loop within 1e-5 over 10 updates, its learning rate driven by
+    DeepSpeed's WarmupLR as the TrainState's scheduler: the lr logged per update is the one
+    the hand-written loop's update used."""
+    expected_lrs: list[float] = []
+    expected, _ = D.hand_written(1, None, sgd_warmup=True, lrs=expected_lrs)
+    got = checks["sgd_warmup"]
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.tensor(got["params"][name], dtype=torch.float64), value.double().flatten(),
+                                   rtol=0, atol=1e-5)
+    assert got["lrs"] == pytest.approx(expected_lrs, rel=1e-12)
+    assert len(set(got["lrs"])) == 7  # the warm-up's six rates, then its plateau
+
+
+def test_deepspeed_scheduler_in_the_train_state_resumes_bitwise(checks: dict[str, Any]) -> None:
+    """DeepSpeed's WarmupLR given as the TrainState's scheduler (what the refusal of a config
+    "scheduler" section asks for) is checkpointed: 3 updates, af.save and a resume end
+    bitwise where the whole run ends, the resumed updates at the whole run's rates (the
+    warm-up is not restarted)."""
+    got = checks["sgd_warmup"]
+    assert got["steps"] == [3, D.UPDATES]
+    assert got["resumed"] == got["params"]
+    assert got["resumed_lrs"] == got["lrs"][3:]
+
+
+def test_untested_optimizer_is_allowed_only_when_elementwise() -> None:
+    """At ZeRO stages 1-3, torch's elementwise optimizers (SGD, RMSprop, ...) get
+    zero_allow_untested_optimizer; DeepSpeed's tested ones, stage 0 and a config that sets the
+    key are left alone; any other optimizer is refused by prepare, before an engine or a
+    process group is made, naming it and the option."""
+    from accelfn.distributed.deepspeed import ENGINE_ATTRIBUTE, optimizer_options
+
+    model = D.make_model()
+    zero2 = {"zero_optimization": {"stage": 2}}
+    assert optimizer_options(D.make_sgd(model), zero2) == {"zero_allow_untested_optimizer": True}
+    assert optimizer_options(torch.optim.RMSprop(model.parameters()), zero2) == {
+        "zero_allow_untested_optimizer": True}
+    assert optimizer_options(D.make_optimizer(model), zero2) == {}
+    assert optimizer_options(D.make_sgd(model), {"zero_optimization": {"stage": 0}}) == {}
+    assert optimizer_options(D.make_sgd(model), {**zero2, "zero_allow_untested_optimizer": False}) == {}
+
+    class Shaped(torch.optim.SGD):  # a subclass may read the parameters' shapes in its step
+        pass
+
+    state = af.TrainState.create(model, Shaped(model.parameters(), lr=0.1))
+    step = af.deepspeed(zero2)(af.train_step(P.mse))
+    with pytest.raises(TypeError, match=r"ZeRO stage 2: DeepSpeed has not tested Shaped with ZeRO.*"
+                                        r'"zero_allow_untested_optimizer": true'):
+        af.backends.CPU().prepare(step, state)
+    assert not hasattr(model, ENGINE_ATTRIBUTE)
 
 
 # -- the config and its composition (one process, no engine) --------------------------------

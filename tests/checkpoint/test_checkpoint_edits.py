@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,8 @@ import torch
 
 import accelfn as af
 from accelfn.errors import CheckpointError
-from tests.helpers.states import assert_same_state, build, loader, program
+from tests.helpers.corrupt import header, safetensors_file, signed
+from tests.helpers.states import Counter, assert_same_state, build, everything, loader, program, same_tree
 
 Edit = Callable[[dict[str, Any]], None]
 
@@ -32,28 +33,6 @@ def saved(cpu, tmp_path) -> tuple[Path, af.TrainState]:
     path = af.save(state, tmp_path / "ckpt")
     torch.rand(3), random.random(), np.random.rand()
     return path, state
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Trees equal: tensors and arrays bitwise, records field by field."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if attrs.has(type(a)):
-        return type(a) is type(b) and _same(attrs.asdict(a, recurse=False), attrs.asdict(b, recurse=False))
-    if isinstance(a, Mapping):
-        return isinstance(b, Mapping) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    return type(a) is type(b) and a == b
-
-
-def _everything(state: af.TrainState) -> dict[str, Any]:
-    """The state's tensors, optimizer, scheduler, extra, counters and the global generators."""
-    snap = af.snapshot(state)
-    return {"snapshot": {f.name: getattr(snap, f.name) for f in attrs.fields(af.Snapshot) if f.name != "rng"},
-            "torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
 def _edit(path: Path, change: Edit, *, checksum: bool = True) -> None:
@@ -86,12 +65,12 @@ def _renumber_first_optimizer_state(manifest: dict[str, Any]) -> None:
 
 
 def _refused(path: Path, target: af.TrainState, message: str) -> None:
-    before = _everything(target)
+    before = everything(target)
     with pytest.raises(CheckpointError) as error:
         af.load(path, into=target)
     assert message in str(error.value), str(error.value)
-    after = _everything(target)
-    assert _same(after, before), "the state or a global generator changed"
+    after = everything(target)
+    assert same_tree(after, before), "the state or a global generator changed"
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -189,7 +168,70 @@ def test_restoring_a_snapshot_with_an_invalid_counter_changes_nothing(cpu) -> No
     snap = af.snapshot(build(0))
     bad = attrs.evolve(snap, counters={**snap.counters, "micro_step": -2})
     target = build(5)
-    before = _everything(target)
+    before = everything(target)
     with pytest.raises(CheckpointError, match=r"invalid values in the snapshot:\n  counters.micro_step: -2"):
         af.restore(target, bad)
-    assert _same(_everything(target), before)
+    assert same_tree(everything(target), before)
+
+
+def _several(manifest: dict[str, Any]) -> None:
+    manifest["counters"]["step"] = "2"
+    del manifest["ranks"][0]["grads"]
+    manifest["ranks"][0]["zz"] = 1
+    manifest["files"]["model.safetensors"]["num_bytes"] = -4
+    manifest["world_size"] = True
+
+
+def test_every_problem_of_the_manifest_s_schema_is_named_at_once(saved) -> None:
+    """A manifest with a str counter, a rank entry missing its gradients and holding an unknown
+    key, a negative file size and a bool world size is refused with all five problems, each
+    at its path, before anything changes."""
+    path, _ = saved
+    _edit(path, _several)
+    _refused(path, build(99, extra=True), "ckpt: invalid values in manifest.json:\n"
+             "  world_size: True (a bool), must be an int >= 1\n"
+             "  counters.step: '2' (a str), must be an int >= 0\n"
+             "  ranks[0].grads: missing\n"
+             "  ranks[0]: unexpected keys: 'zz'\n"
+             "  files.model.safetensors.num_bytes: -4 (an int), must be an int >= 0")
+
+
+def test_a_scalar_optimizer_step_of_another_shape_is_refused_by_a_state_not_yet_trained(saved) -> None:
+    """The issue's case: AdamW's scalar ``step`` of parameter 0 given the shape (1, 1, 1, 1, 1)
+    in state.safetensors' header (its checksum recomputed) is refused by a freshly built state,
+    whose optimizer holds no state yet: it is checked against the state AdamW would hold."""
+    path, _ = saved
+    data = (path / "state.safetensors").read_bytes()
+    head, body = header(data)
+    head["optimizer.state.0.step"]["shape"] = [1, 1, 1, 1, 1]
+    for name, changed in signed({p.name: p.read_bytes() for p in path.iterdir()},
+                                {"state.safetensors": safetensors_file(head, body)}).items():
+        (path / name).write_bytes(changed)
+    _refused(path, build(99, extra=True), "the checkpoint does not match the state it is loaded into:\n"
+             "  optimizer.state[0].step: a float32 tensor of shape (1, 1, 1, 1, 1) in manifest.json, "
+             "a float32 tensor of shape () here")
+
+
+class Strict(Counter):
+    """A Counter whose load_state_dict refuses a negative count (its own check)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seen"] < 0:
+            raise ValueError(f"seen must be >= 0, got {state['seen']}")
+        super().load_state_dict(state)
+
+
+def test_an_extra_object_refusing_its_state_is_a_checkpoint_error_and_nothing_else_changes(tmp_path) -> None:
+    """An ``extra`` object whose own load_state_dict raises on the saved state: the load raises
+    a CheckpointError naming it (the object's error in it), and the model, optimizer, counters
+    and generators are as they were."""
+    state = build(0)
+    state = state.replace(step=0, extra={"strict": Strict()})
+    state.extra["strict"].seen = -1
+    path = af.save(state, tmp_path / "ckpt")
+    target = build(99).replace(extra={"strict": Strict()})
+    before = everything(target)
+    with pytest.raises(CheckpointError, match=r"extra\['strict'\]\.load_state_dict refused the saved state: "
+                                              r"ValueError: seen must be >= 0, got -1"):
+        af.load(path, into=target)
+    assert same_tree(everything(target), before)

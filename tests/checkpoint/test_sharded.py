@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -20,6 +22,7 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
+from tests.helpers.corrupt import Files, Mutation, header_edits, signed
 from tests.helpers.pool import Pools
 from tests.helpers.sharding import assert_same, build, full_state, loader, program
 
@@ -256,3 +259,86 @@ def test_a_file_in_dcp_the_manifest_does_not_list_is_refused(runs: Path, tmp_pat
     with pytest.raises(af.CheckpointError, match=r"files the manifest does not list: "
                                                  r"shard-00003-model-00001-of-00001\.safetensors;"):
         af.load(tmp_path / "ckpt", into=build(sharded=False))
+
+
+def _table_edits(files: Files) -> list[Mutation]:
+    """Every edit of a tensor in the manifest's sharded tables: its shape with another
+    dimension, reversed, of one element made ``[1, 1, 1, 1, 1]`` or negative, another dtype,
+    one torch does not know, a key unknown, the entry gone; the checksum recomputed."""
+    manifest = json.loads(files["manifest.json"])
+    entries = [("model", k) for k in manifest["sharded"]["model"]]
+    entries += [("optimizer", p, k) for p, states in manifest["sharded"]["optimizer"].items() for k in states]
+    edits = []
+    for where in entries:
+        meta = manifest["sharded"]
+        for key in where:
+            meta = meta[key]
+        shapes = [meta["shape"] + [1], meta["shape"][::-1], [1] * 5 if not meta["shape"] else [-1] + meta["shape"][1:]]
+        changes: list[tuple[str, Any]] = [("shape", s) for s in shapes if s != meta["shape"]]
+        changes += [("dtype", "float64"), ("dtype", "int32"), ("dtype", "nonsense"), ("zz", 1), ("delete", None)]
+        for field, value in changes:
+            edited = json.loads(files["manifest.json"])
+            node = edited["sharded"]
+            for key in where[:-1]:
+                node = node[key]
+            if field == "delete":
+                del node[where[-1]]
+            else:
+                node[where[-1]][field] = value
+            edits.append((f"sharded.{'.'.join(where)} {field} {value!r}",
+                          signed(files, {"manifest.json": json.dumps(edited).encode()})))
+    return edits
+
+
+def _tensors(state: af.TrainState) -> dict[str, Any]:
+    """Copies of the model's tensors, the optimizer's state and param groups, and the counters."""
+    optimizer = state.optimizer.state_dict()
+    return {"model": {k: v.clone() for k, v in state.model.state_dict().items()},
+            "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                      for i, entry in optimizer["state"].items()},
+            "groups": optimizer["param_groups"], "counters": (state.step, state.micro_step, state.epoch)}
+
+
+def _same_tensors(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x == y
+
+    return same(a, b)
+
+
+def test_corrupted_sharded_checkpoints_are_refused_and_change_nothing(runs: Path, tmp_path: Path) -> None:
+    """80 seeded corruptions of a sharded checkpoint (its DCP files' headers edited, its
+    manifest's sharded tables edited, checksums recomputed) loaded into one unsharded process:
+    each raises a CheckpointError before the state changes, or loads exactly the saved state;
+    DCP never reads a chunk the manifest does not place as it says."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(runs / "step3", path)
+    files = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    rng = random.Random(7)
+    mutations = [*header_edits(rng, files, sorted(SHARDS), 40), *rng.sample(_table_edits(files), 40)]
+    expected = safetensors.torch.load_file(runs / "stopped.safetensors")
+    wrong = []
+    for what, changed in mutations:
+        for name, data in changed.items():
+            (path / name).write_bytes(data)
+        state = build(sharded=False)
+        before = _tensors(state)
+        try:
+            loaded = af.load(path, into=state)
+        except af.CheckpointError:
+            if not _same_tensors(_tensors(state), before):
+                wrong.append(f"{what}: the failed load changed the state")
+        except Exception as e:  # nothing but CheckpointError
+            wrong.append(f"{what}: {type(e).__name__}: {e}")
+        else:
+            now = full_state(loaded)
+            if sorted(now) != sorted(expected) or any(not torch.equal(now[k], expected[k]) for k in expected):
+                wrong.append(f"{what}: loaded a state other than the saved one")
+        finally:
+            for name in changed:
+                (path / name).write_bytes(files[name])
+    assert not wrong, "\n".join(wrong)

@@ -67,9 +67,11 @@ def test_snapshot_holds_every_trainstate_field() -> None:
     state = _busy_state()
     snap = af.snapshot(state)
     names = {f.name for f in attrs.fields(af.TrainState)}
-    assert set(COUNTERS) == names - {"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped"}
-    assert snap.stopped is None
+    assert set(COUNTERS) == names - {"model", "optimizer", "scheduler", "transforms_state", "extra", "stopped",
+                                     "data_state"}
+    assert snap.stopped is None and snap.data_state is None
     assert af.snapshot(state.replace(stopped=af.Stopped(11, "enough"))).stopped == {"step": 11, "reason": "enough"}
+    assert af.snapshot(state.replace(data_state={"state": [1, 2]})).data_state == {"state": [1, 2]}
     assert dict(snap.counters) == {"step": 11, "micro_step": 23, "epoch": 2, "epoch_micro_step": 3}
     assert set(snap.transforms_state) == {"loss_scale", "skips", "window"}
     assert set(snap.grads) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}

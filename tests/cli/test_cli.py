@@ -12,17 +12,37 @@ import torch
 
 import accelfn
 from accelfn.backends import LaunchEnv
+from accelfn.cli import _loopback
 from accelfn.cli import commands as cli
 from accelfn.cli import config as launch_config
 from accelfn.cli.config import LaunchConfig
 from accelfn.errors import LaunchError
 
 
-def test_one_node_without_a_port_uses_a_standalone_rendezvous_on_a_free_port() -> None:
-    """One node with no port or endpoint gets torchrun's --standalone (c10d on localhost:0)."""
-    args = LaunchConfig(nproc_per_node=4).torchrun_args()
-    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--standalone",
+def test_one_node_without_a_port_meets_at_the_launchers_loopback_store() -> None:
+    """One node with no port or endpoint meets at the c10d store the launcher hosts on 127.0.0.1
+    (its workers' address 127.0.0.1 too); without that store's port, torchrun's --standalone."""
+    args = LaunchConfig(nproc_per_node=4).torchrun_args(loopback_port=41000)
+    assert args == ["--nnodes", "1", "--nproc-per-node", "4", "--max-restarts", "0", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "127.0.0.1:41000", "--rdzv-id", "accelfn", "--local-addr", "127.0.0.1",
                     "--rdzv-conf", "join_timeout=600"]
+    assert LaunchConfig(nproc_per_node=4).torchrun_args()[6:] == ["--standalone", "--rdzv-conf", "join_timeout=600"]
+
+
+@pytest.mark.parametrize(("fields", "on_this_machine"), [
+    ({}, True), ({"master_port": 29500}, True), ({"master_addr": "127.0.0.2", "master_port": 29500}, True),
+    ({"master_addr": "10.0.0.1", "master_port": 29500}, False), ({"rdzv_endpoint": "localhost:29400"}, False),
+    ({"nnodes": 2, "master_addr": "127.0.0.1", "master_port": 29500}, False),
+])
+def test_only_a_job_on_this_machine_alone_is_put_on_loopback(fields: dict, on_this_machine: bool) -> None:
+    """One node (no endpoint, no address but a loopback one) hosts its rendezvous on loopback and
+    puts gloo on the loopback interface, unless GLOO_SOCKET_IFNAME is set; other jobs are torch's."""
+    config = LaunchConfig(**fields)
+    assert _loopback.on_this_machine(config) is on_this_machine
+    interface = _loopback.loopback_interface()
+    expected = {"GLOO_SOCKET_IFNAME": interface} if on_this_machine and interface else {}
+    assert _loopback.worker_variables(config, {}) == expected
+    assert _loopback.worker_variables(config, {"GLOO_SOCKET_IFNAME": "eth1"}) == {}
 
 
 def test_master_address_and_port_give_a_static_rendezvous() -> None:
@@ -80,6 +100,31 @@ def _subparser(name: str) -> argparse.ArgumentParser:
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
     return commands.choices[name]
+
+
+def _script_commands() -> list[str]:
+    """The subcommands that take a SCRIPT and its arguments."""
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return [name for name, sub in commands.choices.items()
+            if any(a.dest == "script_args" for a in sub._actions)]  # noqa: SLF001
+
+
+def test_script_options_that_start_like_a_launcher_flag_are_the_scripts() -> None:
+    """After SCRIPT, every prefix of every flag of `launch` and `plan` (`--n`, `--timeout`,
+    `--shard`, `--master`, ...), alone, with a value or with `=value`, reaches the script
+    unchanged: no abbreviation is expanded, no "ambiguous option" error stops the command."""
+    assert _script_commands() == ["launch", "plan"]
+    parser = cli.build_parser()
+    for command in _script_commands():
+        flags = {o for a in _subparser(command)._actions for o in a.option_strings}  # noqa: SLF001
+        prefixes = sorted({flag[:n] for flag in flags for n in range(2, len(flag) + 1)} - {"--"})
+        assert {"--n", "--timeout", "--shard", "--master", "--nproc", "-m"} <= set(prefixes)
+        for prefix in prefixes:
+            for script_args in ([prefix], [prefix, "7"], [f"{prefix}=7"], ["--lr", "3", prefix]):
+                args = parser.parse_args([command, "--nproc-per-node", "2", "t.py", *script_args])
+                assert (args.command, args.script, args.nproc_per_node) == (command, "t.py", 2)
+                assert args.script_args == script_args, (command, script_args)
 
 
 def test_launch_help_documents_every_flag() -> None:

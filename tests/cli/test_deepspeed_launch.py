@@ -31,7 +31,8 @@ def test_launch_deepspeed_trains_an_unchanged_script(tmp_path: Path) -> None:
     """`accelfn launch --deepspeed cfg.json` of a replicate() script that sets no accumulation
     trains under the file's ZeRO stage and its gradient_accumulation_steps of 2: its parameters
     equal the hand-written loop of 2-micro-batch updates to 1e-5."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'accelfn[deepspeed]')")
+    pytest.importorskip("deepspeed",
+                        reason="DeepSpeed is not installed (after torch: pip install --no-build-isolation deepspeed)")
     cfg = tmp_path / "ds_config.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}))
     out = tmp_path / "out.json"

@@ -11,6 +11,7 @@ import pytest
 
 from accelfn.cli import commands as cli
 from tests.helpers import launch as _launch
+from tests.helpers import sockets
 from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
@@ -27,10 +28,11 @@ def write_config(*flags: str | Path) -> None:
 @pytest.fixture(scope="module")
 def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Two `accelfn launch --nproc-per-node 2 hello.py` jobs started together; the first one's
-    script also gets a stray `--tag=--nproc-per-node=7` (one launch, two tests' claims)."""
+    script also gets a stray `--tag=--nproc-per-node=7`, the second's records the sockets its
+    processes listen on (one launch, several tests' claims)."""
     outs = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
     procs = []
-    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], [])):
+    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], ["--sockets"] if sockets.available() else [])):
         procs.append(_launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
                                    _launch.WORKERS / "hello.py", "--out", out, *extra, cwd=out))
     for proc in procs:
@@ -50,20 +52,40 @@ def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Path]) -> None:
     assert ports[0] != ports[1]
 
 
-def test_two_nodes_on_loopback_form_one_world(tmp_path: Path) -> None:
-    """Two launchers with --nnodes 2 --node-rank 0|1 and one process each form a world of 2 with ranks 0 and 1."""
-    port = _launch.free_port()
+def test_a_job_on_one_machine_listens_on_loopback_alone(two_jobs: list[Path]) -> None:
+    """No process of `accelfn launch --nproc-per-node 2` (the launcher, with torchrun's rendezvous
+    store; rank 0, with the process group's store; each rank's gloo sockets, which the workers
+    put on the loopback interface) listens outside 127.0.0.0/8 while the job runs; and there
+    are such sockets to look at."""
+    if not sockets.available():
+        pytest.skip("reading listening sockets needs Linux's /proc/net/tcp")
+    assert [r["gloo_socket_ifname"] for r in _launch.read_ranks(two_jobs[1], 2)] == ["lo", "lo"]
+    rank0 = _launch.read_ranks(two_jobs[1], 2)[0]
+    found = [tuple(s) for s in rank0["listening"]]
+    assert sockets.outside_loopback(found) == [], found
+    owners = {pid for pid, _, _ in found}
+    assert {rank0["launcher_pid"], rank0["rank_pids"][0]} <= owners, found  # the rendezvous's and the group's stores
+    assert rank0["rank_pids"][0] != rank0["launcher_pid"]
+
+
+def test_two_nodes_on_loopback_form_one_world_from_flags_or_a_kubeflow_pods_variables(tmp_path: Path) -> None:
+    """Two launchers of one process each, node 0 given --nnodes 2 --node-rank 0 --master-addr
+    --master-port, node 1 only a Kubeflow PyTorchJob v1 pod's variables (RANK 1, WORLD_SIZE 2,
+    MASTER_ADDR, MASTER_PORT, no LOCAL_RANK) with `--nproc-per-node 1`, form one world of 2 with
+    ranks 0 and 1 (the pod joins the job instead of training alone in a world of its own)."""
+    port = str(_launch.free_port())
+    node0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port]
+    pod1 = _launch.environment(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     procs = [
-        _launch.start("launch", "--backend", "cpu", "--nnodes", "2", "--node-rank", str(node),
-                      "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                      "--timeout-s", "60",
-                      _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"node{node}", cwd=tmp_path)
+        _launch.start("launch", "--backend", "cpu", *(node0 if node == 0 else []), "--nproc-per-node", "1",
+                      "--timeout-s", "60", _launch.WORKERS / "hello.py", "--out", tmp_path, "--tag", f"node{node}",
+                      cwd=tmp_path, env=None if node == 0 else pod1)
         for node in (0, 1)
     ]
     for proc in procs:
         _launch.assert_ok(_launch.finish(proc))
     ranks = _launch.read_ranks(tmp_path, 2)
-    assert sorted(r["tag"] for r in ranks) == ["node0", "node1"]
+    assert [r["tag"] for r in ranks] == ["node0", "node1"]
     for rank, r in enumerate(ranks):
         assert (r["rank"], r["world_size"], r["local_rank"], r["local_world_size"]) == (rank, 2, 0, 1)
         assert r["sum_of_ranks_plus_one"] == 3.0

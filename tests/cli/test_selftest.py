@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from tests.helpers import launch as _launch
 pytestmark = pytest.mark.multiprocess
 
 TRAINING = "shard_data + replicate + accumulate(2) + clip(0.1) equals 1 process on the whole batch"
+EQUALS = "+ accumulate(2) + clip(0.1) equals 1 process on the whole batch"
+DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 CHECKS = [
     f"1 process: {TRAINING}",
     "1 process: checkpoint save/load round trip",
@@ -23,6 +26,10 @@ CHECKS = [
     f"3 processes (gloo): {TRAINING}",
     "3 processes (gloo): checkpoint save/load round trip",
     "3 processes (gloo): gather of unequal sizes",
+    f"3 processes (gloo): shard_data + shard_params {EQUALS}",
+    f"3 processes (gloo): tensor_parallel(size=3) {EQUALS}",
+    f"3 processes (gloo): pipeline(size=3, schedule='gpipe') {EQUALS}",
+    *([f"3 processes (gloo): shard_data + deepspeed(ZeRO-1) {EQUALS}"] if DEEPSPEED else []),
 ]
 
 
@@ -33,7 +40,9 @@ def status_of(output: str, name: str) -> list[str]:
 
 def test_every_check_passes_on_this_machine_with_the_configs_process_count(tmp_path: Path) -> None:
     """With --config naming 3 processes per node, `accelfn test` runs every check on 1 and on
-    3 gloo processes, prints PASS for each, SKIPs CUDA and XLA, and exits 0; the precision and
+    3 gloo processes (on 3: shard_params, tensor_parallel, pipeline, and deepspeed where it
+    is installed, each against the 1-process reference), prints PASS for each, SKIPs CUDA and
+    XLA (and DeepSpeed, saying so, where it is not installed), and exits 0; the precision and
     accumulate defaults of the user's config file stay out of the checks."""
     config = tmp_path / "three.yaml"
     config.write_text("nproc_per_node: 3\nbackend: cpu\n")
@@ -45,9 +54,11 @@ def test_every_check_passes_on_this_machine_with_the_configs_process_count(tmp_p
     assert {name: status_of(result.stdout, name) for name in CHECKS} == {name: ["PASS"] for name in CHECKS}, \
         result.stdout
     assert status_of(result.stdout, "xla") == ["SKIP"]
+    assert status_of(result.stdout, "deepspeed") == ([] if DEEPSPEED else ["SKIP"])
     if not torch.cuda.is_available():  # with a GPU, the CUDA checks run too
         assert status_of(result.stdout, "cuda") == ["SKIP"]
-        assert result.stdout.splitlines()[-1] == f"accelfn test: {len(CHECKS)} passed, 0 failed, 2 skipped"
+        skipped = 2 if DEEPSPEED else 3
+        assert result.stdout.splitlines()[-1] == f"accelfn test: {len(CHECKS)} passed, 0 failed, {skipped} skipped"
 
 
 def test_a_broken_gradient_all_reduce_fails_the_multiprocess_training_check(tmp_path: Path) -> None:

@@ -88,6 +88,23 @@ def test_srun_tasks_train_as_two_ranks_like_accelfn_launch(cluster: slurm.Cluste
     assert_equal(out, reference, "srun")
 
 
+def test_accelfn_launch_in_the_batch_script_of_a_job_of_several_tasks_forms_its_own_world(
+        cluster: slurm.Cluster, reference: dict, tmp_path: Path) -> None:
+    """`accelfn launch --nproc-per-node 2` run by the batch script of `sbatch --ntasks=4` (no
+    srun: one launcher, not a task of a step) trains its 2 workers as one torchrun world, bitwise
+    as outside Slurm, instead of refusing them as "would train alone" for the job's 4 tasks."""
+    folder, env = job_folder(tmp_path / "job")
+    out = tmp_path / "out"
+    out.mkdir()
+    done = cluster.run("sbatch", "--wait", "-O", "--ntasks=4", "--chdir", folder, "-o", folder / "batch.out",
+                       "--wrap", f"accelfn launch --nproc-per-node 2 train.py {out}", env=env, timeout_s=WAIT_S)
+    log = (folder / "batch.out").read_text() if (folder / "batch.out").exists() else ""
+    assert done.returncode == 0, f"{done.stderr}\n{log}\n{cluster.logs()}"
+    assert [(r["engine"], r["rank"], r["world_size"]) for r in _launch.read_ranks(out, 2)] == [
+        ("torchrun", 0, 2), ("torchrun", 1, 2)]
+    assert_equal(out, reference, "accelfn launch in an sbatch --ntasks=4 batch script")
+
+
 def test_a_cancelled_docs_sbatch_job_checkpoints_and_its_resubmission_resumes_bitwise(
         cluster: slurm.Cluster, reference: dict, tmp_path: Path) -> None:
     """The docs' sbatch script (srun accelfn launch), scancel-ed mid-run, saves a checkpoint on

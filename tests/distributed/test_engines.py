@@ -130,6 +130,24 @@ def test_an_engine_that_says_more_processes_than_accelfn_sees_is_an_error(variab
         LaunchEnv.from_env(variables)
 
 
+# what the batch script of `sbatch --ntasks=4` (no step: no SLURM_STEP_ID) holds
+SBATCH_NTASKS_4 = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_PROCID": "0",
+                   "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_NODELIST": "vm"}
+
+
+def test_a_launch_from_a_batch_script_forms_its_own_world() -> None:
+    """The workers of `accelfn launch --nproc-per-node 2` (or af.launch) started by the batch
+    script of `sbatch --ntasks=4` are a torchrun world of 2: the job's 4 tasks are no claim on
+    it outside a step; inside a step (`srun --ntasks=4 accelfn launch`, four launchers) they are."""
+    worker = dict(SBATCH_NTASKS_4, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    assert world(LaunchEnv.from_env(worker)) == ("torchrun", 1, 2, 1, 2, "127.0.0.1", 29500)
+    with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 says this job has 4 processes, but torchrun says 2"):
+        LaunchEnv.from_env(dict(worker, SLURM_STEP_ID="0"))
+    with pytest.raises(LaunchError, match=r"SLURM_NTASKS=4 says .* no engine's variables place this process"):
+        LaunchEnv.from_env(SBATCH_NTASKS_4)  # `python train.py` alone in the batch script: still refused
+
+
 def test_one_task_of_an_engine_is_one_process() -> None:
     """`srun --ntasks=1` and `mpirun -np 1`: a world of one, no rendezvous needed."""
     single = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
@@ -166,3 +184,81 @@ def test_kubeflow_trainer_v2_s_pet_variables_configure_accelfn_launch(tmp_path) 
     assert (flagged.config.nproc_per_node, flagged.config.timeout_s) == (2, 9.0)
     with pytest.raises(LaunchError, match="PET_NPROC_PER_NODE='auto': must be an int"):
         precedence.resolve(None, environ=dict(pet, PET_NPROC_PER_NODE="auto"), cwd=tmp_path)
+
+
+# what Kubeflow's training-operator v1 sets in pod 1 of a PyTorchJob of 2 pods (a Master and a Worker)
+KUBEFLOW_POD_1 = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "train-master-0", "MASTER_PORT": "23456"}
+
+
+def _resolve(environ: dict[str, str], tmp_path, flags: dict | None = None, **kwargs) -> precedence.Resolved:
+    return precedence.resolve(flags, environ=dict(environ, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path)),
+                              cwd=tmp_path, **kwargs)
+
+
+def test_accelfn_launch_in_a_kubeflow_pod_joins_the_job_as_node_rank_of_world_size(tmp_path) -> None:
+    """`accelfn launch --nproc-per-node 4` in pod 1 of 2 is node 1 of 2 nodes at MASTER_ADDR:MASTER_PORT
+    (a static rendezvous), over a config file's `nnodes: 1`; a flag that says another node
+    count is refused, and `--rdzv-endpoint` keeps the engine's address out."""
+    (tmp_path / "accelfn.yaml").write_text("nnodes: 1\nnode_rank: 0\n")  # as `accelfn config` writes them
+    resolved = _resolve(KUBEFLOW_POD_1, tmp_path, {"nproc_per_node": 4})
+    assert resolved.config.torchrun_args() == [
+        "--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "0", "--master-addr", "train-master-0",
+        "--master-port", "23456", "--node-rank", "1", "--rdzv-conf", "timeout=600"]
+    assert {k: resolved.sources[k] for k in ("nnodes", "node_rank", "master_addr", "master_port")} == {
+        "nnodes": "WORLD_SIZE", "node_rank": "RANK", "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"}
+    with pytest.raises(LaunchError, match=r"--nnodes 1, but kubeflow \(RANK=1, WORLD_SIZE=2\) says this launcher "
+                                          r"is process 1 of 2: a launch of its own would train alone"):
+        _resolve(KUBEFLOW_POD_1, tmp_path, {"nnodes": 1, "nproc_per_node": 4})
+    same = _resolve(KUBEFLOW_POD_1, tmp_path, {"nnodes": 2, "node_rank": 1, "master_addr": "train-master-0",
+                                               "master_port": 23456})  # the torchrun idiom, spelled out
+    assert same.config.torchrun_args() == _resolve(KUBEFLOW_POD_1, tmp_path).config.torchrun_args()
+    endpoint = _resolve(KUBEFLOW_POD_1, tmp_path, {"rdzv_endpoint": "train-master-0:29400"})
+    assert endpoint.config.torchrun_args()[:2] == ["--nnodes", "2"] and endpoint.config.master_addr is None
+
+
+def test_a_launcher_started_by_srun_or_mpirun_joins_their_job_and_a_nested_one_does_not(tmp_path) -> None:
+    """Task 3 of an srun step of 7 is node 3 of 7 at the step's first node and its job's port;
+    a launch inside torchrun's workers, one task alone, Kubeflow Trainer v2's PET_* variables
+    (torchrun's own options) and `accelfn test` (placed=False) join nothing."""
+    slurm = _resolve(SLURM_TASK_3, tmp_path).config
+    assert (slurm.nnodes, slurm.node_rank, slurm.master_addr, slurm.master_port) == (7, 3, "node01", 13456)
+    mpi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert _resolve(mpi, tmp_path).config.torchrun_args()[6:12] == [
+        "--master-addr", "127.0.0.1", "--master-port", "29500", "--node-rank", "1"]
+    worker = dict(KUBEFLOW_POD_1, LOCAL_RANK="1", LOCAL_WORLD_SIZE="2")
+    alone = dict(KUBEFLOW_POD_1, WORLD_SIZE="1", RANK="0")
+    pet = dict(KUBEFLOW_POD_1, PET_NNODES="2", PET_NODE_RANK="1", PET_NPROC_PER_NODE="4", WORLD_SIZE="8",
+               PET_MASTER_ADDR="train-master-0", PET_MASTER_PORT="23456")  # WORLD_SIZE: 2 pods x 4
+    for environ, kwargs in ((worker, {}), (alone, {}), (KUBEFLOW_POD_1, {"placed": False})):
+        config = _resolve(environ, tmp_path, **kwargs).config
+        assert (config.nnodes, config.node_rank, config.master_addr) == (1, 0, None)
+    assert _resolve(pet, tmp_path).config.torchrun_args()[:6] == ["--nnodes", "2", "--nproc-per-node", "4",
+                                                                  "--max-restarts", "0"]
+
+
+def test_af_launch_in_a_process_an_engine_placed_among_several_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """af.launch in a Kubeflow pod of 2 (or a task of an srun step of 7) raises LaunchError before
+    starting anything: its world would be the pod's own."""
+    import accelfn as af
+
+    for name, value in KUBEFLOW_POD_1.items():
+        monkeypatch.setenv(name, value)
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match=r"af.launch starts workers on this machine alone, but kubeflow \(RANK=1, "
+                                          r"WORLD_SIZE=2\) started this process as process 1 of 2"):
+        af.launch(print, nproc_per_node=2)
+
+
+def test_accelfn_env_reports_an_invalid_placement_and_goes_on(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelfn env` with a stray RANK (no WORLD_SIZE) says the launch environment is invalid and
+    still prints the launch config, the defaults (a bug report needs the rest)."""
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "launch environment: invalid: RANK is set but WORLD_SIZE is not" in out
+    assert "\n  nnodes: 1\n" in out

@@ -51,6 +51,19 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR)
 
 
+def make_sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum and weight decay: not on DeepSpeed's list of ZeRO-tested optimizers."""
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=0.01)
+
+
+def make_warmup(optimizer: torch.optim.Optimizer) -> Any:
+    """DeepSpeed's own WarmupLR (what a ds_config "scheduler" section builds), as a TrainState's
+    scheduler: from 0 to 10 x LR over 6 updates, log-shaped."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    return WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=10 * LR, warmup_num_steps=6)
+
+
 def loader() -> DataLoader:
     return DataLoader(P.regression_data(NUM_SAMPLES), batch_size=PER_RANK_BATCH, shuffle=False)
 
@@ -62,12 +75,16 @@ def epochs(n: int) -> int:
     return UPDATES // per_epoch
 
 
-def hand_written(n: int, max_norm: float | None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, no accelfn, no DeepSpeed: ``UPDATES`` AdamW updates, each on the mean
+def hand_written(n: int, max_norm: float | None, *, sgd_warmup: bool = False,
+                 lrs: list[float] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, no accelfn, no DeepSpeed engine: ``UPDATES`` AdamW updates (or, with
+    ``sgd_warmup``, ``make_sgd``'s with ``make_warmup`` stepped after each), each on the mean
     squared error of the next ``6 n`` samples, the gradient clipped to ``max_norm`` (if
-    given); returns the parameters and the norms before clipping."""
+    given); returns the parameters and the norms before clipping (and appends each update's
+    lr to ``lrs``)."""
     model = make_model()
-    optimizer = make_optimizer(model)
+    optimizer = make_sgd(model) if sgd_warmup else make_optimizer(model)
+    scheduler = make_warmup(optimizer) if sgd_warmup else None
     x, y = P.regression_data(NUM_SAMPLES).tensors
     size = WORLD_SIZE * PER_RANK_BATCH * n
     norms = []
@@ -77,8 +94,12 @@ def hand_written(n: int, max_norm: float | None) -> tuple[dict[str, torch.Tensor
         loss.backward()
         if max_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        if lrs is not None:
+            lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 

@@ -23,7 +23,7 @@ WORKERS = TESTS / "workers"
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "GROUP_RANK", "ACCELFN_BACKEND", "ACCELFN_PRECISION", "ACCELFN_PRECISION_FROM", "ACCELFN_TIMEOUT_S",
                 "ACCELFN_ACCUMULATE", "ACCELFN_COMPILE", "ACCELFN_CONFIG_FILE", "ACCELFN_LAUNCHER_SET",
-                "ACCELFN_SHARD_PARAMS")
+                "ACCELFN_SHARD_PARAMS", "ACCELFN_DEBUG_COLLECTIVES")
 DEFAULT_TIMEOUT_S = 240
 # other engines' variables (Kubeflow's, a Slurm job's or mpirun's running the tests): not the test jobs'
 _ENGINE_PREFIXES = ("PET_", "SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")

@@ -10,15 +10,21 @@ from torch.utils.data import DataLoader
 
 import accelfn as af
 from tests.helpers import programs as P
+from tests.helpers import sockets
 
 
 def train(batch_size: int) -> dict[str, object]:
     """The program of programs.train_case "e2_acc2_clip" on this world; rank, world size and
-    the launch's timeout as the worker saw them, and the final parameters."""
+    the launch's timeout as the worker saw them, the final parameters, and (where /proc tells)
+    the TCP sockets the launching process and every rank listen on while the job runs."""
     backend = af.backends.auto()
     state = P.train_case("e2_acc2_clip", backend, batch_size)
+    ranks = backend.gather_object(os.getpid())
+    listening = sockets.listening([os.getppid(), *ranks]) if sockets.available() else None
+    backend.barrier()  # every rank alive until each has read them
     return {"rank": backend.rank, "world_size": backend.world_size, "timeout_s": os.environ["ACCELFN_TIMEOUT_S"],
-            "parameters": {k: v.clone() for k, v in P.parameters(state).items()}}
+            "parameters": {k: v.clone() for k, v in P.parameters(state).items()}, "listening": listening,
+            "launcher_pid": os.getppid(), "rank_pids": ranks}
 
 
 def fail_on_rank(rank: int) -> int:

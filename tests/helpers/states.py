@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,3 +84,29 @@ def assert_same_state(a: af.TrainState, b: af.TrainState) -> None:
     assert a.transforms_state.keys() == b.transforms_state.keys()
     for key in a.transforms_state:
         assert repr(a.transforms_state[key]) == repr(b.transforms_state[key]), f"transforms_state[{key}] differs"
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Trees equal: tensors and arrays bitwise, records field by field."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if attrs.has(type(a)):
+        return type(a) is type(b) and same_tree(attrs.asdict(a, recurse=False), attrs.asdict(b, recurse=False))
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if all(type(x) in (int, float, str) for x in a):  # an RNG state: 625 ints at once
+            return all(type(x) is type(y) for x, y in zip(a, b)) and a == b
+        return all(map(same_tree, a, b))
+    return type(a) is type(b) and a == b
+
+
+def everything(state: af.TrainState) -> dict[str, Any]:
+    """The state's tensors, optimizer, scheduler, extra, counters and the global generators."""
+    snap = af.snapshot(state)
+    return {"snapshot": {f.name: getattr(snap, f.name) for f in attrs.fields(af.Snapshot) if f.name != "rng"},
+            "torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}

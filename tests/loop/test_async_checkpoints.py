@@ -3,6 +3,7 @@ in the training process, and a kill at any instant leaves a complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import resource
@@ -43,6 +44,49 @@ def test_asynchronous_saves_give_the_same_parameters_and_checkpoints_as_synchron
     for step in sync_steps:  # the manifests hold the counters, RNG states and every file's checksum
         name = f"step_{step:08d}/manifest.json"
         assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
+
+
+class Handed:
+    """A tracker (on every rank) that records, for each checkpoint it is handed, its name, its
+    step, the last step logged when it was handed, and whether it was complete then."""
+
+    every_rank = True
+
+    def __init__(self) -> None:
+        self.last_logged = 0
+        self.handed: list[tuple[str, int, int, bool]] = []
+
+    def log(self, metrics, step: int) -> None:
+        self.last_logged = step
+
+    def saved(self, path: Path, step: int) -> None:
+        complete = (path / "manifest.json").is_file() and path.name in {p.name for p in path.parent.iterdir()}
+        self.handed.append((path.name, step, self.last_logged, complete))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_tracker_is_handed_a_background_checkpoint_only_when_it_is_complete(cpu, tmp_path, monkeypatch) -> None:
+    """With background saves slowed down (0.3 s before each write), a tracker's saved(path,
+    step) is called once per checkpoint, in order, each time with a complete checkpoint: at a
+    later update than its step (the one after its write ended) or when run ends, never while
+    it is being written (af.RayTrain hands Ray the directory to copy there)."""
+    write = af.Checkpoints._write
+
+    def slow(self, path, write_files):
+        time.sleep(0.3)
+        return write(self, path, write_files)
+
+    monkeypatch.setattr(af.Checkpoints, "_write", slow)
+    tracker = Handed()
+    torch.manual_seed(0)
+    af.run(program(), build(0), loader(), backend=cpu, epochs=3, progress=False, trackers=[tracker], log_every=1,
+           checkpoints=af.Checkpoints(tmp_path, every_steps=2, asynchronous=True))
+    assert [(name, step) for name, step, _, _ in tracker.handed] == [
+        (f"step_{s:08d}", s) for s in range(2, 16, 2)]
+    assert all(complete for *_, complete in tracker.handed)
+    assert all(at > step for _, step, at, _ in tracker.handed[:-1])  # handed after the update that saved it
 
 
 def test_a_failing_background_write_raises_in_the_training_process_with_path_and_cause(cpu, tmp_path) -> None:
@@ -165,7 +209,8 @@ def test_sigterm_during_a_background_save_exits_143_with_the_newest_checkpoint_r
 def test_two_processes_saving_in_the_background_match_synchronous_saves(pool: Pools, tmp_path) -> None:
     """With 2 processes (gloo), background saves (rank 0 writes; the gather stays in the
     training thread) give every rank the parameters of synchronous saves, and the same
-    checkpoints, byte for byte in their manifests (RNG states of both ranks included); when
+    checkpoints, byte for byte in their manifests (RNG states of both ranks included), each
+    handed to a tracker on every rank once, complete, at the same update on both ranks; when
     rank 0's background write fails, both ranks raise (rank 0 with the path and cause)."""
     pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script="async_ranks.py",
                 script_args=(tmp_path,))
@@ -178,6 +223,10 @@ def test_two_processes_saving_in_the_background_match_synchronous_saves(pool: Po
     for step in steps:
         name = f"step_{step:08d}/manifest.json"
         assert (tmp_path / "async" / name).read_bytes() == (tmp_path / "sync" / name).read_bytes()
+    for mode in ("sync", "async"):  # each checkpoint handed once, complete, at the same update on both ranks
+        handed = [json.loads((tmp_path / f"rank{rank}-{mode}-handed.json").read_text()) for rank in range(2)]
+        assert handed[0] == handed[1]
+        assert [s for s, _, _ in handed[0]] == steps and all(complete for *_, complete in handed[0])
     failed = tmp_path / "failing" / "step_00000002"
     errors = [(tmp_path / f"rank{rank}-error.txt").read_text() for rank in range(2)]
     assert errors[0].startswith(f"writing the checkpoint {failed} in the background failed: OSError: "

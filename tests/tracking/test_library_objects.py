@@ -73,6 +73,27 @@ def test_comet_offline_experiment_holds_every_metric_at_its_step_and_the_config(
         m["payload"]["metric"] for m in comet_messages(tmp_path / "comet") if m["type"] == "metric_msg"]
 
 
+def test_reading_comet_experiment_after_run_restarts_nothing(tmp_path, cpu, comet_ml):
+    """After run (which ends the experiment), reading tracker.experiment gives the ended
+    experiment (its key) and writes no second archive; a call on it that would log raises
+    naming reopen(), which continues the same experiment into a second archive."""
+    comet = af.Comet("accelfn-tests", dir=tmp_path / "comet", mode="offline")
+    train([comet], cpu, epochs=1)
+    key = comet.experiment_key
+    assert comet.experiment.get_key() == key
+    comet.close()
+    assert [p.stem.split("-")[0] for p in (tmp_path / "comet").glob("*.zip")] == [key]
+    with pytest.raises(RuntimeError, match=r"Comet.experiment.log_metric: the experiment \w+ has ended.*"
+                                           r"tracker.reopen\(\)"):
+        comet.experiment.log_metric("lost", 1.0, step=9)
+    comet.reopen().log_metric("after", 1.0, step=9)
+    comet.close()
+    assert comet.experiment_key == key
+    assert sorted(p.stem.split("-")[0] for p in (tmp_path / "comet").glob("*.zip")) == [key, key]
+    assert {"metricName": "after", "metricValue": 1.0, "step": 9, "epoch": None} in [
+        m["payload"]["metric"] for m in comet_messages(tmp_path / "comet") if m["type"] == "metric_msg"]
+
+
 def test_comet_checks_its_arguments(tmp_path, comet_ml):
     with pytest.raises(ValueError, match=r"Comet\(mode='local'\): accepted values are 'online', 'offline'"):
         af.Comet(mode="local")  # type: ignore[arg-type]
@@ -111,7 +132,11 @@ def test_mlflow_client_and_wandb_run_are_the_runs_that_run_logs_to(tmp_path, cpu
     assert [m.step for m in mlflow.client.get_metric_history(mlflow.run_id, "loss")] == [1, 2, 3, 4]
     mlflow.client.log_metric(mlflow.run_id, "user/extra", 2.5, step=4)
     assert mlflow.client.get_run(mlflow.run_id).data.metrics["user/extra"] == 2.5
-    run = wandb.run  # closed by af.run: the same W&B run resumes
-    assert run.id == wandb.run_id and run.project == "accelfn-tests"
+    finished = wandb.run  # finished by af.run: read, not resumed
+    assert finished.id == wandb.run_id and finished.project == "accelfn-tests"
+    wandb.close()
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+    run = wandb.reopen()  # the same W&B run resumes
+    assert run.id == wandb.run_id
     run.summary["user/extra"] = 2.5
     wandb.close()

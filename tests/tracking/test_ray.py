@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = ("replicate-whole", "replicate-failed", "shard_params-failed")
+RUNS = ("replicate-whole", "replicate-failed", "shard_params-failed", "replicate-async")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def ray_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "ray_train.py"), str(out), *RUNS],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
 
@@ -35,7 +35,7 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(path / "weights" / "model.safetensors")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize("scenario", ["replicate", "shard_params"])
 def test_ray_result_holds_metrics_and_checkpoints_and_a_failure_resumes_bitwise(ray_runs: Path, scenario: str) -> None:
     """Under TorchTrainer (2 gloo workers), af.RayTrain reports the run's metrics and each
@@ -63,3 +63,29 @@ def test_ray_result_holds_metrics_and_checkpoints_and_a_failure_resumes_bitwise(
     assert reference.keys() == resumed.keys() and len(reference) == 4
     for name in reference:
         assert torch.equal(reference[name], resumed[name]), name
+
+
+@pytest.mark.timeout(1000)
+def test_background_checkpoints_reach_ray_complete(ray_runs: Path) -> None:
+    """With Checkpoints(asynchronous=True), every checkpoint Ray copies to its storage is
+    complete (af.load checks every file's checksum) and holds the synchronous run's state of
+    its step, the weights file byte for byte: each is reported once its background write
+    has ended, the last when the run ends."""
+    import accelfn as af
+
+    def load(path: Path) -> af.TrainState:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.25), torch.nn.Linear(8, 1))
+        return af.load(path, into=af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.05)))
+
+    result = json.loads((ray_runs / "replicate-async.json").read_text())
+    assert result["error"] is None
+    assert result["metrics"]["step"] == 16 and Path(result["checkpoint"]).name == "step_00000016"
+    stored = sorted(Path(p) for p in result["checkpoints"])
+    assert [p.name for p in stored] == ["step_00000004", "step_00000008", "step_00000012", "step_00000016"]
+    for path in stored:
+        synchronous = ray_runs / "replicate-whole-checkpoints" / path.name
+        assert (path / "model.safetensors").read_bytes() == (synchronous / "model.safetensors").read_bytes()
+        got, expected = load(path), load(synchronous)
+        assert got.step == expected.step == int(path.name.removeprefix("step_"))
+        for a, b in zip(got.model.state_dict().values(), expected.model.state_dict().values()):
+            assert torch.equal(a, b), path.name

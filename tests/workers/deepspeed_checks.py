@@ -156,7 +156,34 @@ def _no_unpickling() -> Iterator[None]:
         pickle.load, torch.load = saved
 
 
+def _sgd_warmup_state() -> af.TrainState:
+    model = D.make_model()
+    optimizer = D.make_sgd(model)
+    return af.TrainState.create(model, optimizer, scheduler=D.make_warmup(optimizer))
+
+
+def sgd_warmup() -> dict[str, Any]:
+    """ZeRO-2 with SGD (momentum, weight decay: not on DeepSpeed's tested list) and DeepSpeed's
+    WarmupLR as the TrainState's scheduler: the whole run (parameters, lr per update), and 3
+    updates + ``af.save`` + a resume from it (the lr of each resumed update, the parameters)."""
+    backend = af.backends.CPU()
+    program = af.compose(af.shard_data(), af.deepspeed({"zero_optimization": D.ZERO["s2"]}))(af.train_step(P.mse))
+    whole_points, resumed_points = Record(), Record()
+    whole = af.run(program, _sgd_warmup_state(), D.loader(), backend=backend, epochs=D.epochs(1), progress=False,
+                   trackers=[whole_points], log_every=1)
+    part = af.run(program, _sgd_warmup_state(), D.loader(), backend=backend, epochs=D.epochs(1), max_steps=3,
+                  progress=False)
+    path = af.save(part, "ckpt_sgd_warmup", backend=backend)
+    with _no_unpickling():
+        resumed = af.run(program, _sgd_warmup_state(), D.loader(), backend=backend, epochs=D.epochs(1), resume=path,
+                         progress=False, trackers=[resumed_points], log_every=1)
+    return {"params": D.to_json(full_parameters(whole.model)), "lrs": [p["lr"] for p in whole_points.points],
+            "resumed": D.to_json(full_parameters(resumed.model)),
+            "resumed_lrs": [p["lr"] for p in resumed_points.points], "steps": [part.step, resumed.step]}
+
+
 def all_checks() -> dict[str, Any]:
-    """``train_all`` and ``checkpoints`` in one scenario: DeepSpeed keeps its process groups
-    for the life of the process, so a second scenario (in a new default group) cannot use it."""
-    return {"train": train_all(), "checkpoints": checkpoints()}
+    """``train_all``, ``checkpoints`` and ``sgd_warmup`` in one scenario: DeepSpeed keeps its
+    process groups for the life of the process, so a second scenario (in a new default group)
+    cannot use it."""
+    return {"train": train_all(), "checkpoints": checkpoints(), "sgd_warmup": sgd_warmup()}

@@ -45,7 +45,7 @@ def _instrumented(calls: list[Any]) -> Any:
     import torch
     import torch.distributed as dist
 
-    from accelfn.distributed import process_group
+    from accelfn.distributed import ddp as ddp_module
 
     saved = {name: getattr(dist, name) for name in
              ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast", "_broadcast_coalesced")}
@@ -81,7 +81,7 @@ def _instrumented(calls: list[Any]) -> Any:
                      ("_broadcast_coalesced", broadcast_coalesced)):
         setattr(dist, name, fn)
 
-    ddp = process_group.DistributedDataParallel
+    ddp = ddp_module.DistributedDataParallel
 
     def bucket_hook(state: Any, bucket: Any) -> Any:
         buffer = bucket.buffer()
@@ -98,12 +98,12 @@ def _instrumented(calls: list[Any]) -> Any:
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, bucket_hook)
 
-    process_group.DistributedDataParallel = Recording
+    ddp_module.DistributedDataParallel = Recording
 
     def undo() -> None:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-        process_group.DistributedDataParallel = ddp
+        ddp_module.DistributedDataParallel = ddp
 
     return undo
 

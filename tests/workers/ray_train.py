@@ -6,7 +6,8 @@ Runs ``<scenario>-whole`` (uninterrupted) and ``<scenario>-failed`` (rank 1 rais
 step 10, a marker file says it did, and ``FailureConfig(max_failures=1)`` restarts the group
 from the checkpoint Ray holds), with scenario ``replicate`` or ``shard_params``; by default
 ``replicate-whole``, ``replicate-failed`` and ``shard_params-failed`` (each TorchTrainer run
-costs a worker group's start, so the uninterrupted reference is run once). Each run exports
+costs a worker group's start, so the uninterrupted reference is run once); ``<scenario>-async``
+is the uninterrupted run with ``Checkpoints(asynchronous=True)``. Each run exports
 its final weights (``af.save_model``) to OUT/<run>/weights and writes what Ray's ``Result``
 holds to OUT/<run>.json; every attempt of every rank appends where it started to
 OUT/<run>.starts.
@@ -55,18 +56,20 @@ def train_loop(config: dict[str, Any]) -> None:
         with open(out / f"{run}.starts", "a") as f:
             f.write(f"{rank} {'start' if checkpoint is None else checkpoint.name}\n")
         state = af.run(program, state, data, epochs=EPOCHS, checkpoints=af.Checkpoints(
-            out / f"{run}-checkpoints", every_steps=4), resume=checkpoint, backend=af.backends.auto(),
+            out / f"{run}-checkpoints", every_steps=4, asynchronous=config["async"]), resume=checkpoint,
+            backend=af.backends.auto(),
             trackers=[af.RayTrain()], log_every=4, progress=False, hooks=[af.Hook(fail_once, every_steps=1)])
     af.save_model(state, out / f"{run}" / "weights")
 
 
-def fit(out: Path, scenario: str, fail: bool) -> None:
-    run = f"{scenario}-{'failed' if fail else 'whole'}"
+def fit(out: Path, scenario: str, kind: str) -> None:
+    run, fail = f"{scenario}-{kind}", kind == "failed"
     from tests.workers.ray_train import train_loop as by_name  # pickled by reference, not by value
 
     trainer = TorchTrainer(
         by_name,
-        train_loop_config={"out": str(out), "run": run, "scenario": scenario, "fail": fail},
+        train_loop_config={"out": str(out), "run": run, "scenario": scenario, "fail": fail,
+                           "async": kind == "async"},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(name=run, storage_path=str(out / "ray_results"),
                              failure_config=FailureConfig(max_failures=1 if fail else 0)),
@@ -87,7 +90,7 @@ def main() -> None:
     try:
         for run in sys.argv[2:] or ["replicate-whole", "replicate-failed", "shard_params-failed"]:
             scenario, kind = run.split("-")
-            fit(out, scenario, fail=kind == "failed")
+            fit(out, scenario, kind)
     finally:
         ray.shutdown()
 

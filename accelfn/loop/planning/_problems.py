@@ -20,6 +20,7 @@ from accelfn.backends.base import Backend
 from accelfn.data import num_batches
 from accelfn.loop.planning._counts import EpochCounts
 from accelfn.loop.planning._memory import Memory
+from accelfn.loop.planning._schedule import simulate
 from accelfn.state import TrainState
 from accelfn.step import Step
 from accelfn.transforms import (
@@ -230,37 +231,42 @@ def _precision(f: Facts) -> Iterable[Problem]:
                       "use with_precision('fp16') (dynamic loss scaling) or 'fp32'")
 
 
-def _schedule_length(scheduler: Any) -> tuple[str, int] | None:
-    for attribute in ("total_steps", "T_max", "total_iters"):
-        value = getattr(scheduler, attribute, None)
-        if isinstance(value, int) and value > 0:
-            return attribute, value
-    return None
-
-
 @_check
 def _scheduler(f: Facts) -> Iterable[Problem]:
+    """The schedule, stepped on a copy over the run's updates and past them (``_schedule``),
+    raises before the run ends (an error) or ends after it (a warning: sized for the
+    micro-batches, the processes' updates, or any other count above the run's)."""
     scheduler, steps = f.state.scheduler, f.scheduler_steps
-    length = _schedule_length(scheduler) if scheduler is not None else None
-    if length is None or steps is None:
+    if scheduler is None or steps is None:
         return
-    attribute, value = length
+    now = int(getattr(scheduler, "last_epoch", f.state.step))
+    micro = f.state.micro_step + sum((e.micro_batches[0] or 0) * e.num_epochs for e in f.epochs_counted)
+    horizon = 2 * max(steps, micro, steps * f.world_size) + 1
+    trajectory = simulate(scheduler, f.state.optimizer, horizon - now, shared=(f.state.model,))
+    if trajectory is None:
+        return
     kind = type(scheduler).__name__
-    if attribute == "total_steps" and value < steps:
+    if trajectory.raised_at is not None and now + trajectory.raised_at <= steps:
         yield Problem("scheduler-too-short", True,
-                      f"{kind}(total_steps={value}) is stepped once per optimizer update, and this run applies "
-                      f"{steps}: it raises at update {value + 1}",
+                      f"{kind} is stepped once per optimizer update, and this run applies {steps - now}"
+                      f"{f' more (to scheduler step {steps})' if now else ''}: it raises at update "
+                      f"{now + trajectory.raised_at} ({trajectory.error})",
                       f"size it with af.plan(...).scheduler_steps or af.count_updates(...).total ({steps}), "
                       "not the number of batches")
-    elif value != steps and value > steps:
-        micro = sum(m or 0 for e in f.epochs_counted for m in e.micro_batches[:1])
-        hint = " (the micro-batches)" if value == micro else f" ({steps} x {f.world_size} processes)" \
-            if value == steps * f.world_size else ""
-        yield Problem("scheduler-not-finished", False,
-                      f"{kind}({attribute}={value}) is sized for {value} steps{hint}, and the run applies only "
-                      f"{steps} optimizer updates: the schedule stops part-way",
-                      f"use {attribute}={steps} (af.plan(...).scheduler_steps: schedules count optimizer updates, "
-                      "not micro-batches or processes)")
+        return
+    end = trajectory.end()
+    if end is None or now + end <= steps:
+        return
+    end += now
+    hint = " (the micro-batches)" if end in (micro, micro - 1) else f" ({steps} x {f.world_size} processes)" \
+        if f.world_size > 1 and end in (steps * f.world_size, steps * f.world_size - 1) else ""
+    lrs = trajectory.lrs[steps - now]
+    yield Problem("scheduler-not-finished", False,
+                  f"{kind} ends at scheduler step {end}{hint}, and the run applies only {steps} optimizer "
+                  f"updates: the schedule stops part-way (lr {', '.join(f'{lr:.3g}' for lr in lrs)} at the end, "
+                  f"{', '.join(f'{lr:.3g}' for lr in trajectory.lrs[end - now])} at its own end)",
+                  f"size it for {steps} steps (af.plan(...).scheduler_steps: schedules count optimizer "
+                  "updates, not micro-batches or processes)")
 
 
 @_check
