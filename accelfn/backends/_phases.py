@@ -95,8 +95,9 @@ def _compiled_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 #: the model phases, in the order ``prepare`` applies them (each checked before any applies):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
-#: activation checkpointing (after TP, before FSDP2: torchtitan's order); sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
-#: rank allocates only its own shards, as torchtitan's ``to_empty`` after parallelizing);
+#: activation checkpointing (after TP, before FSDP2: torchtitan's order); sharding (FSDP2); a
+#: model built on the meta device filled (after the splits, so that each rank allocates only its
+#: own shards, as torchtitan's ``to_empty`` after parallelizing);
 #: replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
     deepspeed.Engine,

@@ -191,10 +191,9 @@ class Backend(ProcessContext, abc.ABC):
         ``--compile``) where the program has none of their kind, builds the program's mesh,
         then runs the model phases of ``backends._phases.PHASES`` (docs/04 lists them):
         every acting phase is checked before any changes anything, each transform's entry is
-        added to ``transforms_state``, and the phases apply in their fixed order (deepspeed,
-        place, pipeline, tensor_parallel, checkpoint_activations, shard_params, materialize,
-        invariant, replicate, compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
-        ``step`` attribute is the program it runs.
+        added to ``transforms_state``, and the phases apply in PHASES' fixed order. The step
+        function is chosen once (``backends._phases.INTERPRETERS``); its ``step`` attribute is
+        the program it runs.
 
         Args:
             step: the program.
@@ -212,10 +211,9 @@ class Backend(ProcessContext, abc.ABC):
                 a phase (``refusals``: XLA's ``shard_params``, ``compile``, ...), or a phase
                 not with these options (offloading on the CPU backend).
             ValueError: a world size the transforms cannot divide; a model prepared before
-                with other transforms (sharded, split, cut) than ``step``'s;
-                ``checkpoint_activations`` that chooses no block, or a ``"budget"`` not resolved
-                (``af.run`` resolves it; ``af.plan(...).step`` is the program resolved);
-                ``compile(regions=True)`` of a model without repeated blocks.
+                with other transforms (sharded, split, cut) than ``step``'s; a phase's own
+                check (``checkpoint_activations`` of no block or an unresolved budget,
+                ``compile(regions=True)`` of a model without repeated blocks).
             TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
                 named, before anything is placed.
         """

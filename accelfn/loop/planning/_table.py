@@ -72,7 +72,8 @@ def render(plan: Any) -> str:
                          f"{100 * worst.peak / plan.device_memory:.0f}%")
     if plan.recompute is not None:
         r = plan.recompute
-        rows = [["checkpoint_activations", "micro-batch peak"], *([label, size(peak)] for label, peak in r.peaks.items())]
+        rows = [["checkpoint_activations", "micro-batch peak"],
+                *([label, size(peak)] for label, peak in r.peaks.items())]
         lines += ["", *_table(rows), f"  recomputed: {len(r.chosen)} of {len(r.blocks)} blocks"
                   + (f" ({', '.join(r.chosen[:4])}{', ...' if len(r.chosen) > 4 else ''})" if r.chosen else "")
                   + (f"; each block saves {size(r.blocks[0][1])}" if len({b for _, b in r.blocks}) == 1 else "")]
