@@ -8,7 +8,9 @@ Each contestant runs in a fresh process (no TorchDynamo or inductor cache shared
 on-disk caches are switched off), prepares the same state and program, and times its steps:
 ``compile_s`` is the first step's time less the median step (what compiling cost), ``step_ms``
 the median of the steps after the first three. ``cpu`` columns are the process's CPU time (the
-figure to compare on a shared machine), the others wall time. Prints one table.
+figure to compare on a shared machine), the others wall time. One torch thread, and inductor
+compiles in the process itself (no compile workers), so that the CPU time is all of it.
+Prints one table.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def one(contestant: str, blocks: int, steps: int, recompute: bool) -> dict[str, 
     """Runs one contestant in this process; its times."""
     import accelfn as af
 
+    torch.set_num_threads(1)  # as the other benchmarks: one torch thread per process
     torch._inductor.config.fx_graph_cache = False
     torch._inductor.config.autotune_local_cache = False
+    torch._inductor.config.compile_threads = 1  # compiled in this process: its CPU time counts all of it
     torch.manual_seed(0)
     model = GPT(blocks)
     state = af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
