@@ -77,9 +77,12 @@ def summed(model: torch.nn.Module, batch: Any) -> af.Loss:
     return af.Loss(total=F.cross_entropy(model(x), y, reduction="sum"), count=y.shape[0])
 
 
-def pipelined(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The pipelined form of ``loss``: the last stage's output and the targets."""
+def _pipelined(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, targets)
+
+
+#: the pipelined form of ``loss``: the last stage's output and the targets
+pipelined = af.output_loss(_pipelined)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
