@@ -18,7 +18,8 @@ from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
-from accelfn.distributed import canonical, ddp, deepspeed, fsdp, meta, pipeline, recompute, tensor_parallel
+from accelfn.distributed import (canonical, context_parallel, ddp, deepspeed, fsdp, meta, pipeline, recompute,
+                                 tensor_parallel)
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec
@@ -95,15 +96,17 @@ def _compiled_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 #: the model phases, in the order ``prepare`` applies them (each checked before any applies):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
-#: activation checkpointing (after TP, before FSDP2: torchtitan's order); sharding (FSDP2); a
-#: model built on the meta device filled (after the splits, so that each rank allocates only its
-#: own shards, as torchtitan's ``to_empty`` after parallelizing);
+#: context parallelism (the program's forward splits each sequence); activation checkpointing
+#: (after TP and CP, before FSDP2: torchtitan's order); sharding (FSDP2); a model built on the
+#: meta device filled (after the splits, so that each rank allocates only its own shards, as
+#: torchtitan's ``to_empty`` after parallelizing);
 #: replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
     deepspeed.Engine,
     Place,
     pipeline.Cut,
     tensor_parallel.Split,
+    context_parallel.Ring,
     recompute.Recompute,
     fsdp.Shard,
     meta.Materialize,

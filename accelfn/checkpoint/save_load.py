@@ -10,6 +10,7 @@ caller may choose where the resumed epoch continues (``run`` does, from the coun
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -338,11 +339,14 @@ class Opened:
     @property
     def data_world_size(self) -> int:
         """The number of data shards the run that wrote the checkpoint read: its world size, or,
-        under ``tensor_parallel(size=t)`` or ``pipeline(size=t)`` (as its manifest records the program), ``world_size // t``."""
+        under ``tensor_parallel(size=t)``, ``context_parallel(size=c)`` or ``pipeline(size=p)`` (as its
+        manifest records the program), the world size over the product of their sizes (the ranks of
+        one model copy read one shard together)."""
         records = self.manifest.transforms if isinstance(self.manifest.transforms, list) else []
-        sizes = [r.get("size") for r in records if isinstance(r, dict) and r.get("type") in ("TensorParallel", "Pipeline")]
-        size = sizes[0] if sizes and isinstance(sizes[0], int) and sizes[0] > 0 else 1
-        return max(self.manifest.world_size // size, 1)
+        sizes = [r.get("size") for r in records
+                 if isinstance(r, dict) and r.get("type") in ("TensorParallel", "ContextParallel", "Pipeline")]
+        model = math.prod(size for size in sizes if isinstance(size, int) and size > 0)
+        return max(self.manifest.world_size // model, 1)
 
     def other_program(self, program: Step | None) -> str | None:
         """What differs when the checkpoint was written by a program with other transforms

@@ -12,6 +12,7 @@ from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.checkpoint_activations import CheckpointActivations
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.compile import Compile
+from accelfn.transforms.context_parallel import ContextParallel
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
@@ -26,10 +27,11 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite, TensorParallel, Pipeline, Invariant, DeepSpeed, CheckpointActivations]
+                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
+                  CheckpointActivations]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
-    TensorParallel, Pipeline, Invariant, DeepSpeed, CheckpointActivations,
+    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed, CheckpointActivations,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

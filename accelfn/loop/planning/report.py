@@ -5,7 +5,8 @@ A plan is computed in one process for any world size, without training and witho
 allocating gradients, optimizer state or activations: the counts are arithmetic over the
 data's length and the program's transforms (``_counts``), the persistent bytes come from
 shapes and dtypes and the optimizer's own step on meta tensors, the activation peak from one
-micro-batch traced on fake tensors (``_memory``), the collectives from the bucket and
+micro-batch traced on fake tensors (``_memory``; under ``context_parallel``, context rank 0's
+part of each sequence, what its forward holds), the collectives from the bucket and
 unit layout (``_comms``), and the misconfigurations from the catalogue (``_problems``).
 ``run`` checks the plan's problems before the first forward and refuses one with errors.
 """
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
+from accelfn.distributed import context_parallel
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.distributed.mesh import Mesh
@@ -37,7 +39,7 @@ from accelfn.loop.planning._split import ModelSplit, split_of
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import OutputLoss, Step, check_loss_form, unpack
-from accelfn.transforms import CheckpointActivations, Pipeline
+from accelfn.transforms import CheckpointActivations, ContextParallel, Pipeline
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "Recomputation", "plan"]
 
@@ -206,19 +208,20 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if split_error is None:
         memory, optimizer_problem = persistent_memory(state.model, state.optimizer, state.transforms_state,
                                                       policy=policy, step=step, split=split)
-    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error)
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error,
+                         context_problem=_context_problem(step, data, mesh))
     traced = None
     recomputation = None
     if trace and memory is not None:
-        recomputation, step, facts = _recomputation(step, state, data, backend, policy, facts)
-        result = _trace(step, state, data, backend, policy, split, step.find(CheckpointActivations))
+        recomputation, step, facts = _recomputation(step, state, data, backend, policy, facts, mesh)
+        result = _trace(step, state, data, backend, policy, split, mesh, step.find(CheckpointActivations))
         if isinstance(result, tuple):
             peak, unused, traced = result
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
             facts = attrs.evolve(facts, unused_params=unused, step=step)
             if (device_memory is not None and recomputation is None
                     and max(m.device_peak for m in memory) > device_memory):  # what checkpoint_activations() saves
-                full = _trace(step, state, data, backend, policy, split, CheckpointActivations())
+                full = _trace(step, state, data, backend, policy, split, mesh, CheckpointActivations())
                 if isinstance(full, tuple):
                     facts = attrs.evolve(facts, recompute_full=full[0])
         else:
@@ -226,6 +229,9 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if memory is not None and mesh.pipe > 1:
         not_planned.append("pipeline(): the activations of the micro-batches each stage keeps in flight (the "
                            "micro-batch peak is the whole model's, one micro-batch)")
+    if mesh.context > 1:
+        not_planned.append("context_parallel(): the ring's exchanges of keys and values in each attention (the "
+                           "activation peak is one rank's part of each sequence, attended locally)")
     if memory is not None and mesh.tensor > 1:
         not_planned.append("tensor_parallel(): the activations of the split layers (the micro-batch peak is the "
                            "unsplit model's)")
@@ -255,6 +261,25 @@ def _first_batch(data: Iterable[Any]) -> Any:
     if isinstance(data, (list, tuple)):
         return data[0] if data else None
     return None  # an iterator would lose the batch; a stream would start its workers
+
+
+def _context_part(step: Step, batch: Any, mesh: Mesh) -> Any:
+    """Under ``context_parallel`` on several context ranks, context rank 0's part of ``batch``
+    (what its forward holds); else ``batch``. Raises ValueError as ``split_batch``."""
+    spec = step.find(ContextParallel)
+    return batch if spec is None or mesh.context == 1 else context_parallel.split_batch(batch, spec, 0)
+
+
+def _context_problem(step: Step, data: Iterable[Any], mesh: Mesh) -> str | None:
+    """Why ``context_parallel`` cannot cut the first batch's sequences, or None."""
+    batch = _first_batch(data) if step.find(ContextParallel) is not None else None
+    if batch is None:
+        return None
+    try:
+        _context_part(step, batch, mesh)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _tracing(step: Step, backend: Backend, policy: Any, split: ModelSplit | None,
@@ -299,13 +324,17 @@ def _tracing(step: Step, backend: Backend, policy: Any, split: ModelSplit | None
             "device": backend.device if backend.device.type == "cuda" else None}
 
 
-def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           split: ModelSplit, recompute: CheckpointActivations | None) -> tuple[int, tuple[str, ...], Traced] | str:
+def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any, split: ModelSplit,
+           mesh: Mesh, recompute: CheckpointActivations | None) -> tuple[int, tuple[str, ...], Traced] | str:
     """(peak bytes of one micro-batch, parameters that got no gradient, what the collectives'
     sizes depend on), or why it was not traced; the blocks ``recompute`` chooses recompute."""
     batch = _first_batch(data)
     if batch is None:
         return "no first batch to trace (data that is not a map-style DataLoader or a list)"
+    try:
+        batch = _context_part(step, batch, mesh)  # a rank holds its part of each sequence
+    except ValueError:  # the length does not divide: context-length-indivisible says so
+        return "the batch's sequences cannot be cut over the context ranks"
     names: list[str] = []
     seen: dict[str, Any] = {}
     if recompute is not None and recompute.policy == "budget" and recompute.chosen is None:
@@ -331,9 +360,10 @@ def _layer_probe(name: str, into: dict[str, Any]) -> Any:
 
 
 def _recomputation(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-                   facts: Facts) -> tuple[Recomputation | None, Step, Facts]:
+                   facts: Facts, mesh: Mesh) -> tuple[Recomputation | None, Step, Facts]:
     """The plan of ``step``'s ``checkpoint_activations`` (None without it), ``step`` with its
-    budget resolved, and the facts with what went wrong (a budget not met, a trace that failed)."""
+    budget resolved, and the facts with what went wrong (a budget not met, a trace that failed);
+    traced on the first batch as a rank holds it (its part of each sequence under context_parallel)."""
     spec = step.find(CheckpointActivations)
     if spec is None:
         return None, step, facts
@@ -342,6 +372,7 @@ def _recomputation(step: Step, state: TrainState, data: Iterable[Any], backend: 
         return None, step, attrs.evolve(facts, trace_problem="no first batch to trace (data that is not a "
                                                              "map-style DataLoader or a list)")
     try:
+        batch = _context_part(step, batch, mesh)
         planned, resolved, problem = plan_recomputation(spec, state.model, batch,
                                                         **_tracing(step, backend, policy, None, {}))
     except Exception as e:  # noqa: BLE001 - as _trace: said in the plan (a choice of no block: prepare's own error)
@@ -367,6 +398,7 @@ def resolve_budget(step: Step, state: TrainState, data: Iterable[Any], backend: 
                          "none to read ahead (not a map-style DataLoader or a list); name the blocks instead: "
                          "checkpoint_activations(modules=[...])")
     policy = backend.precision(with_launch_defaults(step, backend.env, warn=False))
+    batch = _context_part(step, batch, Mesh.of(step, backend.world_size, backend.local_world_size))
     _, resolved, problem = plan_recomputation(spec, state.model, batch, **_tracing(step, backend, policy, None, {}))
     if problem:
         raise ValueError(f"{problem}; raise max_bytes, or make the micro-batch smaller (af.accumulate(n))")
