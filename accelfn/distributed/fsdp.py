@@ -75,6 +75,15 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
+def original_class(module: torch.nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` made it an instance of FSDP's subclass of
+    it (``FSDPLlamaForCausalLM`` for a ``LlamaForCausalLM``); its own class otherwise."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, fsdp.FSDPModule))
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Frees the parameters every FSDP2 unit of ``model`` gathered and registers its shards
     again (``FSDPModule.reshard``): after forwards without a backward, as in evaluation, a
