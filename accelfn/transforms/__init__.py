@@ -11,6 +11,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
               pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
               tolerate_faults  replica groups that die and come back per update (torchft)
+              checkpoint_activations  blocks' activations recomputed in the backward
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -24,6 +25,7 @@ backend interprets them.
 """
 
 from accelfn.transforms.accumulate import Accumulate, Window, accumulate
+from accelfn.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.context_parallel import ContextParallel, context_parallel
@@ -96,4 +98,6 @@ __all__ = [
     "deepspeed",
     "TolerateFaults",
     "tolerate_faults",
+    "CheckpointActivations",
+    "checkpoint_activations",
 ]
