@@ -19,6 +19,7 @@ from accelfn.transforms import (
     ShardParams,
     SkipNonfinite,
     TensorParallel,
+    TolerateFaults,
     Transform,
     WithPrecision,
     accumulate,
@@ -35,6 +36,7 @@ from accelfn.transforms import (
     shard_params,
     skip_nonfinite,
     tensor_parallel,
+    tolerate_faults,
     with_precision,
 )
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
@@ -92,6 +94,7 @@ __all__ = [
     "Stopped",
     "TensorBoard",
     "TensorParallel",
+    "TolerateFaults",
     "Tracker",
     "TrainState",
     "Transform",
@@ -130,6 +133,7 @@ __all__ = [
     "skip_nonfinite",
     "snapshot",
     "tensor_parallel",
+    "tolerate_faults",
     "train_step",
     "with_precision",
 ]

@@ -327,7 +327,8 @@ def unpack(out: Any) -> tuple[torch.Tensor, Any, Mapping[str, Any], bool]:
 
 #: metric names the step and ``run`` report themselves
 RESERVED_METRICS = frozenset({"loss", "lr", "num_samples", "num_items", "grad_norm", "loss_scale", "skipped",
-                              "samples_per_s", "updates_per_s", "items_per_s", "rss_mib", "peak_device_mib"})
+                              "samples_per_s", "updates_per_s", "items_per_s", "rss_mib", "peak_device_mib",
+                              "replicas", "replays", "healed", "micro_batches"})
 
 
 def check_metrics(metrics: Mapping[str, Any]) -> None:

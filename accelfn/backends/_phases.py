@@ -18,12 +18,14 @@ from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
-from accelfn.distributed import (canonical, context_parallel, ddp, deepspeed, fsdp, meta, pipeline, recompute,
-                                 tensor_parallel)
+from accelfn.backends._tolerant_step import TolerantStepFn
+from accelfn.distributed import (
+    canonical, context_parallel, ddp, deepspeed, fault_tolerance, fsdp, meta, pipeline, recompute, tensor_parallel,
+)
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec
-from accelfn.transforms import Invariant, Pipeline
+from accelfn.transforms import Invariant, Pipeline, TolerateFaults
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.shard_params import repeated_blocks
 
@@ -100,7 +102,8 @@ def _compiled_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
 #: (after TP and CP, before FSDP2: torchtitan's order); sharding (FSDP2); a model built on the
 #: meta device filled (after the splits, so that each rank allocates only its own shards, as
 #: torchtitan's ``to_empty`` after parallelizing);
-#: replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
+#: replication (invariant's broadcast; tolerate_faults' link to the other replica groups; or
+#: DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
     deepspeed.Engine,
     Place,
@@ -111,6 +114,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
     fsdp.Shard,
     meta.Materialize,
     canonical.Replicas,
+    fault_tolerance.Replicas,
     ddp.DDP,
     Compile,
 )
@@ -119,6 +123,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
 #: (the first that matches); every other program on the interpreter's (``step_function``)
 INTERPRETERS: tuple[tuple[type[TransformBase], Callable[[Backend, Preparation], StepFn]], ...] = (
     (DeepSpeed, DeepSpeedStepFn),
+    (TolerateFaults, lambda backend, prep: TolerantStepFn(backend, prep.step, prep.state, prep.model, prep.link)),
     (Pipeline, PipelineStepFn),
     (Invariant, lambda backend, prep: InvariantStepFn(backend, prep.step, prep.state, prep.model)),
 )

@@ -269,14 +269,20 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
     after_update = hooks.after_update if hooks else None
     profiler_step = profiler.step if profiler is not None else None
     while epochs is None or state.epoch < epochs:
-        epoch, consumed = state.epoch, state.micro_step
+        epoch, consumed, moved = state.epoch, state.micro_step, False
         batches = backend.batches(data, step, epoch, start=state.epoch_micro_step, data_state=state.data_state)
         # a stream's readers: their state after the micro-batches consumed goes into checkpoints
         state = state.replace(data_state=batches.readers)
         with contextlib.closing(iter(batches)) as reading:  # left early (max_steps, a stop, an error): its
             # DataLoader workers end now, not when collected
             for batch, last in reading:
+                position = state.epoch_micro_step
                 state, metrics = step_once(state, batch, flush=last)
+                if state.epoch != epoch or state.epoch_micro_step != position + 1:
+                    # the step function moved the data position (tolerate_faults: this replica healed
+                    # from a live peer's state, or replays an update from its start): read on from there
+                    moved = True
+                    break
                 if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
                     state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
                 if metrics:
@@ -307,6 +313,8 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                     return state
         if max_steps is not None and state.step >= max_steps:
             return state
+        if moved:
+            continue
         if state.epoch == epoch:  # nothing (left) to read in this epoch
             if state.micro_step == consumed:
                 _warn_empty_epoch(state, epochs)

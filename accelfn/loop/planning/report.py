@@ -174,7 +174,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     if epochs is None and max_steps is None:
         epochs = 1
     backend, world_size, local_world_size = _target(backend, world_size)
-    step = with_launch_defaults(step, backend.env, warn=False)
+    step = with_launch_defaults(step, backend.env, warn=False, world_size=world_size)
     check_loss_form(step)
     return _plan(step, state, data, backend, world_size, local_world_size, epochs, max_steps, device_memory,
                  trace=trace)
