@@ -7,6 +7,7 @@ from accelfn.step import Loss, OutputLoss, Step, output_loss, train_step
 # transforms: each a frozen record and the verb that builds it
 from accelfn.transforms import (
     Accumulate,
+    CheckpointActivations,
     Clip,
     ClipValue,
     Compile,
@@ -18,9 +19,11 @@ from accelfn.transforms import (
     ShardParams,
     SkipNonfinite,
     TensorParallel,
+    TolerateFaults,
     Transform,
     WithPrecision,
     accumulate,
+    checkpoint_activations,
     clip,
     clip_value,
     compile,
@@ -33,6 +36,7 @@ from accelfn.transforms import (
     shard_params,
     skip_nonfinite,
     tensor_parallel,
+    tolerate_faults,
     with_precision,
 )
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
@@ -57,6 +61,7 @@ from accelfn._version import __version__
 __all__ = [
     "JSONL",
     "Accumulate",
+    "CheckpointActivations",
     "CheckpointError",
     "Checkpoints",
     "Clip",
@@ -89,6 +94,7 @@ __all__ = [
     "Stopped",
     "TensorBoard",
     "TensorParallel",
+    "TolerateFaults",
     "Tracker",
     "TrainState",
     "Transform",
@@ -99,6 +105,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "backends",
+    "checkpoint_activations",
     "clip",
     "clip_value",
     "compile",
@@ -126,6 +133,7 @@ __all__ = [
     "skip_nonfinite",
     "snapshot",
     "tensor_parallel",
+    "tolerate_faults",
     "train_step",
     "with_precision",
 ]

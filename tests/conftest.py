@@ -1,6 +1,7 @@
 """Shared fixtures: the same global RNG state for every test, the one-process CPU backend, the
-session's pools of started 2-process workers (``tests/helpers/pool.py``), and mypy started in
-the background as soon as its test is selected (``tests/helpers/background.py``)."""
+session's pools of started 2-process workers (``tests/helpers/pool.py``), the fault tests'
+uninterrupted run (``tests/helpers/faults.py``), and mypy started in the background as soon as
+its test is selected (``tests/helpers/background.py``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import accelfn as af
-from tests.helpers import background, schedule
+from tests.helpers import background, faults, schedule
 from tests.helpers.pool import Pools
 
 
@@ -49,6 +50,12 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pools]:
     pools = Pools(tmp_path_factory.mktemp("pool"))
     yield pools
     pools.close()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The fault tests' uninterrupted one-process run's final counters and digest, run once."""
+    return faults.uninterrupted(tmp_path_factory)
 
 
 _MYPY = pytest.StashKey[background.Mypy]()

@@ -114,8 +114,10 @@ def test_no_module_imports_itself_through_others() -> None:
 
 
 def test_backends_hold_how_a_program_runs_on_hardware_only() -> None:
-    """accelfn/backends/ holds at most 12 modules (its __init__ included) and base.py at most 400
-    lines; what torch.distributed does to a model lives in accelfn/distributed/, below it."""
+    """accelfn/backends/ holds at most 12 modules (its __init__ included, which holds ``auto()``:
+    the backends, prepare's table, placement and one module per step function: the
+    interpreter's, invariant()'s, the pipeline's, DeepSpeed's, tolerate_faults') and base.py at
+    most 400 lines; what torch.distributed does to a model lives in accelfn/distributed/, below it."""
     modules = sorted(p.name for p in (ROOT / "accelfn" / "backends").glob("*.py"))
     assert len(modules) <= 12, modules
     assert len((ROOT / "accelfn" / "backends" / "base.py").read_text().splitlines()) <= 400

@@ -8,7 +8,8 @@ transform states, open-window gradients) go into one ``RankEntry`` per rank, wit
 rank's tensors in ``rank_<r>.safetensors``. A rank's part travels to the writer as bytes in
 a uint8 tensor: a JSON header (its entry, its tensors' dtypes and shapes) followed by the
 raw tensor bytes. The manifest's own sha256 is in ``manifest.sha256``, written just before
-the manifest; the layout as a whole is described in the package docstring.
+the manifest; the layout as a whole is described in the package docstring. A live state
+(``pack_live``) travels in the same encoding, whole, to a replica group that heals from it.
 
 Reading checks, in order: the manifest's sha256, its schema (``_manifest``), its consistency
 (``consistency``), the decoding of each tree (``_codec.decode``), the Snapshot's field types
@@ -34,11 +35,12 @@ from accelfn.checkpoint._atomic import CHECKSUM, MANIFEST
 from accelfn.checkpoint._codec import NDARRAY, TENSOR, Encoder, decode, describe
 from accelfn.checkpoint._manifest import Manifest, RankEntry, ShardedTables, dumps, loads, unstructure, validated
 from accelfn.checkpoint._tensorfiles import ALGORITHMS, FileEntry
-from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
+from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot, capture, put, verify
 from accelfn.errors import CheckpointError
+from accelfn.state import TrainState
 
 if TYPE_CHECKING:
-    from accelfn.step import Step
+    from accelfn.step import Step, TransformBase
 
 #: 2: manifest.sha256 added; 3: records named by stable tags (``_codec.RECORDS``), not module paths;
 #: 4: tensor files checked with xxh3_128, each file entry naming its algorithm (sha256 when
@@ -218,6 +220,78 @@ def unpack_part(data: torch.Tensor) -> RankPart:
     """The part ``pack_part`` packed."""
     header, tensors = _tensorfiles.unpack_tensors(data)
     return loads(orjson.dumps(header["entry"]), RankEntry), tensors
+
+
+#: what a live state's header calls its encoding (``pack_live``); another one is refused rather than misread
+LIVE_FORMAT = "accelfn-live-state-1"
+
+
+def pack_live(state: TrainState) -> torch.Tensor:
+    """Everything ``state`` is (its snapshot: model, optimizer, scheduler, ``extra``, counters
+    and data position, transform states, open-window gradients, this process's RNG states)
+    in a checkpoint's encoding (``_codec``) as bytes in a uint8 tensor (``pack_tensors``): the
+    live state a replica group that heals under ``tolerate_faults`` copies. Nothing in
+    ``state`` changes.
+
+    Raises:
+        TypeError: an ``extra`` object whose ``state_dict`` holds what a checkpoint cannot.
+    """
+    snap = capture(state, copy=False)
+    encoder = Encoder()
+    plain = {f.name: encoder.encode(getattr(snap, f.name), f.name) for f in attrs.fields(Snapshot)}
+    return _tensorfiles.pack_tensors({"format": LIVE_FORMAT, "accelfn": __version__, "snapshot": plain},
+                                     encoder.tensors)
+
+
+def unpack_live(state: TrainState, data: torch.Tensor, *, source: str) -> TrainState:
+    """The state ``pack_live`` packed, decoded (never unpickled) and checked as a load checks a
+    checkpoint (the fields' types, ``snapshot.verify``: the values' rules and the fit to
+    ``state``), then put into ``state`` (in place).
+
+    Args:
+        state: the receiving state (its model, optimizer, scheduler and ``extra`` objects are
+            loaded; the returned record holds the sender's counters and transform states).
+        data: ``pack_live``'s uint8 tensor.
+        source: what sent it, for messages.
+
+    Returns:
+        TrainState: ``state`` as the sender's.
+
+    Raises:
+        CheckpointError: ``data`` is not a packed state of this accelfn, holds values no
+            state could take, or does not fit ``state`` (every difference named); nothing
+            was changed.
+    """
+    try:
+        header, tensors = _tensorfiles.unpack_tensors(data)
+        if header.get("format") != LIVE_FORMAT:
+            raise CheckpointError(f"{source} is not in accelfn's live state format ({LIVE_FORMAT}): its header "
+                                  f"says {header.get('format')!r}")
+        plain: dict[str, Any] = header["snapshot"]
+        fields = {f.name: decode(plain[f.name], tensors, f.name) for f in attrs.fields(Snapshot)}
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{source} does not decode as a state: {type(e).__name__}: {e}") from None
+    if header.get("accelfn") != __version__:
+        raise CheckpointError(f"{source} comes from accelfn {header.get('accelfn')}, and this process runs "
+                              f"{__version__}: run the same accelfn in every replica group")
+    found = _codec.field_types(Snapshot, fields, str)
+    if found:  # before the Snapshot's converters meet a value they cannot take
+        raise CheckpointError(f"invalid values in {source}:\n  " + "\n  ".join(found))
+    snap = Snapshot(**fields)
+    verify(state, snap, source=source)
+    return put(state, snap, copy=False)
+
+
+class LiveTransfer:
+    """``distributed.fault_tolerance.StateTransfer``: ``pack_live`` and ``unpack_live``."""
+
+    def pack(self, state: TrainState) -> torch.Tensor:
+        return pack_live(state)
+
+    def unpack(self, state: TrainState, data: torch.Tensor, *, source: str) -> TrainState:
+        return unpack_live(state, data, source=source)
 
 
 Groups = dict[str, tuple[Mapping[str, torch.Tensor], int | None]]
@@ -425,13 +499,20 @@ def decode_snapshot(manifest: Manifest, tables: Mapping[str, Mapping[str, torch.
     return Snapshot(**fields)
 
 
+def _recorded(program: Step) -> list[TransformBase]:
+    """The transforms of ``program`` that change what it computes (``changes_results``): a
+    checkpoint records those; one that only changes what is kept (``checkpoint_activations``:
+    the same values, bit for bit) is left out, so checkpoints with and without it are alike."""
+    return [t for t in program.transforms if t.changes_results]
+
+
 def transforms_record(program: Step | None) -> Any:
     """The program's transforms as the manifest holds them (plain data: each transform's
-    type name and options), or None."""
+    type name and options; those that change results only), or None."""
     if program is None:
         return None
     records = [{"type": type(t).__name__, **{k: _described(getattr(t, k)) if isinstance(getattr(t, k), frozenset) else v
-                                             for k, v in unstructure(t).items()}} for t in program.transforms]
+                                             for k, v in unstructure(t).items()}} for t in _recorded(program)]
     return orjson.loads(dumps(records, default=_described))  # as it reads back from a manifest
 
 
@@ -446,15 +527,36 @@ def _described(value: Any) -> Any:
     return type(value).__name__
 
 
+def same_program(saved: Any, now: Any) -> bool:
+    """Whether two transforms records (``transforms_record``) describe the same run: equal, or
+    equal but for ``accumulate`` when both hold ``invariant()``, under which each world size
+    accumulates its share of one global batch (the resume checks that batch: ``Layout``)."""
+    if saved == now:
+        return True
+    if not (isinstance(saved, list) and isinstance(now, list)):
+        return False
+
+    def kinds(records: list[Any]) -> set[Any]:
+        return {r.get("type") for r in records if isinstance(r, dict)}
+
+    if "Invariant" not in kinds(saved) or "Invariant" not in kinds(now):
+        return False
+
+    def without_accumulate(records: list[Any]) -> list[Any]:
+        return [r for r in records if not (isinstance(r, dict) and r.get("type") == "Accumulate")]
+
+    return without_accumulate(saved) == without_accumulate(now)
+
+
 def saved_transforms(saved: Any, program: Step | None) -> Any:
     """The manifest's transforms record ``saved`` with the options it lacks filled in at the
     defaults of ``program``'s transforms of the same type and place: an option added to a
     transform since (``shard_data(split_batches=...)``) reads as its default, which is what
     the program that wrote the checkpoint ran with."""
-    if not isinstance(saved, list) or program is None or len(saved) != len(program.transforms):
+    if not isinstance(saved, list) or program is None or len(saved) != len(_recorded(program)):
         return saved
     filled = []
-    for record, transform in zip(saved, program.transforms):
+    for record, transform in zip(saved, _recorded(program)):
         if isinstance(record, dict) and record.get("type") == type(transform).__name__:
             defaults = {f.name: f.default for f in attrs.fields(type(transform))  # type: ignore[arg-type]  # transforms are attrs classes
                         if f.name not in record and f.default is not attrs.NOTHING

@@ -389,10 +389,12 @@ class Opened:
 
     def other_program(self, program: Step | None) -> str | None:
         """What differs when the checkpoint was written by a program with other transforms
-        than ``program`` (then a resumed run differs from an uninterrupted one), else None."""
+        than ``program`` (then a resumed run differs from an uninterrupted one), else None.
+        Under ``invariant()`` on both sides, ``accumulate``'s count is not compared: it is
+        the world size's share of the global batch, which ``invariant()`` checks itself."""
         now = _format.transforms_record(program)
         saved = _format.saved_transforms(self.manifest.transforms, program)
-        if saved is None or now is None or saved == now:
+        if saved is None or now is None or _format.same_program(saved, now):
             return None
         return f"{self.path} was written by a program with the transforms {saved}; this program has {now}"
 

@@ -24,7 +24,7 @@ import attrs
 import torch
 
 from accelfn._version import __version__
-from accelfn.cli import _loopback
+from accelfn.cli import _lighthouse, _loopback
 from accelfn.cli import config as _config
 from accelfn.cli import precedence as _precedence
 from accelfn.cli._environment import availability, devices, package_versions
@@ -62,7 +62,9 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     add = group.add_argument
     add("--nproc-per-node", "--nproc_per_node", type=int, metavar="N",
         help=f"worker processes on this node, one per GPU for CUDA (default {d.nproc_per_node})")
-    add("--nnodes", type=int, metavar="M", help=f"nodes in the job (default {d.nnodes})")
+    add("--nnodes", type=_nnodes, metavar="M",
+        help=f"nodes in the job, or MIN:MAX for an elastic job whose nodes may come and go (with --rdzv-endpoint "
+        f"and --max-restarts; default {d.nnodes})")
     add("--node-rank", "--node_rank", type=int, metavar="R",
         help=f"this node's rank, 0..M-1, with --master-addr/--master-port (default {d.node_rank})")
     add("--master-addr", "--master_addr", metavar="HOST",
@@ -75,8 +77,17 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         help=f"rendezvous backend used with --rdzv-endpoint (default {d.rdzv_backend})")
     add("--rdzv-id", "--rdzv_id", metavar="ID",
         help=f"job id shared by all nodes of a --rdzv-endpoint rendezvous (default {d.rdzv_id})")
+    add("--rdzv-conf", "--rdzv_conf", metavar="KEY=VALUE,...",
+        help="more settings of torchrun's rendezvous, e.g. last_call_timeout=2,keep_alive_interval=1 (the wait "
+        "for nodes to join is --timeout-s)")
     add("--max-restarts", "--max_restarts", type=int, metavar="K",
         help=f"restarts of the whole worker group after a failure (default {d.max_restarts})")
+    add("--replica-group", "--replica_group", type=int, metavar="I",
+        help="this launch's replica group under af.tolerate_faults(), 0..N-1 (ACCELFN_REPLICA_GROUP)")
+    add("--lighthouse", metavar="HOST:PORT",
+        help="torchft's lighthouse the replica groups of af.tolerate_faults() meet at (TORCHFT_LIGHTHOUSE)")
+    add("--serve-lighthouse", "--serve_lighthouse", action=argparse.BooleanOptionalAction,
+        help="run the lighthouse in this launcher, on --lighthouse's port, while it runs (default: no)")
     add("--backend", choices=BACKEND_NAMES,
         help="backend af.backends.auto() picks in the workers (default: CUDA if a GPU is seen, else CPU)")
     add("--precision", choices=POLICY_NAMES,
@@ -107,9 +118,21 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
         help=f"how long a collective may wait for a rank before failing (default {d.timeout_s:g})")
 
 
+def _nnodes(text: str) -> tuple[int | None, int]:
+    """``--nnodes N`` or ``--nnodes MIN:MAX``, for argparse."""
+    try:
+        return _config.nnodes_range(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("nnodes=")) from None
+
+
 def _given(args: argparse.Namespace) -> dict[str, Any]:
     names = [f.name for f in attrs.fields(_config.LaunchConfig)]
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if isinstance(given.get("nnodes"), tuple):  # --nnodes N or MIN:MAX: both bounds are the flag's (N: N to N)
+        least, most = given["nnodes"]
+        given["nnodes"], given["min_nnodes"] = most, most if least is None else least
+    return given
 
 
 def _active_config(args: argparse.Namespace, *, stderr: TextIO | None = None,
@@ -147,7 +170,8 @@ def _launch(args: argparse.Namespace) -> int:
     for name, value in launcher_environment(config.backend).items():
         os.environ.setdefault(name, value)
     os.environ.update(_loopback.worker_variables(config, os.environ))
-    with _loopback.rendezvous_store(config) as port:  # a job on this machine listens on loopback alone
+    with _lighthouse.served(config), _loopback.rendezvous_store(config) as port:  # a job on this machine
+        # listens on loopback alone
         script = [*(["--module"] if args.module else []), args.script, *args.script_args]
         return run_torchrun([*config.torchrun_args(loopback_port=port), *script], config)
 

@@ -82,6 +82,71 @@ def _boolean(instance: object, attribute: attrs.Attribute, value: bool) -> None:
         raise TypeError(f"{attribute.name} must be true or false, got {value!r}")
 
 
+#: torchrun's rendezvous settings ``timeout_s`` sets (``join_timeout``, or ``timeout`` for static and etcd)
+_TIMEOUT_KEYS = ("timeout", "join_timeout")
+
+
+def rdzv_settings(text: str) -> dict[str, str]:
+    """``rdzv_conf``'s ``key=value`` pairs, separated by commas, as a dict.
+
+    Raises:
+        ValueError: a pair without ``=`` or with an empty key, or a key ``timeout_s`` sets.
+    """
+    settings: dict[str, str] = {}
+    for pair in text.split(","):
+        key, sep, value = (part.strip() for part in pair.partition("="))
+        if not sep or not key:
+            raise ValueError(f"rdzv_conf={text!r}: {pair.strip()!r} is not key=value; give torchrun's rendezvous "
+                             "settings as key=value pairs separated by commas, e.g. last_call_timeout=2")
+        if key in _TIMEOUT_KEYS:
+            raise ValueError(f"rdzv_conf={text!r}: {key} is the wait for every node to join, which --timeout-s "
+                             "(timeout_s) sets; leave it out of rdzv_conf")
+        settings[key] = value
+    return settings
+
+
+def _rdzv_settings(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"rdzv_conf must be a string of key=value pairs, got {value!r}")
+    rdzv_settings(value)
+
+
+def _address(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{attribute.name} must be a string HOST:PORT, got {value!r}")
+    host, _, port = value.removeprefix("http://").rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{attribute.name}={value!r}: must be HOST:PORT (a TCP port in 1..65535), e.g. "
+                         "node0:29510")
+
+
+def lighthouse_url(address: str) -> str:
+    """``HOST:PORT`` (or ``http://HOST:PORT``) as the URL torchft's clients take."""
+    return address if address.startswith("http://") else f"http://{address}"
+
+
+def nnodes_range(text: str) -> tuple[int | None, int]:
+    """``--nnodes``' value: ``"N"`` -> ``(None, N)``, ``"MIN:MAX"`` -> ``(MIN, MAX)``.
+
+    Raises:
+        ValueError: neither form, a count below 1, or MIN above MAX.
+    """
+    low, sep, high = text.strip().partition(":")
+    try:
+        counts = (int(low), int(high)) if sep else (None, int(low))
+    except ValueError:
+        raise ValueError(f"nnodes={text!r}: must be a number of nodes N, or MIN:MAX for an elastic job "
+                         "(e.g. 1:4)") from None
+    least, most = counts
+    if most < 1 or (least is not None and not 1 <= least <= most):
+        raise ValueError(f"nnodes={text!r}: must be N >= 1, or MIN:MAX with 1 <= MIN <= MAX")
+    return least, most
+
+
 def _positive_seconds(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
         raise ValueError(f"timeout_s={value!r}: must be a finite number of seconds > 0")
@@ -93,14 +158,29 @@ class LaunchConfig:
 
     Attributes:
         nproc_per_node: worker processes on this node (one per GPU for CUDA).
-        nnodes: nodes in the job.
+        nnodes: nodes in the job; of an elastic job (``min_nnodes``), the most.
+        min_nnodes: the fewest nodes an elastic job trains on (``--nnodes MIN:MAX``; the
+            config key ``nnodes: "MIN:MAX"`` or ``min_nnodes: MIN``): torchrun's c10d
+            rendezvous admits nodes that join and drops nodes that die, restarting the
+            workers at the new world size; None: a job of exactly ``nnodes`` nodes.
         node_rank: this node's rank, 0..nnodes-1 (static rendezvous: with ``master_addr``).
         master_addr: the address of node 0 (static rendezvous), None on one node.
         master_port: a free TCP port on node 0; None on one node picks a free port.
         rdzv_endpoint: ``host:port`` of a c10d rendezvous (instead of master address/port).
         rdzv_backend: the rendezvous backend used with ``rdzv_endpoint``.
         rdzv_id: the job id every node of a ``rdzv_endpoint`` rendezvous shares.
-        max_restarts: restarts of the whole worker group after a failure.
+        rdzv_conf: more settings of torchrun's rendezvous, ``key=value`` pairs separated by
+            commas (``last_call_timeout=2,keep_alive_interval=1``: how long a re-rendezvous
+            waits for more nodes once it has ``min_nnodes``, how often nodes say they live);
+            the wait for nodes to join is ``timeout_s``'s; None: torchrun's defaults.
+        max_restarts: restarts of the whole worker group after a failure (an elastic job's
+            survivors restart after a node is lost: give at least 1).
+        replica_group: this launch's replica group under ``af.tolerate_faults``, 0..N-1
+            (``ACCELFN_REPLICA_GROUP`` for the workers); None: not a replica group.
+        lighthouse: ``host:port`` of torchft's lighthouse the replica groups meet at
+            (``TORCHFT_LIGHTHOUSE`` for the workers).
+        serve_lighthouse: this launch runs the lighthouse itself, on ``lighthouse``'s port, for
+            as long as it runs (the other groups' launches take its address).
         backend: ``"cpu"``, ``"cuda"`` or ``"xla"`` for ``af.backends.auto()``; None: choose.
         precision: a policy name (``"bf16"``, ...) added when the script sets none; None: the script's.
         accumulate: micro-batches per optimizer update, ``af.accumulate(n)`` added when the
@@ -123,13 +203,18 @@ class LaunchConfig:
 
     nproc_per_node: int = attrs.field(default=1, validator=_at_least(1))
     nnodes: int = attrs.field(default=1, validator=_at_least(1))
+    min_nnodes: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
     node_rank: int = attrs.field(default=0, validator=_at_least(0))
     master_addr: str | None = None
     master_port: int | None = attrs.field(default=None, validator=_port)
     rdzv_endpoint: str | None = None
     rdzv_backend: str = attrs.field(default="c10d", validator=_one_of(RDZV_BACKENDS))
     rdzv_id: str = "accelfn"
+    rdzv_conf: str | None = attrs.field(default=None, validator=_rdzv_settings)
     max_restarts: int = attrs.field(default=0, validator=_at_least(0))
+    replica_group: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(0)))
+    lighthouse: str | None = attrs.field(default=None, validator=_address)
+    serve_lighthouse: bool = attrs.field(default=False, validator=_boolean)
     backend: str | None = attrs.field(default=None, validator=_one_of(BACKEND_NAMES))
     precision: str | None = attrs.field(default=None, validator=_one_of(POLICY_NAMES))
     accumulate: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least(1)))
@@ -152,6 +237,14 @@ class LaunchConfig:
                 ``master_addr``/``master_port`` or ``rdzv_endpoint``; both given; a master
                 address without a port.
         """
+        if self.min_nnodes is not None and self.min_nnodes > self.nnodes:
+            raise LaunchError(f"--nnodes {self.min_nnodes}:{self.nnodes}: the fewest nodes ({self.min_nnodes}) is "
+                              f"more than the most ({self.nnodes})")
+        if self.elastic:
+            self._check_elastic()
+        if self.serve_lighthouse and self.lighthouse is None:
+            raise LaunchError("--serve-lighthouse runs the lighthouse on the port of --lighthouse HOST:PORT; give "
+                              "--lighthouse too (HOST: this machine, as the other replica groups reach it)")
         if self.node_rank >= self.nnodes:
             raise LaunchError(
                 f"--node-rank {self.node_rank} is outside --nnodes {self.nnodes} "
@@ -175,6 +268,30 @@ class LaunchConfig:
                 "--master-addr HOST --master-port PORT --node-rank R, or --rdzv-endpoint HOST:PORT"
             )
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the job's nodes may come and go (``--nnodes MIN:MAX`` with MIN < MAX)."""
+        return self.min_nnodes is not None and self.min_nnodes < self.nnodes
+
+    @property
+    def nnodes_arg(self) -> str:
+        """torchrun's ``--nnodes``: ``"N"``, or ``"MIN:MAX"`` for an elastic job."""
+        return f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+
+    def _check_elastic(self) -> None:
+        where = f"--nnodes {self.nnodes_arg}"
+        if self.rdzv_endpoint is None or self.rdzv_backend == "static":
+            raise LaunchError(
+                f"{where}: an elastic job meets at a dynamic rendezvous that admits nodes as they come and go: give "
+                "--rdzv-endpoint HOST:PORT (the same on every node, HOST one that outlives the others: the "
+                "rendezvous store runs in the launcher on HOST) with --rdzv-backend c10d, not --master-addr/"
+                "--master-port (a static rendezvous of a fixed number of nodes)")
+        if self.max_restarts < 1:
+            raise LaunchError(
+                f"{where}: when a node is lost, the survivors' workers fail and restart at the smaller world size, "
+                "which takes a restart: give --max-restarts K (K >= 1: how many losses the job survives; a node "
+                "joining restarts the workers without counting)")
+
     def torchrun_args(self, *, loopback_port: int | None = None) -> list[str]:
         """The ``torch.distributed.run`` options for this job (the script comes after them).
 
@@ -191,20 +308,22 @@ class LaunchConfig:
             LaunchError: see :meth:`check`.
         """
         self.check()
-        args = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node),
+        args = ["--nnodes", self.nnodes_arg, "--nproc-per-node", str(self.nproc_per_node),
                 "--max-restarts", str(self.max_restarts)]
         seconds = math.ceil(self.timeout_s)
+        extra = "".join(f",{k}={v}" for k, v in rdzv_settings(self.rdzv_conf).items()) if self.rdzv_conf else ""
         if self.rdzv_endpoint is not None:
             key = "timeout" if self.rdzv_backend in ("static", "etcd") else "join_timeout"
             return [*args, "--rdzv-backend", self.rdzv_backend, "--rdzv-endpoint", self.rdzv_endpoint,
-                    "--rdzv-id", self.rdzv_id, "--rdzv-conf", f"{key}={seconds}"]
+                    "--rdzv-id", self.rdzv_id, "--rdzv-conf", f"{key}={seconds}{extra}"]
         if self.master_port is None and loopback_port is not None:
             return [*args, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{loopback_port}",
-                    "--rdzv-id", self.rdzv_id, "--local-addr", "127.0.0.1", "--rdzv-conf", f"join_timeout={seconds}"]
+                    "--rdzv-id", self.rdzv_id, "--local-addr", "127.0.0.1", "--rdzv-conf",
+                    f"join_timeout={seconds}{extra}"]
         if self.master_port is None:
-            return [*args, "--standalone", "--rdzv-conf", f"join_timeout={seconds}"]
+            return [*args, "--standalone", "--rdzv-conf", f"join_timeout={seconds}{extra}"]
         return [*args, "--master-addr", self.master_addr or "127.0.0.1", "--master-port", str(self.master_port),
-                "--node-rank", str(self.node_rank), "--rdzv-conf", f"timeout={seconds}"]
+                "--node-rank", str(self.node_rank), "--rdzv-conf", f"timeout={seconds}{extra}"]
 
     def deepspeed_config(self) -> str | None:
         """The DeepSpeed config the workers add (JSON), or None when no DeepSpeed key is set.
@@ -236,9 +355,13 @@ class LaunchConfig:
             env[DEEPSPEED_ENV] = deepspeed
         if self.gpu_ids is not None:
             env[WORKER_ENV["gpu_ids"]] = None if self.gpu_ids == "all" else self.gpu_ids
+        if self.replica_group is not None:
+            env[WORKER_ENV["replica_group"]] = str(self.replica_group)
+        if self.lighthouse is not None:
+            env[WORKER_ENV["lighthouse"]] = lighthouse_url(self.lighthouse)
         # told apart from the user's settings by a launch started inside a worker
-        env[LAUNCHER_SET_ENV] = "".join(f"{name}={value}\n" for name, value in env.items()
-                                        if value is not None and name.startswith("ACCELFN_"))
+        env[LAUNCHER_SET_ENV] = "".join(f"{name}={value}\n" for name, value in env.items() if value is not None
+                                        and (name.startswith("ACCELFN_") or name == WORKER_ENV["lighthouse"]))
         return env
 
 
@@ -246,11 +369,15 @@ class LaunchConfig:
 #: variables, set in the environment of ``accelfn launch``, override the config files
 WORKER_ENV = {"timeout_s": "ACCELFN_TIMEOUT_S", "backend": "ACCELFN_BACKEND", "precision": "ACCELFN_PRECISION",
               "accumulate": "ACCELFN_ACCUMULATE", "compile": "ACCELFN_COMPILE", "gpu_ids": "CUDA_VISIBLE_DEVICES",
-              "shard_params": "ACCELFN_SHARD_PARAMS"}
-#: Kubeflow Trainer v2's variables for torchrun (``PET_*``: torchrun's own option names),
-#: read as launch options below the variables of ``WORKER_ENV`` (not passed to workers)
+              "shard_params": "ACCELFN_SHARD_PARAMS", "replica_group": "ACCELFN_REPLICA_GROUP",
+              "lighthouse": "TORCHFT_LIGHTHOUSE"}
+#: Kubeflow's variables for torchrun (``PET_*``: torchrun's own option names; Trainer v2's, and a
+#: v1 PyTorchJob's ``elasticPolicy``: ``PET_NNODES=MIN:MAX`` with a c10d endpoint), read as
+#: launch options below the variables of ``WORKER_ENV`` (not passed to workers)
 ENGINE_ENV = {"nproc_per_node": "PET_NPROC_PER_NODE", "nnodes": "PET_NNODES", "node_rank": "PET_NODE_RANK",
-              "master_addr": "PET_MASTER_ADDR", "master_port": "PET_MASTER_PORT"}
+              "master_addr": "PET_MASTER_ADDR", "master_port": "PET_MASTER_PORT",
+              "rdzv_endpoint": "PET_RDZV_ENDPOINT", "rdzv_backend": "PET_RDZV_BACKEND", "rdzv_id": "PET_RDZV_ID",
+              "max_restarts": "PET_MAX_RESTARTS"}
 #: the DeepSpeed config (JSON) ``accelfn launch --deepspeed`` gives its workers
 DEEPSPEED_ENV = "ACCELFN_DEEPSPEED"
 #: set by ``accelfn launch`` for its workers: the ``ACCELFN_*`` variables of ``WORKER_ENV`` it
@@ -338,6 +465,15 @@ def _parse(text: str, *, source: str = "<string>") -> tuple[LaunchConfig, frozen
     unknown = sorted(set(map(str, data)) - known)
     if unknown:
         raise LaunchError(f"{source}: unknown launch option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if isinstance(data.get("nnodes"), str):  # an elastic job's range, as --nnodes takes it
+        if data.get("min_nnodes") is not None:
+            raise LaunchError(f"{source}: nnodes={data['nnodes']!r} gives the fewest nodes, and min_nnodes="
+                              f"{data['min_nnodes']!r} gives them again; keep one")
+        try:
+            least, most = nnodes_range(data["nnodes"])
+        except ValueError as e:
+            raise LaunchError(f"{source}: {e}") from None
+        data = {**data, "nnodes": most, "min_nnodes": least}
     try:
         return _converter.structure(data, LaunchConfig), frozenset(map(str, data))
     except (ValueError, TypeError) as e:  # a validator of LaunchConfig: it names the key
@@ -348,7 +484,8 @@ def _parse(text: str, *, source: str = "<string>") -> tuple[LaunchConfig, frozen
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load``'s loader, refusing a key given twice (YAML 1.2 forbids it; PyYAML
-    would silently keep the last value)."""
+    would silently keep the last value), and reading ``1:2`` as the string it is in YAML 1.2
+    (an elastic ``nnodes: 1:2``), not YAML 1.1's base-60 integer 62."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
@@ -359,6 +496,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_INT = "tag:yaml.org,2002:int"
+#: PyYAML's int pattern without YAML 1.1's base 60 (``1:2`` is 62 there)
+_DECIMAL_INT = re.compile(r"""^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$""")
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, _DECIMAL_INT if tag == _INT else pattern) for tag, pattern in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 
 
 def _type_errors(error: cattrs.ClassValidationError, data: dict[str, Any]) -> list[str]:

@@ -48,6 +48,7 @@ from accelfn.cli.config import (
     _read,
     launcher_set,
     merge,
+    nnodes_range,
 )
 from accelfn.distributed.engines import World, placement
 from accelfn.errors import LaunchError
@@ -115,6 +116,13 @@ def _environment(environ: Mapping[str, str], variables: Mapping[str, str] = WORK
         if text is None or (text == "" and name != "gpu_ids") or variable in passed:
             continue
         options = typing.get_args(kinds[name].type) or (kinds[name].type,)
+        if name == "nnodes":  # N, or an elastic job's MIN:MAX (torchrun's PET_NNODES takes both)
+            try:
+                least, most = nnodes_range(text)
+            except ValueError:
+                raise LaunchError(f"{variable}={text!r}: must be a number of nodes N, or MIN:MAX") from None
+            found["nnodes"], found["min_nnodes"] = most, most if least is None else least
+            continue
         try:
             if bool in options:
                 value: Any = {"1": True, "true": True, "0": False, "false": False}[text.strip().lower()]
@@ -182,9 +190,10 @@ def resolve(flags: Mapping[str, Any] | None = None, *, config_file: str | os.Pat
     for variables in (ENGINE_ENV, WORKER_ENV):
         from_env = _environment(env, variables)
         values.update(from_env)
-        sources.update({name: variables[name] for name in from_env})
+        # min_nnodes comes from the variable of nnodes (PET_NNODES=MIN:MAX)
+        sources.update({name: variables.get(name) or variables["nnodes"] for name in from_env})
     values.update(given)
-    sources.update({name: "--" + name.replace("_", "-") for name in given})
+    sources.update({name: "--" + name.replace("min_", "").replace("_", "-") for name in given})
     if world is not None and values["nnodes"] != world.world_size:
         raise LaunchError(
             f"--nnodes {values['nnodes']}, but {_named(world)} says this launcher is process {world.rank} of "

@@ -26,10 +26,12 @@ from accelfn.transforms import (
     Accumulate,
     Compile,
     DeepSpeed,
+    Invariant,
     Replicate,
     ShardParams,
     WithPrecision,
     accumulate,
+    invariant_per_world,
     shard_params,
     with_precision,
 )
@@ -114,6 +116,10 @@ class LaunchEnv:
             scripts that set none (it replaces a script's ``replicate()``); None: the script's.
         plan_world_size, plan_local_world_size: set by ``accelfn plan``: ``run`` prints the plan
             for this many processes (that many per node) and exits without training.
+        replica_group: this process's replica group under ``af.tolerate_faults``
+            (``ACCELFN_REPLICA_GROUP``, set by ``accelfn launch --replica-group``), or None.
+        lighthouse: torchft's lighthouse, ``http://HOST:PORT`` (``TORCHFT_LIGHTHOUSE``, set by
+            ``accelfn launch --lighthouse``), or None.
         agent_store: torchrun's agent hosts the workers' store at ``master_addr:master_port``
             (``TORCHELASTIC_USE_AGENT_STORE``), so rank 0 hosts none.
         debug_collectives: ``ACCELFN_DEBUG_COLLECTIVES=1``: every collective is first checked
@@ -139,6 +145,8 @@ class LaunchEnv:
     plan_world_size: int | None = None
     plan_local_world_size: int | None = None
     deepspeed: str | None = None
+    replica_group: int | None = None
+    lighthouse: str | None = None
     agent_store: bool = False
     debug_collectives: bool = False
 
@@ -216,6 +224,9 @@ class LaunchEnv:
             except ValueError as e:
                 raise LaunchError(f"ACCELFN_DEEPSPEED must hold a DeepSpeed config as JSON ({e}); set it with "
                                   "`accelfn launch --deepspeed ds_config.json`") from e
+        replica_group = _int(env, "ACCELFN_REPLICA_GROUP", -1) if env.get("ACCELFN_REPLICA_GROUP") else None
+        if replica_group is not None and replica_group < 0:
+            raise LaunchError(f"ACCELFN_REPLICA_GROUP={replica_group} must be a replica group's index, >= 0")
         return cls(
             rank=world.rank, local_rank=world.local_rank, world_size=world.world_size,
             local_world_size=world.local_world_size, master_addr=world.master_addr, master_port=world.master_port,
@@ -224,7 +235,8 @@ class LaunchEnv:
             precision_from=(env.get(PRECISION_FROM_ENV) or None) if precision is not None else None,
             engine=world.engine, engine_vars=world.taken, shard_params=sharded,
             plan_world_size=plan_world, plan_local_world_size=plan_local,
-            deepspeed=deepspeed_config, debug_collectives=debug_flag in ("1", "true"),
+            deepspeed=deepspeed_config, replica_group=replica_group,
+            lighthouse=env.get("TORCHFT_LIGHTHOUSE") or None, debug_collectives=debug_flag in ("1", "true"),
             agent_store=world.engine == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
@@ -275,12 +287,21 @@ def launcher_environment(backend: str | None) -> dict[str, str]:
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
-    """``step`` with the transforms ``accelfn launch --precision/--accumulate/--shard-params/
-    --compile`` asked for, added where the script set none of that kind (``--shard-params``
-    replaces the script's ``replicate()``: the launch chooses sharded over data parallel). A
-    script's own transform wins, with a warning (when ``warn``: the main process, once per
-    job) where it differs from the launch's."""
+def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool, world_size: int | None = None) -> Step:
+    """``step`` as it runs in this launch: with the transforms ``accelfn launch --precision/
+    --accumulate/--shard-params/--compile`` asked for, added where the script set none of that
+    kind (``--shard-params`` replaces the script's ``replicate()``: the launch chooses sharded
+    over data parallel), and under ``invariant(micro_batches_per_update=L)`` with
+    ``accumulate(L // W)`` for its ``world_size`` processes (when None, the world this process
+    stands for: ``env.planned_world_size``, the launch's or ``accelfn plan``'s;
+    ``transforms.invariant_per_world``). A script's own transform wins, with a warning (when
+    ``warn``: the main process, once per job) where it differs from the launch's.
+
+    Raises:
+        TransformError: under ``invariant(micro_batches_per_update=L)``, a world size that
+            does not divide ``L``, or an ``accumulate(n)`` other than ``L // W``.
+    """
+    step = invariant_per_world(step, env.planned_world_size if world_size is None else world_size)
     if env.precision is not None:
         present = step.find(WithPrecision)
         if present is None:
@@ -296,7 +317,10 @@ def with_launch_defaults(step: Step, env: LaunchEnv, *, warn: bool) -> Step:
         if window is None:
             step = accumulate(env.accumulate)(step)
         elif window.num_micro_batches != env.accumulate and warn:
-            _overridden(f"accelfn launch --accumulate {env.accumulate}", f"accumulate({window.num_micro_batches})")
+            spec = step.find(Invariant)
+            _overridden(f"accelfn launch --accumulate {env.accumulate}",
+                        f"accumulate({window.num_micro_batches})" if spec is None or spec.micro_batches_per_update is None
+                        else f"invariant(micro_batches_per_update={spec.micro_batches_per_update})")
     if env.shard_params is not None:
         sharded = step.find(ShardParams)
         if sharded is None:  # data parallel by replicate(), or not at all: sharded instead

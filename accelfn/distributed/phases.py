@@ -23,6 +23,7 @@ from accelfn.step import Step
 from accelfn.transforms.precision import Policy
 
 if TYPE_CHECKING:
+    from accelfn.distributed.env import LaunchEnv
     from accelfn.transforms import Replicate
 
 #: the attribute of a prepared model that holds its Prepared record
@@ -38,6 +39,7 @@ class Hardware(Protocol):
     local_world_size: int
     device: torch.device
     place_model: bool
+    env: LaunchEnv
 
     @property
     def name(self) -> str: ...
@@ -69,6 +71,8 @@ class Preparation:
             phases that split or shard the parameters the forward uses).
         engine: the engine a phase built that runs the model itself (DeepSpeed's), or None.
         stages: the ``(stage index, module)`` pairs this rank runs under ``pipeline``.
+        link: this replica group's link to the others under ``tolerate_faults``
+            (``distributed.fault_tolerance.Link``), or None.
     """
 
     hardware: Hardware
@@ -80,6 +84,7 @@ class Preparation:
     forward_is_collective: bool = False
     engine: Any = None
     stages: list[tuple[int, torch.fx.GraphModule]] = attrs.Factory(list)
+    link: Any = None
 
 
 class ModelPhase:

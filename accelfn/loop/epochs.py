@@ -18,7 +18,7 @@ from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
-from accelfn.loop.planning.report import check_before_run, show_plan
+from accelfn.loop.planning.report import check_before_run, resolve_budget, show_plan
 from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
@@ -143,7 +143,8 @@ def run(
             without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
             whose position in its epoch is beyond the data's micro-batches per epoch; a
             checkpoint directory that is a file; on every rank, metrics whose names differ
-            across ranks.
+            across ranks; ``checkpoint_activations("budget")`` that no choice of blocks meets,
+            or over data without a first batch to trace.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
         RuntimeError: (``distributed.ArrivalError``) a collective: some rank did not call
             ``run`` within the collective timeout, or called another collective API (each
@@ -196,6 +197,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
     check_run_arguments(checkpoints, resume)
     if not isinstance(continue_after_stop, bool):
         raise TypeError(f"run(continue_after_stop=...) takes True or False, got {continue_after_stop!r}")
+    step = resolve_budget(step, state, data, backend)  # checkpoint_activations("budget"): its blocks chosen
     state, step_fn = backend.prepare(step, state)
     step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation
@@ -267,14 +269,20 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
     after_update = hooks.after_update if hooks else None
     profiler_step = profiler.step if profiler is not None else None
     while epochs is None or state.epoch < epochs:
-        epoch, consumed = state.epoch, state.micro_step
+        epoch, consumed, moved = state.epoch, state.micro_step, False
         batches = backend.batches(data, step, epoch, start=state.epoch_micro_step, data_state=state.data_state)
         # a stream's readers: their state after the micro-batches consumed goes into checkpoints
         state = state.replace(data_state=batches.readers)
         with contextlib.closing(iter(batches)) as reading:  # left early (max_steps, a stop, an error): its
             # DataLoader workers end now, not when collected
             for batch, last in reading:
+                position = state.epoch_micro_step
                 state, metrics = step_once(state, batch, flush=last)
+                if state.epoch != epoch or state.epoch_micro_step != position + 1:
+                    # the step function moved the data position (tolerate_faults: this replica healed
+                    # from a live peer's state, or replays an update from its start): read on from there
+                    moved = True
+                    break
                 if last:  # the epoch ends with its last micro-batch, so a checkpoint saved now starts the next
                     state = state.replace(epoch=epoch + 1, epoch_micro_step=0, data_state=None)
                 if metrics:
@@ -305,6 +313,8 @@ def _epochs(step: Step, state: TrainState, step_fn: Any, data: Iterable[Any], ba
                     return state
         if max_steps is not None and state.step >= max_steps:
             return state
+        if moved:
+            continue
         if state.epoch == epoch:  # nothing (left) to read in this epoch
             if state.micro_step == consumed:
                 _warn_empty_epoch(state, epochs)

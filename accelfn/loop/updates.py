@@ -10,6 +10,7 @@ import attrs
 
 from accelfn.backends.base import Backend
 from accelfn.data.blocks import epoch_length
+from accelfn.distributed.env import with_launch_defaults
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
 from accelfn.transforms.deepspeed import micro_batches_per_update
@@ -51,7 +52,9 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         step: the program (its ``shard_data``, ``accumulate`` or DeepSpeed's
             ``gradient_accumulation_steps``, and the mesh its ``tensor_parallel``/``pipeline``
             make: the ranks of one group read one data shard; under ``invariant()`` its
-            blocks, ``floor(N / (W A b))`` updates an epoch, decide the count).
+            blocks, ``floor(N / (W A b))`` updates an epoch, decide the count), with what
+            ``accelfn launch`` adds and ``invariant(micro_batches_per_update=L)``'s
+            accumulation for the world size, as ``run`` prepares it.
         data: the DataLoader or sized iterable ``run`` will read.
         backend: the backend ``run`` will use (its rank and world size shard the data; under
             ``accelfn plan`` it stands for rank 0 of the planned world, as ``af.plan`` counts).
@@ -70,6 +73,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
         TypeError: ``step`` is not a Step, ``backend`` not a backend, or ``state`` not a TrainState.
         ValueError: ``epochs``/``max_steps`` below 1, both None, or ``data`` of unknown length
             (an IterableDataset or a generator) without ``max_steps``.
+        TransformError: ``invariant(micro_batches_per_update=L)`` with a world size that does
+            not divide ``L``.
 
     Example:
         >>> import torch, accelfn as af
@@ -89,7 +94,9 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    # the data shard this rank reads (under `accelfn plan`, rank 0 of the planned world)
+    # the program as run prepares it: with what the launch adds, and invariant()'s accumulation for this
+    # world; the data shard this rank reads (under `accelfn plan`, rank 0 of the planned world)
+    step = with_launch_defaults(step, backend.env, warn=False, world_size=backend.world_size)
     data_rank, data_world = backend.mesh(step).data_coordinates(backend.rank)
     micro_batches = epoch_length(data, step, rank=data_rank, world_size=data_world)
     if micro_batches is None:

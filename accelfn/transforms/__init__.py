@@ -10,6 +10,8 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
               context_parallel  each sequence split over groups of ranks (CP; attention as a ring)
               pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
+              tolerate_faults  replica groups that die and come back per update (torchft)
+              checkpoint_activations  blocks' activations recomputed in the backward
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -23,6 +25,7 @@ backend interprets them.
 """
 
 from accelfn.transforms.accumulate import Accumulate, Window, accumulate
+from accelfn.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.context_parallel import ContextParallel, context_parallel
@@ -30,6 +33,7 @@ from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant
+from accelfn.transforms.invariant import per_world as invariant_per_world
 from accelfn.transforms.pipeline import SCHEDULES, Pipeline, pipeline
 from accelfn.transforms.precision import (
     POLICY_NAMES,
@@ -45,6 +49,7 @@ from accelfn.transforms.replicate import PowerSGDMemory, Replicate, replicate
 from accelfn.transforms.shard_params import ShardParams, shard_params
 from accelfn.transforms.skip_nonfinite import SkipNonfinite, skip_nonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel, tensor_parallel
+from accelfn.transforms.tolerate_faults import TolerateFaults, tolerate_faults
 
 __all__ = [
     "POLICY_NAMES",
@@ -88,6 +93,11 @@ __all__ = [
     "Node",
     "TreeWindow",
     "invariant",
+    "invariant_per_world",
     "DeepSpeed",
     "deepspeed",
+    "TolerateFaults",
+    "tolerate_faults",
+    "CheckpointActivations",
+    "checkpoint_activations",
 ]

@@ -9,6 +9,7 @@ import toolz
 
 from accelfn.step import TransformBase
 from accelfn.transforms.accumulate import Accumulate
+from accelfn.transforms.checkpoint_activations import CheckpointActivations
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.compile import Compile
 from accelfn.transforms.context_parallel import ContextParallel
@@ -21,15 +22,17 @@ from accelfn.transforms.replicate import Replicate
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.skip_nonfinite import SkipNonfinite
 from accelfn.transforms.tensor_parallel import TensorParallel
+from accelfn.transforms.tolerate_faults import TolerateFaults
 
 if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed]
+                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
+                  CheckpointActivations, TolerateFaults]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
-    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
+    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed, CheckpointActivations, TolerateFaults,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

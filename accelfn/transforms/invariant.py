@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, ClassVar
 import attrs
 import torch
 
-from accelfn.errors import TransformError, non_negative_int
-from accelfn.step import Phase, TransformBase
+from accelfn.errors import TransformError, count_at_least_one, non_negative_int
+from accelfn.step import Phase, Step, TransformBase
+from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.shard_params import ShardParams
 from accelfn.transforms.tensor_parallel import TensorParallel
@@ -72,6 +73,11 @@ class Invariant(TransformBase):
             InstanceNorm with running statistics: layers whose state or output depends on
             which micro-batches one process sees in which order (BatchNorm's running
             statistics are updated by each process from its own micro-batches only).
+        micro_batches_per_update: ``L``, the global batch in micro-batches, stated once: the
+            program's accumulation then follows the number of data-parallel processes ``W``
+            (``accumulate(L // W)``, added where the program is prepared for its world,
+            ``per_world``), so an elastic job that restarts on another number of processes
+            continues the same run. None: ``L`` is ``W`` times the program's ``accumulate``.
     """
 
     phase: ClassVar[Phase] = Phase.MODEL
@@ -81,6 +87,8 @@ class Invariant(TransformBase):
 
     seed: int = attrs.field(default=0, validator=non_negative_int)
     batch_coupled: tuple[type[torch.nn.Module], ...] = attrs.field(default=(), converter=_module_types)
+    micro_batches_per_update: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(count_at_least_one))
 
     def conflicts_with(self, other: TransformBase) -> str | None:
         if isinstance(other, ShardParams) and (other.offload or other.shard_size is not None):
@@ -157,7 +165,8 @@ class Layout:
     micro_batches_per_update: int
 
 
-def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...] = ()) -> Invariant:
+def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...] = (),
+              micro_batches_per_update: int | None = None) -> Invariant:
     """The same training run, bit for bit, on any number of processes.
 
     Under ``invariant()`` the data order, the random draws of each micro-batch and the
@@ -167,13 +176,19 @@ def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...]
     Args:
         seed: keys the random draws of each micro-batch (int >= 0).
         batch_coupled: more module types to refuse, as BatchNorm is.
+        micro_batches_per_update: the global batch in micro-batches of the DataLoader's
+            ``batch_size`` (int >= 1), stated once for every world size: on ``W``
+            data-parallel processes the program accumulates ``L // W`` micro-batches per
+            update (``W`` must divide it). Leave out ``accumulate`` then, or give the same
+            count. None: the program's ``accumulate`` (1 if none) on every world size.
 
     Returns:
         Invariant: the transform.
 
     Raises:
-        ValueError: ``seed`` negative.
-        TypeError: ``seed`` not an int, ``batch_coupled`` not a tuple of module types.
+        ValueError: ``seed`` negative, ``micro_batches_per_update`` below 1.
+        TypeError: ``seed`` or ``micro_batches_per_update`` not an int, ``batch_coupled``
+            not a tuple of module types.
 
     References:
         Higham 1993 (pairwise summation); Thakur et al. 2005 (recursive doubling).
@@ -181,9 +196,42 @@ def invariant(*, seed: int = 0, batch_coupled: tuple[type[torch.nn.Module], ...]
     Example:
         >>> import accelfn as af
         >>> af.invariant()
-        Invariant(seed=0, batch_coupled=())
+        Invariant(seed=0, batch_coupled=(), micro_batches_per_update=None)
+        >>> af.invariant(micro_batches_per_update=8).micro_batches_per_update  # accumulate(4) on 2 processes
+        8
     """
-    return Invariant(seed, batch_coupled)
+    return Invariant(seed, batch_coupled, micro_batches_per_update)
+
+
+def per_world(step: Step, data_world_size: int) -> Step:
+    """``step`` as it runs on ``data_world_size`` data-parallel processes: under
+    ``invariant(micro_batches_per_update=L)``, with ``accumulate(L // W)`` (added where the
+    program has no ``accumulate``); any other program unchanged.
+
+    Raises:
+        TransformError: ``W`` does not divide ``L``, or the program's own ``accumulate(n)``
+            is not ``L // W`` (the message names both and the fix).
+    """
+    spec = step.find(Invariant)
+    if spec is None or spec.micro_batches_per_update is None:
+        return step
+    total, world = spec.micro_batches_per_update, data_world_size
+    if total % world:
+        raise TransformError(
+            f"invariant(micro_batches_per_update={total}) splits every update over the data-parallel processes, "
+            f"and {world} processes cannot share {total} micro-batches equally; run a number of processes that "
+            f"divides {total} (an elastic launch: every world size between --nnodes MIN and MAX must)"
+        )
+    own = step.find(Accumulate)
+    if own is None:
+        return step.with_transform(Accumulate(total // world))
+    if own.num_micro_batches != total // world:
+        raise TransformError(
+            f"invariant(micro_batches_per_update={total}) on {world} processes accumulates {total // world} "
+            f"micro-batches per update, but the program has accumulate({own.num_micro_batches}); leave accumulate "
+            "out (the global batch decides it on every world size), or drop micro_batches_per_update"
+        )
+    return step
 
 
 def check_model(model: torch.nn.Module, extra: Sequence[type[torch.nn.Module]] = ()) -> None:

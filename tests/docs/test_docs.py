@@ -21,7 +21,8 @@ the way a reader would type them:
 - ``requires=cuda`` on a block: it runs only where torch sees a GPU; elsewhere the page's
   other blocks run and the test then reports the page as skipped, naming the blocks. (The
   pages avoid such blocks: a script with ``af.backends.auto()`` is the same on a GPU, so
-  the CUDA specifics are prose.)
+  the CUDA specifics are prose.) ``requires=MODULE`` (``requires=torchft``): the same, where
+  the optional package ``MODULE`` cannot be imported (``.ci/run`` installs it).
 
 Pages that launch processes are marked ``multiprocess``.
 """
@@ -29,6 +30,7 @@ Pages that launch processes are marked ``multiprocess``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -46,7 +48,7 @@ from tests.helpers import launch as _launch
 DOCS = _launch.ROOT / "docs"
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.DOTALL | re.MULTILINE)  # may be indented (in a list)
 LAUNCH_TIMEOUT_S = 240
-_NOT_RUN = "<a block that needs a GPU, not run here>"
+_NOT_RUN = "<a block that needs a GPU or an optional package, not run here>"
 
 
 @attrs.frozen
@@ -127,11 +129,21 @@ def matches(expected: str, actual: str) -> bool:
 
     parts = []
     for line in norm(expected).splitlines():
-        if line.strip() == "...":
-            parts.append(r"(?:.*\n)*?")
+        if line.strip() == "...":  # any whole lines: [^\n], as "." under DOTALL would make the
+            # search try every way to cut the lines (seconds for a few dozen lines)
+            parts.append(r"(?:[^\n]*\n)*?")
         else:
             parts.append(".*?".join(re.escape(piece) for piece in line.split("...")) + r"\n")
     return re.fullmatch("".join(parts), norm(actual) + "\n", re.DOTALL) is not None
+
+
+def _missing(requires: str | None) -> str | None:
+    """What a block's ``requires=`` needs that this machine lacks (None: it can run)."""
+    if requires is None:
+        return None
+    if requires == "cuda":
+        return None if torch.cuda.is_available() else "needs a CUDA GPU"
+    return None if importlib.util.find_spec(requires) is not None else f"needs {requires}: pip install {requires}"
 
 
 @pytest.mark.parametrize("page", pages())
@@ -145,12 +157,12 @@ def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: P
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     last_output: str | None = None
     ran = 0
-    needs_gpu = []
+    not_run = []
     for block in blocks(page):
         where = f"{page.relative_to(_launch.ROOT)}:{block.line}"
         target = block.option("file")
-        if block.option("requires") == "cuda" and not torch.cuda.is_available():
-            needs_gpu.append(where)
+        if _missing(block.option("requires")):
+            not_run.append(f"{where} ({_missing(block.option('requires'))})")
             last_output = _NOT_RUN
         elif target is not None:
             (tmp_path / target).parent.mkdir(parents=True, exist_ok=True)
@@ -168,5 +180,5 @@ def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: P
                 f"{where}: the page shows\n{block.code}\nbut the code printed\n{last_output}")
             last_output = None
     assert ran, f"{page.name} has no code block to run"
-    if needs_gpu:
-        pytest.skip(f"needs a CUDA GPU, not run here: {', '.join(needs_gpu)} (all other blocks passed)")
+    if not_run:
+        pytest.skip(f"not run here: {', '.join(not_run)} (all other blocks passed)")

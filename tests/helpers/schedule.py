@@ -31,6 +31,10 @@ LONG: dict[str, float] = {
     "tests/cli/test_slurm.py": 70,
     "tests/cli/test_deepspeed_launch.py": 46,
     "tests/loop/test_preemption.py": 160,
+    # the fault tests: real launches killed and started again (marked long)
+    "tests/distributed/test_fault_tolerance.py": 150,
+    "tests/cli/test_elastic.py": 115,
+    DOCS.format("16-fault-tolerance"): 40,
     DOCS.format("04-backends-and-launching"): 142,
     "tests/distributed/test_exit.py": 142,
     "tests/transforms/test_invariant.py": 133,
