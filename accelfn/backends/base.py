@@ -192,8 +192,8 @@ class Backend(ProcessContext, abc.ABC):
         then runs the model phases of ``backends._phases.PHASES`` (docs/04 lists them):
         every acting phase is checked before any changes anything, each transform's entry is
         added to ``transforms_state``, and the phases apply in their fixed order (deepspeed,
-        place, pipeline, tensor_parallel, shard_params, materialize, invariant, replicate,
-        compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
+        place, pipeline, tensor_parallel, fp8, shard_params, materialize, fp8 scales, invariant,
+        replicate, compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
         ``step`` attribute is the program it runs.
 
         Args:

@@ -201,7 +201,7 @@ class Convert(ModelPhase):
                              f"{', '.join(map(repr, unknown))}; names are named_modules()'s, e.g. "
                              f"{', '.join(repr(n) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))}")
         if not convertible(model, self.float8):
-            why = "; ".join(f"{n}: {r}" for n, r in kept(model, self.float8).items()) or "it has no nn.Linear"
+            why = "; ".join(f"{n or 'the model'}: {r}" for n, r in kept(model, self.float8).items()) or "it has no nn.Linear"
             raise ValueError(f"with_precision('fp8'): no layer of the model suits float8 ({why}); use "
                              "with_precision('bf16'), or give the layers dimensions that are multiples of "
                              f"{ALIGNMENT}")
