@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every CUDA test (pytest -m cuda) in one go, on a machine with a GPU.
+# Runs every CUDA test (pytest -m cuda) in one go, on a machine with a GPU, then the speed rows
+# (benchmarks/fp8.py: fp8 against bf16 step time, on compute capability 8.9 and newer).
 #
 #   scripts/gpu-check.sh [extra pytest args]
 #
@@ -19,6 +20,8 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs visible: {tor
 PY
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 "$PYTHON" -m pytest -m cuda -v -rs -p no:cacheprovider tests "$@"
+# speed rows (benchmarks/README.md records them); each prints why it skipped on a machine without a suitable GPU
+"$PYTHON" benchmarks/fp8.py
 if [ "$gpus" = "0" ]; then
     echo "gpu-check: no CUDA GPU visible: the CUDA tests were skipped, nothing was checked" >&2
     exit 1

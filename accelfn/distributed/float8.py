@@ -105,9 +105,14 @@ def why_unsupported(device: torch.device) -> str | None:
     return f"with_precision('fp8') runs on CUDA GPUs and the CPU, not on {device.type} devices; use with_precision('bf16')"
 
 
+def is_float8(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear``."""
+    return type(module).__name__ == "Float8Linear" and type(module).__module__.startswith("torchao.")
+
+
 def is_converted(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds torchao ``Float8Linear`` layers."""
-    return any(type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao.") for m in model.modules())
+    return any(is_float8(m) for m in model.modules())
 
 
 def _head(model: torch.nn.Module) -> str | None:
@@ -252,8 +257,8 @@ class _ScaleKeeper:
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
-        self._weights = [p for m in model.modules() if type(m).__name__ == "Float8Linear" for p in [m.weight]]
-        self._seen: list[int] | None = None
+        self._weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and is_float8(m)]
+        self._seen: list[tuple[int, ...]] | None = None
 
     def _versions(self) -> list[tuple[int, ...]]:
         return [_versions(w) for w in self._weights]
