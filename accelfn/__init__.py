@@ -2,7 +2,7 @@
 
 # the program and its state
 from accelfn.state import Stopped, TrainState
-from accelfn.step import Loss, Step, train_step
+from accelfn.step import Loss, OutputLoss, Step, output_loss, train_step
 
 # transforms: each a frozen record and the verb that builds it
 from accelfn.transforms import (
@@ -69,6 +69,7 @@ __all__ = [
     "Loss",
     "MLflow",
     "NonFiniteError",
+    "OutputLoss",
     "Pipeline",
     "Plan",
     "PlanError",
@@ -107,6 +108,7 @@ __all__ = [
     "launch",
     "load",
     "load_model",
+    "output_loss",
     "pipeline",
     "plan",
     "replicate",

@@ -47,6 +47,10 @@ class TransformBase:
     reduces_gradients: ClassVar[bool] = False
     #: an engine that places, partitions and wraps the model itself (deepspeed): prepare does not
     engine: ClassVar[bool] = False
+    #: why its step computes the loss from the model's output instead of calling
+    #: ``loss_fn(model, batch)`` (pipeline: on the last stage), so that the program's loss must be
+    #: an ``af.output_loss(fn)``; None for a transform that calls ``loss_fn(model, batch)``
+    loss_on_output: ClassVar[str | None] = None
 
     def __call__(self, step: Step) -> Step:
         if not isinstance(step, Step):
@@ -138,6 +142,63 @@ class LossFn(Protocol):
     def __call__(self, model: torch.nn.Module, batch: Any) -> LossOutput: ...
 
 
+class OutputLossFn(Protocol):
+    """``fn(output, targets)``: a scalar mean loss tensor, ``(loss, metrics)``, or ``af.Loss``."""
+
+    def __call__(self, output: Any, targets: Any) -> LossOutput: ...
+
+
+@attrs.frozen
+class OutputLoss:
+    """A loss computed from the model's output and the batch's targets, ``fn(output, targets)``,
+    not from the model: the form of a program whose transform runs the model itself and hands
+    the loss only its output (``pipeline``: the last stage's). Built by :func:`output_loss`.
+
+    Attributes:
+        fn: ``fn(output, targets)``, returning what any ``loss_fn`` may.
+    """
+
+    fn: OutputLossFn
+
+    def __call__(self, output: Any, targets: Any) -> LossOutput:
+        return self.fn(output, targets)
+
+
+def output_loss(fn: OutputLossFn) -> OutputLoss:
+    """Spells a loss as computed from the model's output: ``fn(output, targets)``.
+
+    ``af.train_step(loss_fn)`` calls ``loss_fn(model, batch)``. Under ``pipeline()`` no rank
+    holds the whole model: the last stage computes the loss from its output and the
+    micro-batch's targets, so the program's loss is written ``af.train_step(af.output_loss(fn))``.
+    The form is said, never guessed from parameter names: ``pipeline()`` refuses a plain
+    ``loss_fn`` when it is applied, and ``prepare`` refuses an ``output_loss`` in a program
+    without a transform that computes the loss from the output, each naming the fix.
+
+    Args:
+        fn: ``fn(output, targets)`` returning a scalar *mean* loss tensor over the micro-batch,
+            ``(loss, metrics)``, or an ``af.Loss``; ``output`` is what the model's forward
+            returns (batch first), ``targets`` the batch's second item.
+
+    Returns:
+        OutputLoss: ``fn``, marked (an ``OutputLoss`` given is returned as it is).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+
+    Example:
+        >>> import torch.nn.functional as F, accelfn as af
+        >>> step = af.pipeline(["blocks.2"], size=2)(
+        ...     af.train_step(af.output_loss(lambda output, targets: F.mse_loss(output, targets))))
+        >>> type(step.loss_fn).__name__
+        'OutputLoss'
+    """
+    if isinstance(fn, OutputLoss):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"output_loss(fn) needs a callable fn(output, targets), got {type(fn).__name__}")
+    return OutputLoss(fn)
+
+
 @attrs.frozen(eq=False)
 class Step:
     """A training program: ``loss_fn`` and the transforms applied to it, in phase order.
@@ -147,11 +208,12 @@ class Step:
 
     Attributes:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss tensor, ``(loss,
-            metrics)`` with a mapping of scalar metrics, or an ``af.Loss``.
+            metrics)`` with a mapping of scalar metrics, or an ``af.Loss``; under ``pipeline``
+            an ``af.output_loss(fn)``, ``fn(output, targets)``.
         transforms: the transforms, sorted by the phase they act at.
     """
 
-    loss_fn: LossFn
+    loss_fn: LossFn | OutputLoss
     transforms: tuple[TransformBase, ...] = ()
 
     def with_transform(self, transform: TransformBase) -> Step:
@@ -173,13 +235,14 @@ class Step:
         return None
 
 
-def train_step(loss_fn: LossFn) -> Step:
+def train_step(loss_fn: LossFn | OutputLoss) -> Step:
     """The base program: forward, backward, optimizer update, scheduler step, zero grad.
 
     Args:
         loss_fn: ``loss_fn(model, batch)`` returning a scalar loss tensor (shape ``()``),
             ``(loss, metrics)`` with ``metrics`` a mapping of name to scalar, or an
-            :class:`af.Loss <Loss>`.
+            :class:`af.Loss <Loss>`; under ``pipeline()``, :func:`output_loss` of a
+            ``fn(output, targets)`` instead.
 
     Returns:
         Step: the program without transforms.
@@ -198,6 +261,28 @@ def train_step(loss_fn: LossFn) -> Step:
             f"train_step(loss_fn) needs a callable loss_fn(model, batch), got {type(loss_fn).__name__}"
         )
     return Step(loss_fn)
+
+
+def check_loss_form(step: Step) -> None:
+    """Raises unless ``step``'s loss has the form its transforms call: ``af.output_loss(fn)``
+    under a transform that computes the loss from the model's output (``loss_on_output``),
+    ``loss_fn(model, batch)`` everywhere else.
+
+    Raises:
+        TransformError: naming the transform (or its absence) and the fix.
+    """
+    on_output = next((t for t in step.transforms if t.loss_on_output is not None), None)
+    if on_output is not None and not isinstance(step.loss_fn, OutputLoss):
+        raise TransformError(
+            f"{on_output.verb}() {on_output.loss_on_output}, so it cannot call loss_fn(model, batch): spell the loss "
+            "af.train_step(af.output_loss(fn)) with fn(output, targets) -> a scalar mean loss, e.g. "
+            "af.output_loss(lambda output, targets: F.cross_entropy(output.flatten(0, 1), targets.flatten()))")
+    if on_output is None and isinstance(step.loss_fn, OutputLoss):
+        raise TransformError(
+            "this step's loss is af.output_loss(fn), fn(output, targets): the form of a program whose transform "
+            "computes the loss from the model's output (pipeline()); this program has none, so accelfn calls "
+            "loss_fn(model, batch): pass that form to af.train_step (e.g. lambda model, batch: "
+            "fn(model(batch[0]), batch[1])), or apply pipeline(...)")
 
 
 #: the metrics of a loss_fn that returned none (shared, never written)

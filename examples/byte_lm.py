@@ -171,7 +171,7 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def pipeline_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``loss_fn`` under ``--pp``: the same loss, from the last stage's logits and the targets."""
+    """``loss_fn`` under ``--pp`` (``af.output_loss``): the same loss, from the last stage's logits and the targets."""
     return F.cross_entropy(output.float().flatten(0, 1), targets.flatten())
 
 
@@ -293,7 +293,7 @@ def main(config: Config = Config(), *, run_dir: str = "runs/byte_lm", every_step
         af.with_precision("bf16"),
         af.accumulate(config.accumulate),
         af.clip(1.0),
-    )(af.train_step(pipeline_loss if pp > 1 else loss_fn))
+    )(af.train_step(af.output_loss(pipeline_loss) if pp > 1 else loss_fn))
 
     before = held_out_loss(state, held_out, backend)
     backend.print(f"{len(train)} training sequences of {config.context} bytes; held-out loss "

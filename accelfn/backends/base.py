@@ -30,7 +30,7 @@ from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.mesh import agreed as agreed_mesh
 from accelfn.distributed.phases import Preparation, remember
 from accelfn.state import TrainState, require_state
-from accelfn.step import Step
+from accelfn.step import Step, check_loss_form
 from accelfn.transforms import Invariant, Replicate, ShardData, WithPrecision
 from accelfn.transforms.precision import Policy, parse_policy
 
@@ -41,7 +41,8 @@ class Backend(ProcessContext, abc.ABC):
     Attributes:
         name: ``"cpu"``, ``"cuda"`` or ``"xla"``.
         supported_precisions: the precision policies this backend runs.
-        rank, local_rank, world_size, local_world_size: from the launch environment.
+        rank, local_rank, world_size, local_world_size: from the launch environment (under
+            ``accelfn plan``: rank 0 of the planned world, ``LaunchEnv.planned_world_size``).
         device: the ``torch.device`` this process computes on.
     """
 
@@ -57,8 +58,8 @@ class Backend(ProcessContext, abc.ABC):
         self.place_model = place_model
         #: whether batches are moved to ``device`` as they are read (False: left as they are)
         self.place_batches = place_batches
-        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
-                         local_world_size=env.local_world_size)
+        super().__init__(rank=env.rank, local_rank=env.local_rank, world_size=env.planned_world_size,
+                         local_world_size=env.planned_local_world_size)
         self.env = env
         self.device = device
         self._active: EpochBatches | None = None
@@ -191,10 +192,9 @@ class Backend(ProcessContext, abc.ABC):
         ``--compile``) where the program has none of their kind, builds the program's mesh,
         then runs the model phases of ``backends._phases.PHASES`` (docs/04 lists them):
         every acting phase is checked before any changes anything, each transform's entry is
-        added to ``transforms_state``, and the phases apply in their fixed order (deepspeed,
-        place, pipeline, tensor_parallel, fp8, shard_params, materialize, fp8 scales, invariant,
-        replicate, compile). The step function is chosen once (``backends._phases.INTERPRETERS``); its
-        ``step`` attribute is the program it runs.
+        added to ``transforms_state``, and the phases apply in the table's order. The step
+        function is chosen once (``backends._phases.INTERPRETERS``); its ``step`` attribute is
+        the program it runs.
 
         Args:
             step: the program.
@@ -214,7 +214,7 @@ class Backend(ProcessContext, abc.ABC):
             ValueError: a world size the transforms cannot divide; a model prepared before
                 with other transforms (sharded, split, cut) than ``step``'s.
             TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
-                named, before anything is placed.
+                named, before anything is placed; ``af.output_loss`` without ``pipeline()``.
         """
         if not isinstance(step, Step):
             raise TypeError(f"prepare() takes a Step (af.train_step(loss_fn)), got {type(step).__name__}")
@@ -226,6 +226,7 @@ class Backend(ProcessContext, abc.ABC):
                   "af.run", flush=True)
             raise SystemExit(2)
         step = with_launch_defaults(step, self.env, warn=self.is_main_process)
+        check_loss_form(step)
         policy = self.precision(step)
         self.check_precision(policy)
         prep = Preparation(self, step, state, policy, agreed_mesh(step, self), state.model)

@@ -309,8 +309,10 @@ def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainSta
     or ``model.safetensors.index.json`` and its files), or a ``.safetensors`` file. The model may
     be prepared already (sharded by ``shard_params``, split by ``tensor_parallel``, both, or
     built on the meta device and materialized by ``prepare``): each rank then reads only the
-    slices of its own shards. Tied parameters are read once, under any of their names. No
-    collective: each rank reads on its own. The optimizer state is not touched.
+    slices of its own shards. Tied parameters are read once, under any of their names.
+    Non-persistent buffers (in no ``state_dict``: a rotary embedding's ``inv_freq``) are read
+    when a file holds them and otherwise keep the model's own values. No collective: each
+    rank reads on its own. The optimizer state is not touched.
 
     Args:
         state: the state whose model to fill.
@@ -321,9 +323,9 @@ def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainSta
 
     Raises:
         TypeError: ``state`` is not a TrainState, ``directory`` not a path.
-        CheckpointError: no weights at ``directory``; a tensor of the model missing from the
-            files, or a tensor in them that the model does not have (both listed), or one of
-            another shape.
+        CheckpointError: no weights at ``directory``; a parameter or persistent buffer of the
+            model missing from the files, or a tensor in them that the model does not have
+            (both listed), or one of another shape.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"load_model() takes a TrainState first, got {type(state).__name__}")
@@ -335,7 +337,11 @@ def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainSta
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), []).append(clean_name(name))
         tensors[id(t)] = t
-    missing = [ns[0] for ns in names.values() if not any(n in where for n in ns)]
+    # a non-persistent buffer (a rotary embedding's inv_freq) is in no state_dict, so in no file
+    # save_pretrained or save_model writes: read when a file has it (older exports), never asked for
+    transient = {id(t) for module in model.modules() for n, t in module._buffers.items()
+                 if t is not None and n in module._non_persistent_buffers_set}
+    missing = [ns[0] for key, ns in names.items() if key not in transient and not any(n in where for n in ns)]
     known = {n for ns in names.values() for n in ns}
     unexpected = sorted(set(where) - known)
     if missing or unexpected:
@@ -343,6 +349,8 @@ def load_model(state: TrainState, directory: str | os.PathLike[str]) -> TrainSta
                               f"{missing or 'none'}, unexpected {unexpected or 'none'}")
     with torch.no_grad():
         for key, ns in names.items():
+            if not any(n in where for n in ns):  # a non-persistent buffer no file holds: the model's own
+                continue
             target, name = tensors[key], next(n for n in ns if n in where)
             with safetensors.safe_open(str(where[name]), framework="pt") as f:
                 shape = tuple(f.get_slice(name).get_shape())

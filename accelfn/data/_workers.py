@@ -36,25 +36,47 @@ class SeededFetch(torch.utils.data.Dataset):
     draws a function of its place in the epoch and of the rank that reads it, so ranks draw
     different augmentations and a resumed run reads the same batches, whatever the number of
     workers. Sampler keys are ``(batch number, dataset index)``.
+
+    With ``collate_fn`` the batch is collated inside the keyed draws too (a random collate is
+    keyed as the samples are) and returned as a list of one batch (the DataLoader's own
+    ``collate_fn`` is then :func:`only_batch`). In the main process (no workers) the
+    generators are put back afterwards, so the fetch leaves the program's own draws as they
+    were; a worker's are left seeded (the DataLoader's collate, run next, draws from them).
     """
 
-    def __init__(self, dataset: Any, seed: int, epoch: int, rank: int):
+    def __init__(self, dataset: Any, seed: int, epoch: int, rank: int,
+                 collate_fn: Callable[[list[Any]], Any] | None = None):
         self.dataset, self.seed, self.epoch, self.rank = dataset, seed, epoch, rank
+        self.collate_fn = collate_fn
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        in_main = torch.utils.data.get_worker_info() is None
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state()) if in_main else None
         state = np.random.SeedSequence([self.seed, self.epoch, self.rank, keys[0][0]]).generate_state(2)
-        torch.manual_seed(int(state[0]) << 32 | int(state[1]))
+        torch.default_generator.manual_seed(int(state[0]) << 32 | int(state[1]))
         random.seed(int(state[0]))
         np.random.seed(int(state[1]))
-        indices = [i for _, i in keys]
-        fetch = getattr(self.dataset, "__getitems__", None)
-        return fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+        try:
+            indices = [i for _, i in keys]
+            fetch = getattr(self.dataset, "__getitems__", None)
+            samples = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+            return samples if self.collate_fn is None else [self.collate_fn(samples)]
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved[0])
+                random.setstate(saved[1])
+                np.random.set_state(saved[2])
 
     def __getitem__(self, key: tuple[int, int]) -> Any:
         return self.__getitems__([key])[0]
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+
+def only_batch(batches: list[Any]) -> Any:
+    """The DataLoader ``collate_fn`` of a :class:`SeededFetch` that collates itself: its one batch."""
+    return batches[0]
 
 
 def start_iterating(data: Iterable[Any]) -> Iterator[Any]:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from accelfn.data import batches
-from accelfn.data._workers import SeededFetch, worker_generator
+from accelfn.data._workers import SeededFetch, only_batch, worker_generator
 from accelfn.data.batches import _shuffles
 from accelfn.step import Step
 from accelfn.transforms import Accumulate, Invariant, ShardData
@@ -90,8 +90,11 @@ def block_loader(loader: DataLoader, *, seed: int, rank: int, world_size: int, n
                  epoch: int, start: int) -> DataLoader:
     """A DataLoader of this rank's micro-batches of ``epoch`` from its ``start``-th on.
 
-    With workers, each micro-batch is fetched with the RNGs seeded from ``(seed, epoch,
-    global micro-batch index)`` (as one rank would), so augmentations do not depend on W.
+    Each micro-batch is fetched and collated with the RNGs (torch's CPU generator, Python's
+    ``random``, NumPy's global one) seeded from ``(seed, epoch, global micro-batch index)``
+    (``SeededFetch``), in DataLoader workers and in the main process alike, as one rank would
+    draw them: random augmentation in ``__getitem__`` or the collate function does not depend
+    on W. Without workers the generators are put back after each fetch.
 
     Raises:
         ValueError: a loader ``invariant()`` cannot cut into blocks.
@@ -101,13 +104,10 @@ def block_loader(loader: DataLoader, *, seed: int, rank: int, world_size: int, n
                           num_micro_batches=num_micro_batches, shuffle=_shuffles(loader), seed=seed,
                           epoch=epoch)[start:]
     workers = loader.num_workers
-    if workers:
-        dataset: Any = SeededFetch(loader.dataset, seed, epoch, 0)
-        batches: list[list[Any]] = [[(k, i) for i in indices] for k, indices in pairs]
-    else:
-        dataset, batches = loader.dataset, [indices for _, indices in pairs]
+    dataset = SeededFetch(loader.dataset, seed, epoch, 0, collate_fn=loader.collate_fn)
+    batches: list[list[Any]] = [[(k, i) for i in indices] for k, indices in pairs]
     return DataLoader(
-        dataset, batch_sampler=_BatchSampler(batches), num_workers=workers, collate_fn=loader.collate_fn,
+        dataset, batch_sampler=_BatchSampler(batches), num_workers=workers, collate_fn=only_batch,
         pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context if workers else None,
         generator=worker_generator(seed, epoch, 0),
@@ -115,7 +115,6 @@ def block_loader(loader: DataLoader, *, seed: int, rank: int, world_size: int, n
         persistent_workers=loader.persistent_workers if workers else False,
         pin_memory_device=loader.pin_memory_device,
     )
-
 
 
 def epoch_length(data: Any, step: Step, *, rank: int, world_size: int) -> int | None:

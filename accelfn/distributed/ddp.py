@@ -114,6 +114,19 @@ def _reorder(memory: torch.Tensor, before: dict[int, tuple[int, int]], after: di
 _live: weakref.WeakKeyDictionary[torch.nn.Module, PowerSGDHook] = weakref.WeakKeyDictionary()
 
 
+def bucket_dtype(hook: Any, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype ``replicate(comm_hook=hook)`` all-reduces a gradient bucket of ``dtype`` in,
+    one all-reduce of the whole bucket (``af.plan``'s rule): ``dtype`` without a hook or with
+    torch's ``allreduce_hook``, float16 with ``fp16_compress_hook``, bfloat16 with
+    ``bf16_compress_hook``; None for a hook whose collectives are its own (PowerSGD's, a
+    wrapper, the user's)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    known = {None: dtype, default_hooks.allreduce_hook: dtype, default_hooks.fp16_compress_hook: torch.float16,
+             default_hooks.bf16_compress_hook: torch.bfloat16}
+    return known.get(hook)
+
+
 def hook_name(hook: Any) -> str:
     """``module.qualname`` of a hook, for messages and records."""
     return f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', type(hook).__name__)}"

@@ -16,17 +16,19 @@ installed after torch with ``pip install --no-build-isolation deepspeed``.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 
 from accelfn.distributed.phases import ModelPhase
 from accelfn.errors import CheckpointError
 from accelfn.state import ENGINE_OWNED, OPTIMIZER_VIEW
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, Clip
-from accelfn.transforms.deepspeed import DeepSpeed, engine_config
+from accelfn.transforms import Clip
+from accelfn.transforms.deepspeed import DeepSpeed, engine_config, micro_batches_per_update
 
 if TYPE_CHECKING:
     from accelfn.distributed.phases import Preparation
@@ -106,8 +108,95 @@ def partitions_parameters(model: torch.nn.Module) -> bool:
 def window_size(step: Step, spec: DeepSpeed) -> int:
     """The micro-batches of an update: ``accumulate``'s, else the config's
     ``gradient_accumulation_steps``, else 1."""
-    accumulate = step.find(Accumulate)
-    return accumulate.num_micro_batches if accumulate is not None else spec.num_micro_batches or 1
+    return micro_batches_per_update(step)
+
+
+#: DeepSpeed's defaults of the ``zero_optimization`` entries the partition rule reads
+#: (``deepspeed/runtime/zero/config.py``)
+ZERO_DEFAULTS = {"stage3_param_persistence_threshold": 100_000, "stage3_model_persistence_threshold": sys.maxsize,
+                 "sub_group_size": 1_000_000_000}
+#: ZeRO-1/2 pad each flat group to a multiple of 2 x world size elements (``nccl_start_alignment_factor``)
+ALIGNMENT_FACTOR = 2
+
+
+@attrs.frozen
+class ZeroPartition:
+    """The elements one rank holds under a ZeRO stage (``zero_partition``), by kind.
+
+    Attributes:
+        params: elements of the model's parameters on this rank: every parameter whole (stage
+            0-2), or each one's partition of ``ceil(numel / W)`` elements (``ds_tensor``) plus
+            the whole of the persistent ones (stage 3: ``stage3_param_persistence_threshold``).
+        grads: elements of the gradients the rank keeps: whole (stage 0-1) or its partition.
+        masters: ``(optimizer group, elements)`` of each flat fp32 partition the optimizer
+            steps, one per (sub-)group (empty at stage 0: it steps the parameters themselves).
+        partitions: at stage 3, the elements of the rank's parameter partitions (``ds_tensor``;
+            what ``offload_param`` moves off the device).
+    """
+
+    params: int
+    grads: int
+    masters: tuple[tuple[int, int], ...]
+    partitions: int = 0
+
+
+def zero_partition(params: list[int], groups: list[list[int]], *, config: Mapping[str, Any],
+                   world_size: int) -> ZeroPartition:
+    """What each rank holds under ``config``'s ZeRO stage on ``world_size`` ranks: DeepSpeed's
+    rules, read from its ``stage_1_and_2.py`` and ``stage3.py`` (the same on every rank).
+
+    Args:
+        params: every parameter's number of elements, in ``model.named_parameters()`` order.
+        groups: each optimizer group's trainable parameters' numbers of elements, in order.
+        config: the engine's configuration (``engine_config``).
+        world_size: the data-parallel ranks ZeRO partitions over.
+
+    Stage 1/2: each group flattened and padded to a multiple of ``2 W`` elements, cut into
+    ``W`` equal partitions; its fp32 copy steps. Stage 3: each parameter padded to a multiple
+    of ``W`` and cut (``ceil(numel / W)`` per rank); a parameter of at most
+    ``stage3_param_persistence_threshold`` elements is also kept whole on every rank; each
+    group's partitions flattened into sub-groups of ``sub_group_size`` elements. The fp32
+    master partitions are a copy at every stage, also of fp32 parameters (stage 3 means to
+    share them then, but compares a ``torch.device`` with a device name, which never matches).
+    """
+    zero = {**ZERO_DEFAULTS, **config.get("zero_optimization", {})}
+    stage, W = int(zero.get("stage", 0)), world_size
+    total = sum(params)
+    if stage == 0:
+        return ZeroPartition(total, total, ())
+    if stage in (1, 2):
+        alignment = ALIGNMENT_FACTOR * W
+        flat = tuple((i, -(-sum(g) // alignment) * alignment // W) for i, g in enumerate(groups) if sum(g))
+        trainable = sum(sum(g) for g in groups)
+        return ZeroPartition(total, trainable if stage == 1 else sum(n for _, n in flat), flat)
+    persistent, whole = 0, 0
+    for numel in params:  # DeepSpeedZeRoOffload.mark_persistent_parameters
+        if numel + persistent > zero["stage3_model_persistence_threshold"]:
+            continue
+        if numel <= zero["stage3_param_persistence_threshold"]:
+            persistent += numel
+            whole += numel
+    parts = [-(-n // W) for n in params]
+    masters: list[tuple[int, int]] = []
+    for i, group in enumerate(groups):
+        held = 0
+        for numel in group:  # DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups
+            held += -(-numel // W)
+            if held >= zero["sub_group_size"]:
+                masters.append((i, held))
+                held = 0
+        if held:
+            masters.append((i, held))
+    return ZeroPartition(sum(parts) + whole, sum(n for _, n in masters), tuple(masters), partitions=sum(parts))
+
+
+def offloaded(config: Mapping[str, Any]) -> tuple[bool, bool]:
+    """``(optimizer state, parameter partitions)`` offloaded off the device by ``config``
+    (``offload_optimizer``/``offload_param`` to ``"cpu"`` or ``"nvme"``)."""
+    zero = config.get("zero_optimization", {})
+    optimizer, param = (zero.get(f"offload_{what}", {}).get("device", "none") != "none"
+                        for what in ("optimizer", "param"))
+    return optimizer, param
 
 
 class Engine(ModelPhase):

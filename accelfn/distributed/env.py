@@ -149,6 +149,20 @@ class LaunchEnv:
         address is passed to ``torch.distributed`` as ``tcp://`` instead."""
         return self.engine == "torchrun"
 
+    @property
+    def planned_world_size(self) -> int:
+        """The world this process stands for: ``accelfn plan``'s planned processes (it is their
+        rank 0, so a script sizes what it sizes for the launch it plans; its collectives stay
+        those of its one process: nothing else runs), else the launch's ``world_size``."""
+        return self.plan_world_size or self.world_size
+
+    @property
+    def planned_local_world_size(self) -> int:
+        """The processes per node of :attr:`planned_world_size`'s world."""
+        if self.plan_world_size is None:
+            return self.local_world_size
+        return min(self.plan_local_world_size or self.plan_world_size, self.plan_world_size)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
         """Reads and checks the launch variables.

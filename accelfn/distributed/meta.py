@@ -10,10 +10,16 @@ each rank's shards here, module by module:
 2. For each module that holds parameters or buffers of its own, in ``named_modules`` order
    (the order a constructor registers them, and so the order a normally built model drew
    their initial values in): full-size plain tensors of those parameters are made on the
-   CPU, the module's ``reset_parameters()`` fills them from the global CPU random generator,
-   each rank copies its shard out of them (``distribute_tensor(..., src_data_rank=None)``:
-   local slicing, no communication), and they are freed. At most one module's full tensors
-   exist at a time; no rank ever holds the whole model.
+   CPU (floating-point ones filled with NaN), the module's initializer fills them from the
+   global CPU random generator, each rank copies its shard out of them
+   (``distribute_tensor(..., src_data_rank=None)``: local slicing, no communication), and
+   they are freed. At most one module's full tensors exist at a time; no rank ever holds the
+   whole model. A module's initializer is its ``reset_parameters()``; inside a transformers
+   model (``PreTrainedModel``) it is that model's own ``_init_weights(module)``, what its
+   ``post_init`` applies to every module: norms filled with ones, linear and embedding weights
+   drawn from ``normal(0, initializer_range)``, and non-persistent buffers such as a rotary
+   embedding's ``inv_freq`` computed again from the config. A value left NaN (an initializer
+   that does not fill a tensor its module holds) is refused by name.
 
 The generator's state is rank 0's (broadcast first), so every rank draws the same stream.
 
@@ -23,14 +29,20 @@ the seed and ``prepare`` (building on meta draws nothing), and (b) ``Net``'s ini
 is its modules' ``reset_parameters`` in registration order (``nn.Linear``, ``nn.Embedding``,
 ``nn.LayerNorm``, ``nn.Conv*``, ...). Extra initialization in a constructor (an
 ``init.normal_`` after building a layer) is not replayed; a module that holds parameters
-of its own without a ``reset_parameters`` is refused by name before anything changes. Tied
+of its own without an initializer is refused by name before anything changes. A
+transformers model gets its own init's distribution (not the bits of a CPU build, whose
+constructor draws ``reset_parameters`` values that ``post_init`` then draws again): load
+its weights with ``af.load_model`` after ``prepare``. Tied
 parameters take the value of their first owner, as ``b.weight = a.weight`` after building
 both leaves them (the later owner still draws its values, so the stream stays aligned).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -42,6 +54,7 @@ from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
     from accelfn.distributed.phases import Preparation
+    from accelfn.step import Step
 
 
 def is_meta(model: torch.nn.Module) -> bool:
@@ -49,15 +62,23 @@ def is_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def fills(step: Step) -> bool:
+    """Whether ``prepare`` materializes a model built on the meta device under ``step``: the
+    step shards (``shard_params``) or splits (``tensor_parallel``) it, so each rank fills only its
+    own part. ``af.plan`` reads the same rule."""
+    return step.find(ShardParams) is not None or step.find(TensorParallel) is not None
+
+
 def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, splits: bool) -> None:
     """Raises before anything changes unless ``prepare`` can materialize ``model``, built on the
     meta device: the step must shard or split it (``splits``), its optimizer hold no state yet,
-    and every module with tensors of its own be able to reset them.
+    and every module with tensors of its own have an initializer (its ``reset_parameters()``,
+    or its transformers model's ``_init_weights``).
 
     Raises:
         ValueError: the step neither shards nor splits the model; the optimizer holds state;
             naming each module (and its class) that holds parameters or buffers of its own
-            and has no ``reset_parameters()``.
+            and has no initializer.
     """
     if not splits:
         raise ValueError(
@@ -68,15 +89,40 @@ def check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, splits: b
     if optimizer.state:
         raise ValueError("a model on the meta device has no values yet, so its optimizer cannot hold state; "
                          "build the optimizer's state after prepare (af.load restores a checkpoint into it)")
+    initializers = _initializers(model)
     missing = [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
-               if _own(m) and not callable(getattr(m, "reset_parameters", None))]
+               if _own(m) and initializers.get(name) is None]
     if missing:
         raise ValueError(
             f"a model built on the meta device is initialized module by module with each module's "
-            f"reset_parameters(), but {', '.join(missing)} hold parameters or buffers of their own and have none; "
-            "give those modules a reset_parameters() that initializes them (as nn.Linear has), or build the model "
-            "on the CPU"
+            f"reset_parameters() (a transformers model: with its own _init_weights), but {', '.join(missing)} "
+            "hold parameters or buffers of their own and have none; give those modules a reset_parameters() that "
+            "initializes them (as nn.Linear has), or build the model on the CPU"
         )
+
+
+def _hf_model(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (transformers is not imported for it)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def _initializers(model: torch.nn.Module) -> dict[str, Callable[[], None] | None]:
+    """How each module (by name) initializes the tensors it holds itself: inside a transformers
+    model, that model's ``_init_weights(module)`` (the nearest one: a sub-model's own), as its
+    ``post_init`` does; elsewhere the module's ``reset_parameters()``; None when it has neither."""
+    owners: dict[str, torch.nn.Module] = {}
+    found: dict[str, Callable[[], None] | None] = {}
+    for name, module in model.named_modules():
+        parent = owners.get(name.rpartition(".")[0]) if name else None
+        owner = module if _hf_model(module) else parent
+        owners[name] = owner  # type: ignore[assignment]
+        if owner is not None:
+            found[name] = functools.partial(getattr(owner, "_init_weights"), module)
+        else:
+            reset = getattr(module, "reset_parameters", None)
+            found[name] = reset if callable(reset) else None
+    return found
 
 
 def _own(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
@@ -95,34 +141,50 @@ def _agree_on_generator() -> None:
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Gives every meta tensor of ``model`` (sharded, split or whole) storage on ``device`` and
-    its shard of the values a normally built model would have (see the module docstring).
-    Tensors not on meta are left as they are."""
+    its shard of the values its initialization gives (see the module docstring).
+    Tensors not on meta are left as they are.
+
+    Raises:
+        ValueError: a module's initialization left floating-point values of its own unset
+            (named): it does not initialize every tensor the module holds.
+    """
     _agree_on_generator()
+    initializers = _initializers(model)
     model.to_empty(device=device)
     done: set[int] = set()
     with torch.no_grad():
-        for _, module in model.named_modules():
+        for name, module in model.named_modules():
             own = _own(module)
             if not own:
                 continue
-            for name, t, is_param in own:  # full-size stand-ins on the CPU, for reset_parameters to fill
+            for attr, t, is_param in own:  # full-size stand-ins on the CPU, for the initializer to fill
                 full = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+                if full.is_floating_point():
+                    full.fill_(float("nan"))  # what the initializer leaves unset stays NaN
                 if is_param:
-                    module._parameters[name] = torch.nn.Parameter(full, requires_grad=t.requires_grad)
+                    module._parameters[attr] = torch.nn.Parameter(full, requires_grad=t.requires_grad)
                 else:
-                    module._buffers[name] = full
+                    module._buffers[attr] = full
             try:
-                module.reset_parameters()  # checked by check()
+                initialize = initializers[name]
+                assert initialize is not None  # checked by check()
+                initialize()
                 values = [(module._parameters[n] if p else module._buffers[n]) for n, _, p in own]
             finally:
-                for name, t, is_param in own:
+                for attr, t, is_param in own:
                     if is_param:
-                        module._parameters[name] = t  # the model's own Parameter
+                        module._parameters[attr] = t  # the model's own Parameter
                     else:
-                        module._buffers[name] = t
-            for (_, t, _), value in zip(own, values):
+                        module._buffers[attr] = t
+            for (attr, t, _), value in zip(own, values):
                 if id(t) in done:  # a tied tensor keeps its first owner's values
                     continue
+                if value.is_floating_point() and bool(value.isnan().any()):
+                    raise ValueError(
+                        f"materializing a model built on the meta device: the initialization of {name or '<root>'} "
+                        f"({type(module).__name__}) left {attr} unset; give the module a reset_parameters() that "
+                        "initializes every tensor it holds (a transformers model: its _init_weights), or build "
+                        "the model on the CPU")
                 done.add(id(t))
                 _copy_shard(t, value)
 
@@ -157,7 +219,7 @@ class Materialize(ModelPhase):
     def of(cls, prep: Preparation) -> Materialize | None:
         if not is_meta(prep.state.model):
             return None
-        splits = prep.step.find(ShardParams) is not None or prep.step.find(TensorParallel) is not None
+        splits = fills(prep.step)
         return cls(splits) if splits or prep.hardware.place_model else None
 
     def check(self, prep: Preparation) -> None:

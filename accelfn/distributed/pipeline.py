@@ -14,6 +14,7 @@ and exports are the unsharded model's). The stages run through
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -102,23 +103,91 @@ def _crossing(graph: torch.fx.Graph, stages: dict[torch.fx.Node, int], num_stage
     return flows
 
 
+def check_split_points(model: torch.nn.Module, split_points: tuple[str, ...]) -> None:
+    """Raises unless every split point names a module of ``model`` (before tracing it).
+
+    Raises:
+        ValueError: naming each split point that is no module of ``model``, with the modules
+            it may have meant (the children of its parent, or close names).
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    known = set(names)
+    for point in split_points:
+        if point in known:
+            continue
+        parent = point.rpartition(".")[0]
+        siblings = [n for n in names if n.rpartition(".")[0] == parent] if parent in known or not parent else []
+        near = siblings or difflib.get_close_matches(point, names, n=6)
+        raise ValueError(
+            f"pipeline(split_points={list(split_points)!r}): {type(model).__name__} has no module {point!r}"
+            f"{f' (it has {_listed(near)})' if near else ''}; a split point is a module name of "
+            "model.named_modules() where a stage begins")
+
+
+def _listed(names: list[str]) -> str:
+    shown = [repr(n) for n in names[:8]]
+    return ", ".join(shown) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _check_not_empty(stages: dict[torch.fx.Node, int], split_points: tuple[str, ...]) -> None:
+    """Raises if a stage would run no operation of the forward (a split point at the first
+    module the forward runs, or two split points with nothing between them).
+
+    Raises:
+        ValueError: naming the empty stage and its split points.
+    """
+    working = {stage for node, stage in stages.items() if node.op in ("call_module", "call_function", "call_method")}
+    for s in range(len(split_points) + 1):
+        if s in working:
+            continue
+        where = (f"before {split_points[0]!r}, the first module its forward runs" if s == 0 else
+                 f"between {split_points[s - 1]!r} and {split_points[s]!r}")
+        raise ValueError(
+            f"pipeline(split_points={list(split_points)!r}): stage {s} would be empty: the model runs nothing "
+            f"{where}, so its rank would train no parameter; split before a later module (a stage begins at its "
+            "split point: the first stage runs everything before the first split point)")
+
+
+def _untraceable_hint(model: torch.nn.Module) -> str:
+    """What to do about a model ``symbolic_trace`` cannot trace: a transformers model's forward
+    is not traceable (keyword arguments, checks on its inputs), and its tied weights are named."""
+    hint = ""
+    if callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "config"):
+        hint += ("; a transformers model's forward takes keyword arguments and branches on them: pipeline a module "
+                 "of your own whose forward calls its layers in order (e.g. embeddings, then blocks, then the head)")
+    seen: dict[int, str] = {}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append(f"{name} = {seen[id(p)]}")
+        seen.setdefault(id(p), name)
+    if tied:
+        hint += (f"; its tied weights ({', '.join(tied)}) must be untied too when the stages that use them "
+                 "differ (a copy of its own per stage)")
+    return hint
+
+
 def cut(model: torch.nn.Module, pp: Pipeline) -> list[torch.fx.GraphModule]:
     """``model`` traced and cut at ``pp.split_points``: one ``GraphModule`` per stage, on the
     model's own parameters and buffers, under their own names.
 
     Raises:
-        ValueError: the model cannot be traced (named), a split point it never uses, one
+        ValueError: a split point that names no module of the model, the model cannot be
+            traced (named), a split point it never uses, a stage that would be empty, one
             crossed by more than one value, a parameter used by two stages, an output not
             computed by the last stage.
     """
+    check_split_points(model, pp.split_points)
     try:
         traced = torch.fx.symbolic_trace(model)
     except Exception as e:  # noqa: BLE001  # torch's tracing errors have many types
         raise ValueError(
             f"pipeline(): torch.fx.symbolic_trace cannot trace {type(model).__name__} ({type(e).__name__}: {e}); "
-            "pipeline() cuts a traceable forward (no control flow on tensor values)") from e
+            "pipeline() cuts a traceable forward (no control flow on tensor values, positional tensor "
+            f"arguments){_untraceable_hint(model)}") from e
     graph = traced.graph
     stages = assign_stages(graph, pp.split_points)
+    _check_not_empty(stages, pp.split_points)
     flows = _crossing(graph, stages, pp.num_stages, pp.split_points)
     (output,) = [n for n in graph.nodes if n.op == "output"]
     result = output.args[0]
@@ -165,16 +234,25 @@ def stage_indices(pp: Pipeline, position: int) -> list[int]:
     return list(range(position, pp.num_stages, pp.size))
 
 
-def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: Iterable[torch.nn.Module],
-          stages: Iterable[torch.nn.Module], first: bool) -> None:
-    """Removes from ``model`` (and ``optimizer``) every parameter and buffer that the modules
-    ``keep`` do not use; those that none of ``stages`` uses stay with the first stage (``first``)."""
-    kept = {id(t) for m in keep for t in [*m.parameters(), *m.buffers()]}
-    used = {id(t) for m in stages for t in [*m.parameters(), *m.buffers()]}
+def held(model: torch.nn.Module, stages: list[torch.fx.GraphModule], mine: Iterable[int]) -> set[int]:
+    """The ids of the parameters and buffers of ``model`` that a rank running the stages
+    ``mine`` of the cut ``stages`` keeps: those its stages use, and, on the rank of stage 0,
+    those no stage uses (the rule ``prune`` applies and ``af.plan`` counts bytes by)."""
+    mine = list(mine)
+    kept = {id(t) for i in mine for t in [*stages[i].parameters(), *stages[i].buffers()]}
+    if 0 in mine:
+        used = {id(t) for m in stages for t in [*m.parameters(), *m.buffers()]}
+        kept |= {id(t) for t in [*model.parameters(), *model.buffers()] if id(t) not in used}
+    return kept
+
+
+def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kept: set[int]) -> None:
+    """Removes from ``model`` (and ``optimizer``) every parameter and buffer whose id is not in
+    ``kept`` (:func:`held`)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in list(table.items()):
-                if tensor is None or id(tensor) in kept or (first and id(tensor) not in used):
+                if tensor is None or id(tensor) in kept:
                     continue
                 del table[name]
     remaining = {id(p) for p in model.parameters()}
@@ -201,7 +279,7 @@ def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: 
         param_names=tuple(tuple(names[id(p)] for p in g["params"]) for g in optimizer.param_groups),
         group=group, ranks=mesh.ranks_along("pipe", rank), data_rank=mesh.data_coordinates(rank)[0])
     mine = stage_indices(pp, mesh.coordinates(rank)["pipe"])
-    prune(model, optimizer, [modules[i] for i in mine], modules, first=0 in mine)
+    prune(model, optimizer, held(model, modules, mine))
     setattr(model, _CUT_WITH, pp)
     setattr(model, LAYOUT_ATTRIBUTE, layout)
     return [(i, modules[i]) for i in mine]

@@ -10,15 +10,16 @@ dimension (its ranks are consecutive: ``distributed.mesh``), as the ``Split`` mo
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 import torch.distributed as dist
 
-from accelfn.distributed import fsdp, is_dtensor
+from accelfn.distributed import _tp_layouts, fsdp, is_dtensor
 from accelfn.distributed.phases import ModelPhase
+from accelfn.transforms import Compile as CompileSpec
 from accelfn.transforms import ShardParams, TensorParallel
 
 if TYPE_CHECKING:
@@ -51,11 +52,26 @@ def _style(name: Any, where: str) -> Any:
     return styles[name]()
 
 
-def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None:
-    """The plan as ``parallelize_module`` takes it (None for a plan function).
+@attrs.frozen
+class Resolved:
+    """A plan as ``parallelize_module`` takes it, checked.
+
+    Attributes:
+        plan: module pattern -> torch ParallelStyle (``"auto"``: completed to keep tied weights tied).
+        spelling: module pattern -> how the plan spelled its style, for messages.
+    """
+
+    plan: dict[str, Any]
+    spelling: dict[str, str]
+
+
+def resolve(tp: TensorParallel, model: torch.nn.Module) -> Resolved | None:
+    """The plan as ``parallelize_module`` takes it, checked (None for a plan function).
 
     Raises:
-        ValueError: ``"auto"`` for a model without a ``_tp_plan``; a pattern that matches no module.
+        ValueError: ``"auto"`` for a model without a ``_tp_plan``; a pattern that matches no
+            module; a layer-splitting style on a module that is no ``nn.Linear`` or
+            ``nn.Embedding``; a tied weight the plan splits two ways (``_tp_layouts``).
         NotImplementedError: ``"auto"`` with a style this module does not map.
     """
     if callable(tp.plan):
@@ -73,47 +89,113 @@ def resolve(tp: TensorParallel, model: torch.nn.Module) -> dict[str, Any] | None
         pairs = list(tp.plan)  # neither a function nor "auto": the pairs
     names = [n for n, _ in model.named_modules() if n]
     for pattern, _ in pairs:
-        if not any(_matches(pattern, n) for n in names):
+        if not any(_tp_layouts.matches(pattern, n) for n in names):
             raise ValueError(
                 f"tensor_parallel(plan=...): the pattern {pattern!r} matches no module of {type(model).__name__} "
                 f"(its modules include {', '.join(repr(n) for n in names[:8])}); patterns are module names "
                 "with '*' for one part, e.g. 'blocks.*.mlp.0'"
             )
-    return {pattern: _style(style, pattern) for pattern, style in pairs}
+    plan = {pattern: _style(style, pattern) for pattern, style in pairs}
+    spelling = {pattern: _tp_layouts.spelled(style) for pattern, style in pairs}
+    _tp_layouts.check_modules(model, plan, spelling)
+    plan = _tp_layouts.check_ties(model, plan, spelling, complete=tp.plan == "auto")
+    return Resolved(plan, spelling)
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """``parallelize_module``'s rule: the parts of ``name`` match the ``.``-parts of ``pattern``."""
-    parts, want = name.split("."), pattern.split(".")
-    return len(parts) == len(want) and all(fnmatch.fnmatch(p, w) for p, w in zip(parts, want))
+@attrs.frozen
+class LayerSplit:
+    """What one layer of a tensor-parallel plan holds and sends on each rank of its group: the
+    rule ``af.plan`` reads, from the torch style ``parallelize_module`` applies to it.
+
+    Attributes:
+        module: the layer's name in the model.
+        style: ``"colwise"`` or ``"rowwise"``.
+        dims: each of its parameters' (by local name) split dimension (``Shard(dim)``, cut as
+            ``torch.chunk`` cuts it); a parameter not named stays whole.
+        gathers_output: a column-wise layer whose output is gathered whole (``output_layouts=
+            Replicate()``): one all-gather of the output per forward.
+        reduces_output: a row-wise layer: one all-reduce of its (partial) output per forward.
+        reduces_input_grad: a column-wise layer: one all-reduce of its input's gradient per
+            backward (when the input requires a gradient).
+    """
+
+    module: str
+    style: str
+    dims: tuple[tuple[str, int], ...]
+    gathers_output: bool = False
+    reduces_output: bool = False
+    reduces_input_grad: bool = False
 
 
-def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: TensorParallel,
-                mesh: DeviceMesh) -> None:
-    """Splits ``model`` in place over ``mesh`` (the 1-D tensor dimension) and points
-    ``optimizer`` at its parameters.
-
-    Rank 0's parameters and buffers are broadcast first, over the whole world, so every rank
-    starts from the same model whatever its seed (as DDP does).
+def layer_splits(tp: TensorParallel, model: torch.nn.Module) -> tuple[list[LayerSplit], list[str]]:
+    """The layers ``tp``'s plan splits in ``model``, and what of the plan no rule here says
+    (a plan function, a style other than torch's ``ColwiseParallel``/``RowwiseParallel`` with
+    their default layouts, a layer that is not a Linear or an Embedding), each named.
 
     Raises:
         ValueError, NotImplementedError: from :func:`resolve`.
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    resolved = resolve(tp, model)
+    if resolved is None:
+        return [], [f"tensor_parallel(plan={getattr(tp.plan, '__name__', tp.plan)!r}) (a plan function)"]
+    splits, unknown = [], []
+    modules = dict(model.named_modules())
+    for pattern, style in resolved.plan.items():
+        for name in (n for n in modules if n and _tp_layouts.matches(pattern, n)):
+            module = modules[name]
+            kind = type(style)
+            linear, embedding = isinstance(module, torch.nn.Linear), isinstance(module, torch.nn.Embedding)
+            if kind is ColwiseParallel and (linear or embedding) and style.input_layouts == (Replicate(),) \
+                    and style.output_layouts in ((Shard(-1),), (Replicate(),)):
+                dims = (("weight", 1),) if embedding else tuple((n, 0) for n, _ in module.named_parameters())
+                splits.append(LayerSplit(name, "colwise", dims, gathers_output=style.output_layouts == (Replicate(),),
+                                         reduces_input_grad=linear))
+            elif kind is RowwiseParallel and (linear or embedding) and style.output_layouts == (Replicate(),):
+                splits.append(LayerSplit(name, "rowwise", (("weight", 0 if embedding else 1),), reduces_output=True))
+            else:
+                unknown.append(f"{name!r} ({style!r} on a {type(module).__name__})")
+    return splits, unknown
+
+
+def split_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tp: TensorParallel,
+                mesh: DeviceMesh, *, watch: bool = True) -> None:
+    """Splits ``model`` in place over ``mesh`` (the 1-D tensor dimension) and points
+    ``optimizer`` at its parameters.
+
+    Rank 0's parameters and buffers are broadcast first, over the whole world, so every rank
+    starts from the same model whatever its seed (as DDP does). A tied weight stays one
+    parameter under all its names. A dict or ``"auto"`` plan's layers hand back outputs of
+    their own, not views (``_tp_layouts.own_outputs``); with ``watch`` the first forward with
+    gradients checks the layouts of the activations (``_tp_layouts.LayoutWatch``).
+
+    Raises:
+        ValueError, NotImplementedError: from :func:`resolve`; a plan function that split a
+            tied weight two ways.
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = resolve(tp, model)  # before anything changes
+    resolved = resolve(tp, model)  # before anything changes
     names = {id(p): name for name, p in model.named_parameters()}
+    tied = _tp_layouts.tied_names(model)
     on_meta = any(t.is_meta for t in model.parameters())  # materialized after splitting (_materialize)
     if dist.get_world_size() > 1 and not on_meta:
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor.data, src=0)
-    if plan is None:
+    if resolved is None:
         tp.plan(model, mesh)  # type: ignore[operator]  # a plan function
     else:  # equal on every rank already: each cuts its own part (no scatter, which meta tensors cannot do)
-        parallelize_module(model, mesh, plan, src_data_rank=None)
+        parallelize_module(model, mesh, resolved.plan, src_data_rank=None)
+    _tp_layouts.retie(model, tied)
     split = dict(model.named_parameters())
     fsdp.rebind(optimizer, {id_: split[name] for id_, name in names.items()})
     setattr(model, _SPLIT_WITH, tp)
+    if resolved is not None:
+        _tp_layouts.own_outputs(model, resolved.plan)
+        if watch:
+            _tp_layouts.LayoutWatch(model, resolved.plan, resolved.spelling, mesh.size())
 
 
 class Split(ModelPhase):
@@ -159,8 +241,9 @@ class Split(ModelPhase):
             prep.forward_is_collective = prep.mesh.tensor > 1
             return
         sub = prep.mesh.device_mesh(prep.hardware.device, "tensor")
-        if sub is not None:
-            split_model(prep.state.model, prep.state.optimizer, self.spec, sub)
+        if sub is not None:  # a compiled forward is not followed by the layout checks (a TorchFunctionMode)
+            split_model(prep.state.model, prep.state.optimizer, self.spec, sub,
+                        watch=prep.step.find(CompileSpec) is None)
             prep.forward_is_collective = True
         else:
             setattr(prep.state.model, _SPLIT_WITH, self.spec)

@@ -10,10 +10,9 @@ import attrs
 
 from accelfn.backends.base import Backend
 from accelfn.data.blocks import epoch_length
-from accelfn.distributed.mesh import Mesh
 from accelfn.state import TrainState, require_state
 from accelfn.step import Step
-from accelfn.transforms import Accumulate
+from accelfn.transforms.deepspeed import micro_batches_per_update
 
 
 @attrs.frozen
@@ -49,10 +48,13 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
     collective is called.
 
     Args:
-        step: the program (its ``shard_data`` and ``accumulate`` decide the count).
+        step: the program (its ``shard_data``, ``accumulate`` or DeepSpeed's
+            ``gradient_accumulation_steps``, and the mesh its ``tensor_parallel``/``pipeline``
+            make: the ranks of one group read one data shard; under ``invariant()`` its
+            blocks, ``floor(N / (W A b))`` updates an epoch, decide the count).
         data: the DataLoader or sized iterable ``run`` will read.
         backend: the backend ``run`` will use (its rank and world size shard the data; under
-            ``accelfn plan``, rank 0 of the planned world size, as ``af.plan`` counts).
+            ``accelfn plan`` it stands for rank 0 of the planned world, as ``af.plan`` counts).
         epochs: total epochs of the job, or None to train until ``max_steps``.
         max_steps: total optimizer updates of the job, or None for no limit.
         state: a state part-way through the job (a resumed one): ``total`` is then
@@ -87,12 +89,8 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
             raise ValueError(f"count_updates({name}={value!r}): must be an int >= 1 or None")
     if epochs is None and max_steps is None:
         raise ValueError("count_updates(epochs=None) counts until max_steps, so it needs max_steps=<total updates>")
-    planned = backend.env.plan_world_size
-    if planned is not None:  # `accelfn plan`: rank 0 of the planned world, as af.plan counts
-        local = backend.env.plan_local_world_size or min(planned, backend.local_world_size)
-        data_rank, data_world = Mesh.of(step, planned, local).data_coordinates(0)
-    else:
-        data_rank, data_world = backend.mesh(step).data_coordinates(backend.rank)
+    # the data shard this rank reads (under `accelfn plan`, rank 0 of the planned world)
+    data_rank, data_world = backend.mesh(step).data_coordinates(backend.rank)
     micro_batches = epoch_length(data, step, rank=data_rank, world_size=data_world)
     if micro_batches is None:
         if max_steps is None:
@@ -102,8 +100,7 @@ def count_updates(step: Step, data: Iterable[Any], *, backend: Backend, epochs: 
                 "or train by steps: run(..., epochs=None, max_steps=N) applies exactly N updates"
             )
         return UpdateCount(per_epoch=None, total=max_steps, micro_batches_per_epoch=None)
-    accumulate = step.find(Accumulate)
-    n = accumulate.num_micro_batches if accumulate else 1
+    n = micro_batches_per_update(step)
     per_epoch = math.ceil(micro_batches / n)  # an epoch's partial last window is one more update
     if epochs is None:
         total = max_steps

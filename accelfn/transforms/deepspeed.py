@@ -307,6 +307,18 @@ def _loss_scale_conflict(section: Mapping[str, Any], other: WithPrecision) -> st
     return None
 
 
+def micro_batches_per_update(step: Any) -> int:
+    """The micro-batches of one optimizer update of ``step`` (a Step): ``accumulate``'s ``n``,
+    else a ``deepspeed()`` config's ``gradient_accumulation_steps``, else 1. The one rule the
+    step functions, ``count_updates`` and ``af.plan`` count windows by."""
+    accumulate, ds = step.find(Accumulate), step.find(DeepSpeed)
+    if accumulate is not None:
+        return int(accumulate.num_micro_batches)
+    if ds is not None and ds.num_micro_batches is not None:
+        return ds.num_micro_batches
+    return 1
+
+
 def deepspeed(config: Mapping[str, Any] | str | os.PathLike[str]) -> DeepSpeed:
     """Interprets the model phase with a DeepSpeed engine built from ``config``.
 

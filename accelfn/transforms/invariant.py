@@ -245,6 +245,18 @@ def push(nodes: tuple[Node, ...], node: Node, origin: int = 0) -> tuple[Node, ..
     return tuple(stack)
 
 
+def stack_sizes(*, rank: int, world_size: int, num_micro_batches: int) -> list[int]:
+    """The subtrees the window's stack holds after each of ``rank``'s micro-batches of an
+    update (``push``'s binary counter over its block), for ``af.plan``'s partial-sum bytes."""
+    nodes: tuple[Node, ...] = ()
+    sizes = []
+    for position in range(num_micro_batches):
+        index = global_index(position, rank=rank, world_size=world_size, num_micro_batches=num_micro_batches)
+        nodes = push(nodes, Node(index, 0, torch.empty(0), torch.empty(0)))
+        sizes.append(len(nodes))
+    return sizes
+
+
 def fold(nodes: Sequence[Node]) -> Node:
     """The stack's sum, folded from its top: ``T_0 + (T_1 + (... + T_m))``."""
     top = nodes[-1]

@@ -21,13 +21,12 @@ References:
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from accelfn.errors import TransformError, check_int, wrong_type
-from accelfn.step import Phase, TransformBase
+from accelfn.errors import check_int, wrong_type
+from accelfn.step import Phase, TransformBase, check_loss_form
 from accelfn.transforms.compile import Compile
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
@@ -85,6 +84,9 @@ class Pipeline(TransformBase):
     verb: ClassVar[str] = "pipeline"
     couples_ranks: ClassVar[bool] = True
     reduces_gradients: ClassVar[bool] = True
+    loss_on_output: ClassVar[str | None] = (
+        "computes the loss on the last stage, which holds only the end of the model, from that stage's output "
+        "and the micro-batch's targets")
 
     split_points: tuple[str, ...] = attrs.field(converter=_split_points)
     size: int = attrs.field(validator=_size)
@@ -110,8 +112,9 @@ class Pipeline(TransformBase):
         return len(self.split_points) + 1
 
     def __call__(self, step: Step) -> Step:
-        _check_loss_fn(step)
-        return super().__call__(step)
+        cut = super().__call__(step)
+        check_loss_form(cut)  # the (output, targets) form, said with af.output_loss: refused now if not
+        return cut
 
     def conflicts_with(self, other: TransformBase) -> str | None:
         refused = {
@@ -131,22 +134,6 @@ class Pipeline(TransformBase):
         return None
 
 
-def _check_loss_fn(step: object) -> None:
-    """Raises TransformError if the step's loss_fn is spelled ``loss_fn(model, batch)``."""
-    fn = getattr(step, "loss_fn", None)
-    try:
-        names = list(inspect.signature(fn).parameters) if fn is not None else []
-    except (TypeError, ValueError):  # a builtin or C callable: checked at the first call instead
-        return
-    if names and names[0] == "model":
-        raise TransformError(
-            "pipeline(): the loss is computed on the last stage, which holds only the end of the model, so "
-            "the step's loss function is loss_fn(output, targets) -> a scalar mean loss: output is the last "
-            "stage's output for a micro-batch, targets the batch's targets (batches are (inputs, targets)); "
-            f"this loss_fn takes {names!r}. Write it as, e.g., "
-            "lambda output, targets: F.cross_entropy(output.flatten(0, 1), targets.flatten())")
-
-
 def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, schedule: str = "1f1b") -> Pipeline:
     """Pipeline parallelism (``torch.distributed.pipelining``): the model cut into stages.
 
@@ -159,12 +146,14 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
     ``size``). Parameter names stay the model's (``blocks.2.mlp.0.weight`` on the stage that
     holds it), so checkpoints and exports are the unsharded model's.
 
-    The step's loss function has another form under ``pipeline``: ``loss_fn(output,
-    targets) -> loss``, a scalar *mean* loss over the micro-batch (a tensor), where
+    The step's loss has another form under ``pipeline``, said with ``af.output_loss``:
+    ``af.train_step(af.output_loss(fn))`` with ``fn(output, targets) -> loss``, a scalar
+    *mean* loss over the micro-batch (a tensor), ``(loss, metrics)`` or an ``af.Loss``, where
     ``output`` is the last stage's output and ``targets`` the micro-batch's targets; every
     batch is a pair ``(inputs, targets)`` of tensors (or ``inputs`` a tuple of tensors, the
-    model's positional arguments), batch first. ``af.Loss`` and metrics are not supported
-    yet. ``accumulate(n)`` gives the schedule ``n`` micro-batches per update, and the update
+    model's positional arguments), batch first. A plain ``loss_fn`` (which accelfn calls as
+    ``loss_fn(model, batch)`` everywhere else) is refused when ``pipeline`` is applied.
+    ``accumulate(n)`` gives the schedule ``n`` micro-batches per update, and the update
     equals one of the window's batches joined (each micro-batch's loss weighted by its share
     of the window's samples); the logged ``loss`` is the window's mean, sent from the last
     stage to every rank. ``clip`` takes the exact norm over every stage's gradients.
@@ -198,8 +187,9 @@ def pipeline(split_points: str | list[str] | tuple[str, ...], *, size: int, sche
         TypeError: ``split_points`` not a list of names; ``size`` not an int.
         ValueError: no split point, a repeated one, ``size`` < 2, an unknown schedule, a
             number of stages the schedule cannot place on ``size`` ranks.
-        TransformError: applied to a step whose ``loss_fn`` takes ``model`` first (the
-            ``(model, batch)`` form), or composed with a refused transform.
+        TransformError: applied to a step whose loss is not an ``af.output_loss(fn)`` (a
+            plain ``loss_fn``, called ``loss_fn(model, batch)``), or composed with a refused
+            transform.
 
     Example:
         >>> import accelfn as af

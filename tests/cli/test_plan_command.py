@@ -54,3 +54,21 @@ def test_plan_of_a_script_with_its_own_loop_refuses_and_trains_nothing(tmp_path)
     assert "calls backend.prepare(step, state) and trains in a loop of its own" in result.stdout
     assert "af.plan(step, state, data, world_size=2)" in result.stdout
     assert "epoch 0" not in result.stdout and not (tmp_path / "gan").exists()
+
+
+def test_the_planned_script_sees_the_planned_world(tmp_path):
+    """Under `accelfn plan --nproc-per-node 2` the script's backend has world_size 2, so docs/14's
+    check.py (``accumulate(8 // backend.world_size)`` under invariant(): 256 samples in blocks of
+    2 x 4 micro-batches of 4) is planned at the 8 updates the 2-process launch applies, not 4."""
+    import re
+
+    from tests.docs.test_docs import blocks
+
+    page = _launch.ROOT / "docs" / "14-invariant.md"
+    [check] = [b.code for b in blocks(page) if b.option("file") == "check.py"]
+    (tmp_path / "check.py").write_text(check)
+    result = _launch.run("plan", "--nproc-per-node", "2", tmp_path / "check.py", tmp_path / "two.json",
+                         cwd=tmp_path, timeout_s=300)
+    assert re.search(r"^plan: 2 processes, cpu backend, fp32; 8 optimizer updates$", result.stdout, re.MULTILINE), \
+        result.stdout
+    assert not (tmp_path / "two.json").exists()

@@ -6,6 +6,7 @@ are tests/workers/meta_checks.py's.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -81,6 +82,73 @@ def test_a_meta_model_without_sharding_or_an_initializer_is_refused_by_name() ->
     with pytest.raises(ValueError, match=r"<root> \(Scaled\) hold parameters"):
         af.backends.CPU().prepare(af.shard_params()(step), state)
     assert odd.scale.is_meta
+
+
+def test_a_meta_built_transformers_llama_materializes_with_its_own_init_and_loads_save_pretrained(
+        pool: Pools, tmp_path) -> None:
+    """A tied transformers Llama built on meta and prepared under shard_params() or
+    tensor_parallel("auto", size=2) on 2 processes materializes with its own init (no module needs
+    a reset_parameters): the rotary inv_freq buffers recomputed (equal to a CPU build's), the
+    RMSNorm weights ones, the linear and embedding weights drawn with std initializer_range (0.02),
+    the tie kept; af.load_model then reads what save_pretrained wrote as several shards and an
+    index (lm_head.weight and the rotary buffers in no file) and the logits equal the saved
+    model's (1e-5)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(M.llama_config())
+    saved.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    tokens = torch.randint(0, 64, M.TOKENS, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = saved(input_ids=tokens).logits
+    results = pool.call(*LAUNCH, function="meta_checks:llama", out=str(tmp_path), weights=str(tmp_path / "hf"),
+                        timeout_s=400)
+    for rank in range(2):
+        logits = load_file(tmp_path / f"llama_rank{rank}.safetensors")
+        for layout in ("fsdp", "tp"):
+            record = results[rank][layout]
+            assert record["on_meta"] is False and record["tied"] is True
+            assert record["inv_freq"] == saved.model.rotary_emb.inv_freq.tolist()
+            assert record["original_inv_freq"] == saved.model.rotary_emb.inv_freq.tolist()
+            assert record["norms_are_ones"]
+            assert abs(record["linear_std"] - 0.02) < 0.002 and abs(record["linear_mean"]) < 0.002
+            assert abs(record["embedding_std"] - 0.02) < 0.003
+            torch.testing.assert_close(logits[f"{layout}.logits"], want, rtol=0, atol=1e-5)
+
+
+def test_an_initializer_that_leaves_a_tensor_unset_is_refused_by_name() -> None:
+    """Materializing a meta model whose module's reset_parameters() does not fill a buffer it
+    holds raises ValueError naming the module and the buffer (it was left as uninitialized memory)."""
+
+    class Half(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(3, 3)
+            self.register_buffer("scale", torch.ones(3))  # reset_parameters() does not know it
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), Half())
+    state = af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():  # one process shards nothing, as it says
+        warnings.filterwarnings("ignore", r"\[shard-params-one-process\]", af.PlanWarning)
+        with pytest.raises(ValueError, match=r"the initialization of 1 \(Half\) left scale unset"):
+            af.backends.CPU().prepare(af.shard_params()(af.train_step(lambda m, b: m(b).sum())), state)
+
+
+def test_load_model_reads_a_save_pretrained_directory_without_its_non_persistent_buffers(tmp_path) -> None:
+    """af.load_model reads what save_pretrained wrote (shards and their index; tied lm_head.weight
+    and the rotary embedding's non-persistent inv_freq in no file) into a plain transformers Llama
+    built with another seed: every parameter equals the saved model's, bitwise, and inv_freq is
+    the model's own."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(M.llama_config())
+    saved.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(M.llama_config())
+    af.load_model(af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)), tmp_path / "hf")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.state_dict().items())
+    assert torch.equal(model.model.rotary_emb.inv_freq, saved.model.rotary_emb.inv_freq)
 
 
 def test_load_model_is_strict_about_names_and_shapes(tmp_path) -> None:

@@ -8,6 +8,7 @@ with ``accumulate(4)`` and ``clip(1.0)``; the tests compare its parts with the l
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import accelfn as af
+from accelfn.distributed.pipeline import cut
 from tests.helpers import pipeline as H
 from tests.helpers.pool import Pools
 from tests.helpers.tracking import Recorder
@@ -108,15 +110,104 @@ def test_pipeline_equals_a_hand_written_one_process_loop(pool: Pools, tmp_path: 
 
 
 def test_pipeline_refuses_what_it_does_not_support() -> None:
-    """Compose-time errors: the (model, batch) loss form, and the transforms pipeline() does not take."""
-    with pytest.raises(af.errors.TransformError, match="loss_fn\\(output, targets\\)"):
-        af.pipeline(H.SPLIT, size=2)(af.train_step(lambda model, batch: model(batch).sum()))
-    step = af.train_step(H.loss)
+    """Compose-time errors: the transforms pipeline() does not take, a number of stages its schedule cannot place."""
+    step = af.train_step(af.output_loss(H.loss))
     for other in (af.tensor_parallel({"blocks.0": "colwise"}, size=2), af.shard_params(), af.invariant()):
         with pytest.raises(af.errors.TransformError, match="pipeline"):
             af.compose(af.pipeline(H.SPLIT, size=2), other)(step)
     with pytest.raises(ValueError, match="3 stages on 2 ranks"):
         af.pipeline(["blocks.1", "blocks.2"], size=2)
+
+
+@pytest.mark.parametrize("loss_fn", [lambda m, b: H.loss(m(b[0]), b[1]),  # issue 37's case: passed, then failed
+                                     lambda model, batch: model(batch).sum(),  # inside the schedule on one rank
+                                     H.loss])  # named (output, targets), but not said so: never guessed
+def test_pipeline_refuses_a_loss_not_spelled_output_loss_when_applied(loss_fn: Any) -> None:
+    """pipeline() applied to a step whose loss is a plain callable (called loss_fn(model, batch)
+    everywhere else), whatever its parameters are named, raises a TransformError naming
+    af.output_loss; af.output_loss(fn) is taken, and a non-callable given to it is refused."""
+    with pytest.raises(af.errors.TransformError, match=r"af\.train_step\(af\.output_loss\(fn\)\) with fn\(output, "
+                                                       r"targets\)"):
+        af.pipeline(H.SPLIT, size=2)(af.train_step(loss_fn))
+    step = af.pipeline(H.SPLIT, size=2)(af.train_step(af.output_loss(loss_fn)))
+    assert step.loss_fn == af.OutputLoss(loss_fn) and af.output_loss(step.loss_fn) is step.loss_fn
+    with pytest.raises(TypeError, match=r"output_loss\(fn\) needs a callable"):
+        af.output_loss("mse")  # type: ignore[arg-type]
+
+
+def test_an_output_loss_without_pipeline_is_refused_before_anything_changes() -> None:
+    """af.output_loss(fn) in a program without pipeline() (which would call it as fn(model, batch))
+    is refused by prepare, af.run and af.plan with a TransformError naming the fix, before the
+    model is placed or the state gets a transform's entry."""
+    step = af.compose(af.shard_data(), af.accumulate(2))(af.train_step(af.output_loss(H.loss)))
+    state = H.make_state()
+    params = [p.detach().clone() for p in state.model.parameters()]
+    for attempt in (lambda: af.backends.CPU().prepare(step, state),
+                    lambda: af.run(step, state, H.loader(), backend=af.backends.CPU(), progress=False),
+                    lambda: af.plan(step, state, H.loader(), world_size=2)):
+        with pytest.raises(af.errors.TransformError, match=r"af\.output_loss\(fn\).*this program has none.*"
+                                                           r"loss_fn\(model, batch\)"):
+            attempt()
+    assert state.step == 0 and not state.transforms_state
+    assert all(torch.equal(a, b) for a, b in zip(params, state.model.parameters()))
+
+
+class _TiedLM(torch.nn.Module):
+    """A traceable LM whose output layer is its embedding (tied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+
+
+@pytest.mark.parametrize(("model", "split_points", "size", "error"), [
+    (H.Net, ["blocks.7"], 2, r"Net has no module 'blocks\.7' \(it has 'blocks\.0', 'blocks\.1', 'blocks\.2', "
+                              r"'blocks\.3'\)"),
+    (H.Net, ["block.2"], 2, r"no module 'block\.2' \(it has 'blocks\.2', "),
+    (H.Net, ["inp"], 2, r"\['inp'\]\): stage 0 would be empty: the model runs nothing before 'inp', the first module"),
+    (H.Net, ["blocks.3", "blocks.1", "blocks.2"], 2, r"the forward uses 'blocks\.1' before 'blocks\.3'; list the split "
+                                                     r"points in the order the forward runs them"),
+    (_TiedLM, ["blocks.2"], 2, r"the parameter 'head\.weight' is used by stages 0 and 1 \(a weight tied across stages"),
+    (_gpt2, ["transformer.h.1"], 2, r"cannot trace GPT2LMHeadModel .*a transformers model's forward takes keyword "
+                                    r"arguments.*tied weights \(lm_head\.weight = transformer\.wte\.weight\)"),
+], ids=["no-such-index", "no-such-name", "first-module", "out-of-order", "tied", "hf-gpt2"])
+def test_split_points_a_model_cannot_be_cut_at_are_refused_by_name(model: Any, split_points: list[str], size: int,
+                                                                   error: str) -> None:
+    """The cut of pipeline(), which prepare checks on every rank before anything changes, refuses
+    by name (ValueError): a split point that is no module (the modules it may have meant listed),
+    one at the first module the forward runs (an empty first stage), split points out of the
+    forward's order, a weight tied across stages, and a transformers GPT-2 (untraceable, tied)."""
+    schedule = "interleaved_1f1b" if len(split_points) + 1 > size else "gpipe"
+    with pytest.raises(ValueError, match=error):
+        cut(model(), af.pipeline(split_points, size=size, schedule=schedule))
+
+
+def test_split_points_that_cannot_cut_the_model_are_refused_on_every_rank_before_any_update(pool: Pools) -> None:
+    """On 2 processes, af.run of a pipeline whose split point is no module, is the first module
+    the forward runs (an empty stage: it trained before), or comes out of the forward's order
+    raises ValueError naming it on both ranks, within the scenario's time, no update applied."""
+    expected = {"nosuch": r"Net has no module 'blocks\.7'", "first": r"stage 0 would be empty",
+                "order": r"the forward uses 'blocks\.1' before 'blocks\.3'"}
+    for result in pool.call(*_launch(2), function="pp_checks:misuse", timeout_s=120):
+        for variant, pattern in expected.items():
+            raised = result[variant]["raised"]
+            assert raised is not None and raised.startswith("ValueError: pipeline(split_points="), raised
+            assert re.search(pattern, raised) and result[variant]["updates"] == 0
 
 
 def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ single-process loop computed here.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -257,6 +258,93 @@ def test_auto_takes_a_transformers_models_own_plan(pool: Pools) -> None:
                                       "3.weight": [8], "3.bias": [8]}
         assert result["fn_meshes"] == [[1, 2, ["tensor"]]] and result["fn_local"] == [8, 8]
         assert result["fn_diff"] < 1e-5
+
+
+def test_auto_keeps_tied_weights_tied_and_equals_a_one_process_loop(pool: Pools, tmp_path: Any) -> None:
+    """tensor_parallel("auto", size=2) with clip(1.0) on a transformers Llama whose embeddings are
+    tied (its plan splits the embedding's and lm_head's vocabulary rows alike), and on an LM whose
+    own plan leaves its tied embedding out ("auto" splits it as its output layer), ends after 6
+    SGD-momentum updates equal (1e-5) to a 1-process loop under every parameter name: the tie
+    is kept (one parameter, each rank half of its rows, in the optimizer once, so lm_head trains),
+    and the export loads into a fresh model with the trained values."""
+    pytest.importorskip("transformers")
+    results = pool.call(*LAUNCH, function="tp_checks:tied", out=str(tmp_path), timeout_s=300)
+    tied = {"llama": ["model.embed_tokens.weight", "lm_head.weight"], "lm": ["emb.weight", "head.weight"]}
+    for kind in ("llama", "lm"):
+        initial = dict(T.tied_model(kind).named_parameters(remove_duplicate=False))
+        reference = {n: p.detach() for n, p in T.tied_hand_written(kind).named_parameters(remove_duplicate=False)}
+        assert not torch.equal(initial[tied[kind][1]], reference[tied[kind][1]])  # the output layer trained
+        for rank in range(2):
+            record = results[rank][kind]
+            assert record["step"] == T.TIED_UPDATES and record["tied"] == tied[kind]
+            assert record["optimizer_holds_each_parameter_once"]
+            assert record["tied_local"] == [32, record["tied_full"][1]] and record["tied_full"][0] == 64
+            got = _part(load_file(tmp_path / f"tied-rank{rank}.safetensors"), f"{kind}.")
+            assert got.keys() == reference.keys()
+            for name, value in reference.items():
+                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"{kind} rank {rank} {name}")
+        fresh = T.tied_model(kind)
+        fresh.load_state_dict(load_file(tmp_path / f"export-{kind}" / "model.safetensors"), strict=False)
+        params = dict(fresh.named_parameters(remove_duplicate=False))
+        assert params[tied[kind][0]] is params[tied[kind][1]]
+        for name, value in reference.items():
+            torch.testing.assert_close(params[name].detach(), value, rtol=0, atol=1e-5)
+
+
+def test_plans_that_leave_a_split_activation_where_a_whole_one_is_meant_are_refused_on_every_rank(
+        pool: Pools) -> None:
+    """On 2 ranks, af.run of a plan whose layouts do not fit raises ValueError on both ranks, naming
+    the module and its style, before any update and with every parameter as it was: a 'rowwise'
+    layer given a whole input (the styles swapped), a 'colwise' one given a split input, a loss
+    computed from a split model output (the head 'colwise', which trained each rank on its half of
+    the outputs); and a plan function that splits one name of a tied weight only."""
+    expected = {
+        "swapped": r"'blocks\.0\.up' is 'rowwise', which takes its input split along the last dimension over the 2 "
+                   r"ranks .*but its input is whole",
+        "head": r"the loss is computed from a model output that is split over the 2 ranks .*comes from 'head' "
+                r"\('colwise'\).*ColwiseParallel\(output_layouts=Replicate\(\)\)",
+        "unsplit_into_colwise": r"'blocks\.0\.down' is 'colwise', which takes its whole input, but its input is split "
+                                r"over the 2 ranks, computed from the output of 'blocks\.0\.up' \('colwise'\)",
+    }
+    for result in pool.call(*LAUNCH, function="tp_checks:misuse", timeout_s=200):
+        for variant, pattern in expected.items():
+            record = result[variant]
+            assert record["raised"] is not None and record["raised"].startswith("ValueError: tensor_parallel(plan=...)")
+            assert re.search(pattern, record["raised"]), record["raised"]
+            assert record["updates"] == 0 and record["changed"] == []
+        assert re.search(r"split the tied weight emb\.weight = head\.weight two ways", result["tied_function"]["raised"])
+
+
+def test_styles_on_modules_they_cannot_split_and_tied_weights_split_two_ways_are_refused_before_any_change() -> None:
+    """prepare() refuses, naming the pattern, the modules and the fix, with the model as it was: a
+    'colwise' wildcard that matches containers (the layers inside suggested), a plan that splits
+    GPT-2's Conv1D layers (why it cannot be split), and a dict plan that splits one name of a
+    tied weight ('head') and leaves the other ('emb') whole."""
+    blocks = T.Blocks()
+    state = af.TrainState.create(blocks, torch.optim.SGD(blocks.parameters(), lr=0.1))
+    before = list(state.model.parameters())
+    with pytest.raises(ValueError, match=r"'blocks\.\*' is 'colwise' and matches 'blocks\.0' \(ModuleDict\), "
+                                         r"'blocks\.1' \(ModuleDict\); torch's ColwiseParallel splits nn\.Linear and "
+                                         r"nn\.Embedding layers only; name the layers inside it, e\.g\. 'blocks\.\*\.up', "
+                                         r"'blocks\.\*\.down'"):
+        af.backends.CPU().prepare(af.tensor_parallel({"blocks.*": "colwise"}, size=1)(af.train_step(P.mse)), state)
+    assert list(state.model.parameters()) == before and not any(hasattr(p, "to_local") for p in before)
+    tied = T.TiedLM()
+    state = af.TrainState.create(tied, torch.optim.SGD(tied.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"'emb\.weight' and 'head\.weight' are one tied weight, and the plan splits "
+                                         r"it two ways: 'emb\.weight' \(left whole\), 'head\.weight' \('colwise'\)"):
+        af.backends.CPU().prepare(af.tensor_parallel({"head": "colwise"}, size=1)(af.train_step(P.mse)), state)
+    assert tied.head.weight is tied.emb.weight and not hasattr(tied.emb.weight, "to_local")
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
+                                                                n_positions=16))
+    state = af.TrainState.create(gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"'transformer\.h\.\*\.mlp\.c_fc' is 'colwise' and matches "
+                                         r"'transformer\.h\.0\.mlp\.c_fc' \(Conv1D\).*transformers' Conv1D \(GPT-2's "
+                                         r"layers\) holds its weight transposed.*no tensor-parallel plan for Conv1D"):
+        af.backends.CPU().prepare(af.tensor_parallel({"transformer.h.*.mlp.c_fc": "colwise",
+                                                      "transformer.h.*.mlp.c_proj": "rowwise"}, size=1)(
+            af.train_step(P.mse)), state)
 
 
 def test_auto_refuses_a_style_it_does_not_map_by_name() -> None:

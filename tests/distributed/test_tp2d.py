@@ -33,6 +33,16 @@ def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tens
     return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def test_correct_2d_runs_give_no_warning(run: dict[str, Any]) -> None:
+    """The byte LM's runs and a tied transformers Llama's (tensor_parallel("auto") with
+    shard_params(), 2 updates) on the (data 2, tensor 2) mesh give no warning on any rank (FSDP2
+    warned that the Llama's output, a view that tensor parallelism's to_local made, could give
+    wrong gradients)."""
+    for rank in range(WORLD):
+        assert run["json"][rank]["llama_step"] == 2
+        assert run["json"][rank]["warnings"] == [], run["json"][rank]["warnings"]
+
+
 def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_split_matrix(run: dict[str, Any]) -> None:
     """On a (data 2, tensor 2) mesh with accumulate(2) + clip(0.3) the gathered parameters and
     logged grad norms equal a 1-process loop over windows of 16 samples (1e-5) on every rank;

@@ -192,6 +192,12 @@ def shard_data_alone() -> Case:
     return _step(af.shard_data()), _state(), DataLoader(_data(), batch_size=4), {}, 2
 
 
+def meta_model() -> Case:  # neither shard_params nor tensor_parallel: prepare would not fill it
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 2)
+    return _step(af.shard_data()), _state(model), DataLoader(_data(), batch_size=4), {}, 1
+
+
 #: code -> (builder, error?)
 CATALOGUE: dict[str, tuple[Callable[[], Case], bool]] = {
     "scheduler-too-short": (scheduler_too_short, True),
@@ -218,6 +224,7 @@ CATALOGUE: dict[str, tuple[Callable[[], Case], bool]] = {
     "padding-large": (padding_large, False),
     "replicate-without-shard-data": (replicate_without_shard_data, False),
     "shard-data-alone": (shard_data_alone, False),
+    "meta-model": (meta_model, False),
 }
 #: the codes run itself cannot see: they need the traced micro-batch or the device's memory
 PLAN_ONLY = {"unused-parameters", "exceeds-device-memory"}

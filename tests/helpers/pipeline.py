@@ -65,7 +65,7 @@ def loader() -> DataLoader:
 
 
 def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The pipelined form: the last stage's output and the targets."""
+    """The pipelined form (``af.output_loss``): the last stage's output and the targets."""
     return F.mse_loss(output, targets)
 
 
@@ -73,7 +73,7 @@ def step(schedule: str, data_world: int) -> Any:
     parallel = [af.replicate()] if data_world > 1 else []
     split = SPLIT_INTERLEAVED if schedule == "interleaved_1f1b" else SPLIT
     return af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(split, size=2, schedule=schedule), *parallel,
-                      af.accumulate(ACCUMULATE), af.clip(CLIP))(af.train_step(loss))
+                      af.accumulate(ACCUMULATE), af.clip(CLIP))(af.train_step(af.output_loss(loss)))
 
 
 def hand_written(*, data_world: int = 1, epochs: int = EPOCHS,

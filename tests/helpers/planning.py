@@ -322,3 +322,97 @@ def example_case(name: str) -> tuple[torch.nn.Module, Any, DataLoader, str]:
     module = _example("hf_gpt2")
     items = [{"input_ids": (ids := torch.randint(0, 256, (64,))), "labels": ids} for _ in range(16)]
     return module.gpt2(64), module.loss_fn, DataLoader(_Items(items), batch_size=8), "fp32"
+
+
+# -- one program per parallelism: the plan made in one process against the real run ------------
+
+class Wide(torch.nn.Module):
+    """A layer split column-wise and one row-wise under tensor parallelism (rows 9: uneven on 2 and 4 ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(3, 18)
+        self.down = torch.nn.Linear(18, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class Deep(torch.nn.Module):
+    """A residual stack a pipeline cuts before ``blocks.1`` (a buffer, as a BatchNorm's, with stage 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 6)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+        self.out = torch.nn.Linear(6, 1)
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.shift
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def _mse(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def _output_mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, targets)
+
+
+#: pipeline()'s loss form: from the last stage's output and the micro-batch's targets
+_stage_mse = af.output_loss(_output_mse)
+
+
+#: name -> (processes, transforms, model, loss): one row per parallelism of docs/13's table
+PARALLEL: dict[str, tuple[int, Any, type[torch.nn.Module], Any]] = {
+    "tensor_parallel-2": (2, lambda: [af.tensor_parallel({"up": "colwise", "down": "rowwise"}, size=2), af.clip(1.0),
+                                      af.accumulate(2)], Wide, _mse),
+    "tensor_parallel-4": (4, lambda: [af.tensor_parallel({"up": "colwise", "down": "rowwise"}, size=2),
+                                      af.accumulate(2), af.with_precision("bf16")], Wide, _mse),
+    "fsdp-x-tp-2x2": (4, lambda: [af.shard_params(), af.tensor_parallel({"up": "colwise", "down": "rowwise"}, size=2),
+                                  af.clip(1.0), af.accumulate(2)], Wide, _mse),
+    "pipeline-2": (2, lambda: [af.pipeline(["blocks.1"], size=2), af.accumulate(2), af.clip(1.0)], Deep, _stage_mse),
+    "pipeline-4": (4, lambda: [af.pipeline(["blocks.1"], size=2, schedule="gpipe"), af.accumulate(2)], Deep,
+                   _stage_mse),
+    "pipeline-x-replicate": (4, lambda: [af.pipeline(["blocks.1"], size=2), af.replicate(), af.accumulate(2),
+                                         af.clip(1.0)], Deep, _stage_mse),
+    "invariant-2": (2, lambda: [af.invariant(), af.replicate(), af.accumulate(2), af.clip(1.0)], Wide, _mse),
+    "replicate-fp16-hook": (2, lambda: [af.replicate(comm_hook=_fp16_hook())], Wide, _mse),
+    "zero-1": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 1}}), af.accumulate(2), af.clip(1.0)],
+               Wide, _mse),
+    "zero-2": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 2}}), af.accumulate(2),
+                           af.with_precision("bf16")], Wide, _mse),
+    "zero-3": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 3}}), af.clip(1.0)], Wide, _mse),
+    "zero-0": (2, lambda: [af.deepspeed({"zero_optimization": {"stage": 0}}), af.clip(1.0)], Wide, _mse),
+    "zero-3-offload": (2, lambda: [af.deepspeed({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"}}}), af.accumulate(2)], Wide, _mse),
+}
+#: the rows that need DeepSpeed
+DEEPSPEED_ROWS = ("zero-1", "zero-2", "zero-3", "zero-0", "zero-3-offload")
+PARALLEL_EPOCHS = 2
+
+
+def _fp16_hook() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.fp16_compress_hook
+
+
+def parallel_program(name: str) -> tuple[af.Step, af.TrainState, DataLoader]:
+    """Row ``name`` of :data:`PARALLEL`: its program, a fresh state (AdamW, a constant LambdaLR
+    that counts the scheduler's steps) and its DataLoader (62 samples of 4: a last batch of 2)."""
+    _, transforms, model_type, loss = PARALLEL[name]
+    torch.manual_seed(0)
+    model = model_type()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = af.TrainState.create(model, optimizer,
+                                 scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+    step = af.compose(af.shard_data(), *transforms())(af.train_step(loss))
+    g = torch.Generator().manual_seed(5)
+    data = TensorDataset(torch.randn(62, 3, generator=g), torch.randn(62, 1, generator=g))
+    return step, state, DataLoader(data, batch_size=4, shuffle=True)

@@ -146,3 +146,92 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer gathered whole, on the CPU (tied weights under each name)."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
             for k, v in model.state_dict(keep_vars=False).items()}
+
+
+# -- tied weights under "auto" (tp_checks.tied) --------------------------------------------
+
+TIED_UPDATES = 6  # 48 sequences in batches of 8, one epoch
+TIED_LR = 0.5
+
+
+class TiedLM(torch.nn.Module):
+    """A small LM whose output layer is its embedding (tied), with a transformers-style own plan
+    that names the output layer and the MLPs but not the embedding ("auto" must split it alike)."""
+
+    _tp_plan = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "colwise_gather_output"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"up": torch.nn.Linear(16, 32),
+                                                               "down": torch.nn.Linear(32, 16)}) for _ in range(2))
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block["down"](torch.tanh(block["up"](h)))
+        return self.head(h)
+
+
+def tied_model(kind: str) -> torch.nn.Module:
+    """``"llama"``: a tiny transformers Llama with tie_word_embeddings=True; ``"lm"``: TiedLM."""
+    torch.manual_seed(0)
+    if kind == "lm":
+        return TiedLM()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+
+
+def tied_loader() -> DataLoader:
+    tokens = torch.randint(0, 64, (TIED_UPDATES * 8, 16), generator=torch.Generator().manual_seed(1))
+    return DataLoader(TensorDataset(tokens), batch_size=8, shuffle=False)
+
+
+def tied_loss(kind: str) -> Any:
+    if kind == "llama":
+        return lambda model, batch: model(input_ids=batch[0], labels=batch[0]).loss
+    return lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0][:, :-1]).flatten(0, 1),
+                                                                   batch[0][:, 1:].flatten())
+
+
+def tied_hand_written(kind: str) -> torch.nn.Module:
+    """One process, no accelfn: SGD with momentum over the batches in order, clip_grad_norm_(1.0)."""
+    model = tied_model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=TIED_LR, momentum=0.9)
+    for batch in tied_loader():
+        tied_loss(kind)(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+# -- plans users get wrong (tp_checks.misuse; the e21 field case) -----------------------------
+
+
+class Blocks(torch.nn.Module):
+    """Two residual MLP blocks, a LayerNorm and a head of two scores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"up": torch.nn.Linear(16, 64),
+                                                               "down": torch.nn.Linear(64, 16)}) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block["down"](torch.tanh(block["up"](x)))
+        return self.head(self.norm(x))
+
+
+MISUSED_PLANS = {
+    "swapped": {"blocks.*.up": "rowwise", "blocks.*.down": "colwise"},
+    "head": {"blocks.*.up": "colwise", "blocks.*.down": "rowwise", "head": "colwise"},
+    "unsplit_into_colwise": {"blocks.*.up": "colwise", "blocks.*.down": "colwise"},
+}

@@ -6,6 +6,7 @@ as prepare's NotImplementedError), a ``PlanWarning`` raised as an error under a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import accelfn as af
 from tests.helpers import bad_programs as B
@@ -54,6 +55,18 @@ def test_plan_error_lists_every_error_and_plan_false_skips_the_check(cpu):
     with pytest.raises(ValueError, match="Tried to step 3 times"):
         af.run(step, state, B.DataLoader(B._data(), batch_size=4), backend=cpu, progress=False, plan=False)
     assert B.CALLS[0] == 3
+
+
+def test_a_meta_model_the_program_shards_or_splits_is_no_problem() -> None:
+    """A model built on the meta device is a warning of the plan only where prepare would not fill
+    it: under shard_params() or tensor_parallel(...) (prepare fills each rank's part) the plan,
+    and af.run's check, have no meta-model problem (docs/11's tp.py printed one)."""
+    for parallel in (af.shard_params(), af.tensor_parallel({"0": "colwise", "2": "rowwise"}, size=2)):
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        plan = af.plan(B._step(af.shard_data(), parallel), B._state(model), B.DataLoader(B._data(), batch_size=4),
+                       world_size=2)
+        assert "meta-model" not in {p.code for p in plan.problems}, plan.problems
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 
 import accelfn as af
 from accelfn.checkpoint._codec import Encoder, decode
-from accelfn.data.blocks import block_indices
+from accelfn.data.blocks import block_indices, block_loader
 from accelfn.distributed.canonical import blocks
 from accelfn.transforms.invariant import Layout, Node, TreeWindow, fold, push
 from tests.helpers import launch as _launch
@@ -107,7 +107,7 @@ VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "cli
 @VARIANTS
 def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
     """Under invariant() the whole state after each of 104 updates (SGD with a loss_fn drawing
-    from Python's random and NumPy, or AdamW with a
+    from Python's random and NumPy and a dataset augmenting in __getitem__ without workers, or AdamW with a
     scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
     clip_value with skip_nonfinite; AdamW and clip(0.5) under shard_params(), the state
     compared whole) and the logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
@@ -279,6 +279,45 @@ def test_blocks_are_the_same_micro_batches_on_every_world_size() -> None:
                                seed=3, epoch=1) for r in range(w)]
         assert [k for k, _ in ranks[1]][:8 // w] == list(range(8 // w, 2 * (8 // w)))
         assert sorted(pair for rank in ranks for pair in rank) == whole
+
+
+def _noisy_collate(samples: list[Any]) -> Any:
+    """default_collate, then a draw of torch's global generator added (a random collate)."""
+    x, y, w = torch.utils.data.default_collate(samples)
+    return x + torch.rand(()), y, w
+
+
+def test_block_draws_are_keyed_by_the_global_micro_batch_with_and_without_workers() -> None:
+    """Under invariant(), global micro-batch k fetched by rank r of W (1, 2 or 4; accumulate(8 // W))
+    holds the same augmented values (torch, random and NumPy draws in __getitem__, a torch draw
+    in the collate function) whatever W and the global generators' state, without DataLoader
+    workers (the default) and with one, and the same in both; without workers, the fetch leaves
+    the main process's generators as they were."""
+    keyed = []
+    for workers in (0, 1):
+        loader = torch.utils.data.DataLoader(worker.Augmented(40), batch_size=2, shuffle=True,
+                                             num_workers=workers, collate_fn=_noisy_collate)
+        by_world: dict[int, dict[int, Any]] = {}
+        for w in (1, 2, 4):
+            got: dict[int, Any] = {}
+            for r in range(w):
+                torch.manual_seed(100 + 10 * w + r)  # each topology and rank at another place of its streams
+                before = torch.get_rng_state()
+                pairs = block_indices(40, batch_size=2, rank=r, world_size=w, num_micro_batches=8 // w,
+                                      shuffle=True, seed=3, epoch=1)
+                batches = list(block_loader(loader, seed=3, rank=r, world_size=w, num_micro_batches=8 // w,
+                                            epoch=1, start=0))
+                if workers == 0:
+                    assert torch.equal(torch.get_rng_state(), before)
+                got |= {k: batch for (k, _), batch in zip(pairs, batches)}
+            by_world[w] = got
+        assert sorted(by_world[1]) == list(range(16))
+        for w in (2, 4):
+            assert sorted(by_world[w]) == sorted(by_world[1])
+            for k, (x, y, _) in by_world[1].items():
+                assert torch.equal(by_world[w][k][0], x) and torch.equal(by_world[w][k][1], y)
+        keyed.append(by_world[1])
+    assert all(torch.equal(keyed[0][k][0], keyed[1][k][0]) for k in keyed[0])
 
 
 def test_tree_window_and_layout_round_trip_through_the_codec() -> None:

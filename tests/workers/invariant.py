@@ -49,6 +49,18 @@ class Samples(Dataset):
         return self.x[i], self.y[i], self.w[i]
 
 
+class Augmented(Samples):
+    """``Samples`` with a random augmentation in ``__getitem__`` (torch noise, a flip drawn from
+    Python's ``random``, a scale from NumPy), fetched in the main process (no workers): keyed
+    per global micro-batch under invariant(), as in DataLoader workers."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.x[i] + 0.1 * torch.randn(6)
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x * float(np.random.uniform(0.9, 1.1)), self.y[i], self.w[i]
+
+
 def mean_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     x, y, _ = batch
     return F.cross_entropy(model(x), y)
@@ -102,7 +114,8 @@ def build(variant: str, world_size: int, micro_batches: int = L,
             transforms.append(af.with_precision("bf16"))
         if variant == "clip_value":  # clip_value and skip_nonfinite in place of clip
             transforms[-1:] = [af.clip_value(0.05), af.skip_nonfinite()]
-        loader = DataLoader(Samples(num_samples), batch_size=B, shuffle=True)
+        dataset = Augmented(num_samples) if variant == "sgd" else Samples(num_samples)
+        loader = DataLoader(dataset, batch_size=B, shuffle=True)
     return af.compose(*transforms)(af.train_step(loss_fn)), state, loader, loss_fn
 
 

@@ -90,3 +90,53 @@ def _status_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise LookupError(field)
+
+
+def llama_config() -> Any:
+    """A tiny transformers Llama config with tied input/output embeddings (no download)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=0,
+                       eos_token_id=0, pad_token_id=0)
+
+
+TOKENS = (4, 16)  # the batch whose logits the tests compare, drawn from a generator seeded 3
+
+
+def llama(out: str, weights: str) -> dict[str, Any]:
+    """A tied transformers Llama built on meta, prepared under shard_params() and under
+    tensor_parallel("auto", size=2): its rotary buffers, norm weights and the spread of its
+    linear and embedding weights after prepare (its own init), whether the tie holds; then
+    ``af.load_model`` of ``weights`` (what save_pretrained wrote) and the logits of ``TOKENS``
+    to ``OUT/llama_rank{r}.safetensors`` (``fsdp.logits``, ``tp.logits``)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    backend = af.backends.auto()
+    tokens = torch.randint(0, 64, TOKENS, generator=torch.Generator().manual_seed(3))
+    tensors: dict[str, torch.Tensor] = {}
+    result: dict[str, Any] = {}
+    for name, transform in (("fsdp", af.shard_params()), ("tp", af.tensor_parallel("auto", size=2))):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(llama_config())
+        state = af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        state, _ = backend.prepare(transform(af.train_step(lambda m, b: m(input_ids=b[0], labels=b[0]).loss)), state)
+        full = _full(state.model)
+        buffers = dict(state.model.named_buffers())
+        linear = torch.cat([v.flatten() for k, v in full.items() if k.endswith("proj.weight")])
+        result[name] = {
+            "on_meta": any(t.is_meta for t in [*state.model.parameters(), *state.model.buffers()]),
+            "inv_freq": buffers["model.rotary_emb.inv_freq"].tolist(),
+            "original_inv_freq": buffers["model.rotary_emb.original_inv_freq"].tolist(),
+            "norms_are_ones": all(bool((v == 1).all()) for k, v in full.items() if k.endswith("norm.weight")),
+            "linear_std": float(linear.std()), "linear_mean": float(linear.mean()),
+            "embedding_std": float(full["model.embed_tokens.weight"].std()),
+            "tied": state.model.lm_head.weight is state.model.model.embed_tokens.weight,
+        }
+        af.load_model(state, weights)
+        with torch.no_grad():
+            tensors[f"{name}.logits"] = state.model(input_ids=tokens).logits.detach().clone()
+    save_file(tensors, Path(out) / f"llama_rank{backend.rank}.safetensors")
+    return result

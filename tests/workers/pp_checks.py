@@ -63,7 +63,7 @@ def train(out: str, schedules: list[str]) -> dict[str, Any]:
     recorder = Recorder()  # an af.Loss: ragged item counts, on 4 processes other ones on each replica
     program = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2),
                          *([af.replicate()] if data_world > 1 else []), af.accumulate(H.ACCUMULATE),
-                         af.clip(H.CLIP))(af.train_step(H.items))
+                         af.clip(H.CLIP))(af.train_step(af.output_loss(H.items)))
     state = af.run(program, H.make_state(), H.loader(), backend=backend, epochs=1, progress=False, trackers=[recorder])
     result["items"] = {"losses": [float(p["loss"]) for _, p in recorder.points],
                        "maes": [float(p["mae"]) for _, p in recorder.points]}
@@ -103,7 +103,7 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
         return H.loss(output, targets) * (float("nan") if 5 <= len(calls) <= 8 else 1.0)
 
     skipping = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2), af.accumulate(H.ACCUMULATE),
-                          af.clip(H.CLIP), af.skip_nonfinite())(af.train_step(poisoned))
+                          af.clip(H.CLIP), af.skip_nonfinite())(af.train_step(af.output_loss(poisoned)))
     skipped = af.run(skipping, H.make_state(), H.loader(), backend=backend, epochs=1, progress=False)
     save_file(_tensors(skipped), Path(out) / f"skip-rank{backend.rank}.safetensors")
     logged = {}
@@ -111,7 +111,7 @@ def checkpoints(out: str, stop: int = 7) -> dict[str, Any]:
         recorder = Recorder()
         recorder.every_rank = True  # type: ignore[attr-defined]  # the loop logs to it on every rank
         program = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2),
-                             af.accumulate(H.ACCUMULATE), af.clip(H.CLIP))(af.train_step(loss_fn))
+                             af.accumulate(H.ACCUMULATE), af.clip(H.CLIP))(af.train_step(af.output_loss(loss_fn)))
         trained = af.run(program, H.make_state(), H.loader(), backend=backend, epochs=1, progress=False,
                          trackers=[recorder])
         save_file(_tensors(trained), Path(out) / f"{name}-rank{backend.rank}.safetensors")
@@ -129,10 +129,31 @@ def fp16(out: str) -> dict[str, Any]:
     tensors to ``OUT/fp16-rank{r}.safetensors``, the logged loss scales and grad norms returned."""
     backend = af.backends.auto()
     step = af.compose(af.shard_data(seed=P.SHARD_SEED), af.pipeline(H.SPLIT, size=2), af.accumulate(H.ACCUMULATE),
-                      af.clip(H.CLIP), af.with_precision("fp16"))(af.train_step(H.loss))
+                      af.clip(H.CLIP), af.with_precision("fp16"))(af.train_step(af.output_loss(H.loss)))
     recorder = Recorder()
     state = af.run(step, H.make_state(), H.loader(), backend=backend, epochs=2, progress=False, trackers=[recorder])
     save_file(_tensors(state), Path(out) / f"fp16-rank{backend.rank}.safetensors")
     return {"step": state.step, "scales": [float(p["loss_scale"]) for _, p in recorder.points],
             "skipped": [int(p["skipped"]) for _, p in recorder.points],
             "grad_norms": [float(p["grad_norm"]) for _, p in recorder.points if "grad_norm" in p]}
+
+
+def misuse() -> dict[str, Any]:
+    """af.run of pipelines whose split points cannot cut ``H.Net`` (one that is no module, one at
+    the first module the forward runs, three out of the forward's order under interleaved 1F1B):
+    what each raised on this rank and how many updates it applied."""
+    backend = af.backends.auto()
+    result: dict[str, Any] = {}
+    for variant, split, schedule in (("nosuch", ["blocks.7"], "gpipe"), ("first", ["inp"], "gpipe"),
+                                     ("order", ["blocks.3", "blocks.1", "blocks.2"], "interleaved_1f1b")):
+        updates: list[int] = []
+        step = af.compose(af.shard_data(), af.pipeline(split, size=2, schedule=schedule))(
+            af.train_step(af.output_loss(H.loss)))
+        try:
+            af.run(step, H.make_state(), H.loader(), backend=backend, max_steps=2, progress=False,
+                   hooks=[af.Hook(lambda s, b: updates.append(s.step), every_steps=1)])
+            raised = None
+        except Exception as e:  # noqa: BLE001  # what it raised is the result
+            raised = f"{type(e).__name__}: {e}"
+        result[variant] = {"raised": raised, "updates": len(updates)}
+    return result

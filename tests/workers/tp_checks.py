@@ -273,3 +273,75 @@ def _other_plans(backend: af.backends.Backend) -> dict[str, Any]:
                                                                  sp.model.state_dict().items()},
             "fn_diff": fn_diff, "fn_meshes": [list(m[:2]) + [list(m[2])] for m in meshes],
             "fn_local": list(model[0].weight.to_local().shape)}
+
+
+def tied(out: str) -> dict[str, Any]:
+    """A tiny transformers Llama with tied embeddings and ``T.TiedLM`` (whose own plan leaves its
+    tied embedding out) under ``tensor_parallel("auto", size=2) + clip(1.0)``, 6 SGD-momentum
+    updates each; their gathered parameters (under every name) to ``OUT/tied-rank{r}.safetensors``,
+    af.save_model of each to ``OUT/export-{kind}``; whether the tie was kept returned."""
+    backend = af.backends.auto()
+    tensors: dict[str, torch.Tensor] = {}
+    result: dict[str, Any] = {}
+    for kind in ("llama", "lm"):
+        model = T.tied_model(kind)
+        optimizer = torch.optim.SGD(model.parameters(), lr=T.TIED_LR, momentum=0.9)
+        step = af.compose(af.shard_data(), af.tensor_parallel("auto", size=2), af.clip(T.CLIP))(
+            af.train_step(T.tied_loss(kind)))
+        state = af.run(step, af.TrainState.create(model, optimizer), T.tied_loader(), backend=backend,
+                       progress=False)
+        groups: dict[int, list[str]] = {}
+        for name, p in state.model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+            tensors[f"{kind}.{name}"] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        in_optimizer = [id(p) for g in state.optimizer.param_groups for p in g["params"]]
+        tied_group = next(names for names in groups.values() if len(names) > 1)
+        weight = dict(state.model.named_parameters())[tied_group[0]]
+        result[kind] = {"step": state.step, "tied": tied_group,
+                        "optimizer_holds_each_parameter_once": sorted(in_optimizer) == sorted(groups),
+                        "tied_local": list(weight.to_local().shape), "tied_full": list(weight.shape)}
+        af.save_model(state, Path(out) / f"export-{kind}", backend=backend)
+    save_file(tensors, Path(out) / f"tied-rank{backend.rank}.safetensors")
+    return result
+
+
+def misuse() -> dict[str, Any]:
+    """Each plan of ``T.MISUSED_PLANS`` on ``T.Blocks`` under tensor_parallel(size=2) through
+    af.run (2 updates asked): what it raised on this rank, how many updates it applied, and
+    whether any parameter changed."""
+    backend = af.backends.auto()
+    result: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 16, generator=g)
+    loader = DataLoader(torch.utils.data.TensorDataset(x, x[:, :1]), batch_size=8)
+    for variant, plan in T.MISUSED_PLANS.items():
+        torch.manual_seed(0)
+        model = T.Blocks()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        updates: list[int] = []
+        step = af.compose(af.shard_data(), af.tensor_parallel(plan, size=2))(
+            af.train_step(lambda m, b: torch.nn.functional.mse_loss(m(b[0]).mean(-1, keepdim=True), b[1])))
+        try:
+            af.run(step, af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)), loader,
+                   backend=backend, max_steps=2, progress=False,
+                   hooks=[af.Hook(lambda s, b: updates.append(s.step), every_steps=1)])
+            raised = None
+        except Exception as e:  # noqa: BLE001  # what it raised is the result
+            raised = f"{type(e).__name__}: {e}"
+        after = T.full_state_dict(model)
+        result[variant] = {"raised": raised, "updates": len(updates),
+                           "changed": [k for k, v in before.items() if not torch.equal(after[k], v)]}
+
+    def head_only(model: torch.nn.Module, mesh: Any) -> None:  # a plan function that splits one name of a tie
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(model, mesh, {"head": ColwiseParallel()})
+
+    model = T.TiedLM()
+    try:
+        backend.prepare(af.tensor_parallel(head_only, size=2)(af.train_step(T.tied_loss("lm"))),
+                        af.TrainState.create(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+        result["tied_function"] = {"raised": None}
+    except Exception as e:  # noqa: BLE001  # what it raised is the result
+        result["tied_function"] = {"raised": f"{type(e).__name__}: {e}"}
+    return result

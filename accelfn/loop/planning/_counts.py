@@ -10,7 +10,14 @@ Per rank ``r`` of ``W`` over ``N`` samples (``DistributedSampler``'s rules, DESI
 ``ceil((N - W) / W)`` with ``drop_last`` (``N - W L`` dropped), ``|{r, r+W, ...} ∩ [0, N)|``
 with ``even_batches=False``; the DataLoader cuts ``L_r`` into batches of ``B`` (dropping
 ``L_r mod B`` with its ``drop_last``). Updates from micro-batch ``s`` of an epoch of ``m``:
-``ceil(m / n) - floor(s / n)`` (the partial last window is one more), capped by ``max_steps``.
+``ceil(m / n) - floor(s / n)`` (the partial last window is one more), capped by ``max_steps``;
+``n`` is ``accumulate``'s, or a DeepSpeed config's ``gradient_accumulation_steps``.
+
+``W`` and ``r`` are the data dimensions of the program's mesh (``distributed.mesh``), as the
+run reads them: the ranks of one tensor-parallel group or one pipeline read the same shard,
+so rank ``r`` reads data shard ``Mesh.data_coordinates(r)``. Under ``invariant()`` an epoch
+is cut into blocks (``data.blocks``): ``floor(N / (W n b))`` updates of ``n`` micro-batches
+of ``b`` samples per rank, nothing padded, the rest of the samples not read in that epoch.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from typing import Any
 import attrs
 from torch.utils.data import DataLoader, IterableDataset
 
-from accelfn.data import num_batches
+from accelfn.data import blocks, num_batches
+from accelfn.distributed.mesh import Mesh
 from accelfn.state import TrainState
 from accelfn.step import Step
-from accelfn.transforms import Accumulate, ShardData
+from accelfn.transforms import Invariant, ShardData
+from accelfn.transforms.deepspeed import micro_batches_per_update
 
 
 @attrs.frozen
@@ -131,6 +140,17 @@ def _layout(data: Iterable[Any], shard: ShardData | None, rank: int, world_size:
     return _Layout(num_batches(data, shard, rank=rank, world_size=world_size), None, None, None, None)
 
 
+def _blocks_layout(data: Iterable[Any], n: int, world_size: int) -> _Layout:
+    """A rank's epoch under ``invariant()`` (``data.blocks``): whole global batches of ``W n b``
+    samples, none padded, the incomplete last one not read."""
+    mb = blocks.num_batches(data, world_size=world_size, num_micro_batches=n)  # type: ignore[arg-type]  # checks it
+    assert isinstance(data, DataLoader)  # else num_batches raised
+    b = data.batch_size
+    assert b is not None
+    size = len(data.dataset)  # type: ignore[arg-type]  # map-style: checked
+    return _Layout(mb, b, b, 0, size - mb * world_size * b)
+
+
 def _samples_read(layout: _Layout, start: int, read: int) -> tuple[int | None, int | None]:
     """Samples and wrapped samples in micro-batches ``[start, start + read)`` of the epoch."""
     if layout.batch is None or layout.micro_batches is None:
@@ -144,23 +164,33 @@ def _samples_read(layout: _Layout, start: int, read: int) -> tuple[int | None, i
     return samples, layout.padded if includes_last else 0
 
 
-def epoch_counts(step: Step, state: TrainState, data: Iterable[Any], *, world_size: int, epochs: int | None,
+def epoch_counts(step: Step, state: TrainState, data: Iterable[Any], *, mesh: Mesh, epochs: int | None,
                  max_steps: int | None) -> tuple[tuple[EpochCounts, ...], tuple[int | None, ...]]:
-    """Every epoch ``run`` trains from ``state`` on: the counts per rank, and each rank's final step
-    (None where the data's length is unknown and no ``max_steps`` bounds it)."""
+    """Every epoch ``run`` trains from ``state`` on: the counts per rank of ``mesh`` (each rank
+    reads the data shard of its data coordinates), and each rank's final step (None where the
+    data's length is unknown and no ``max_steps`` bounds it).
+
+    Raises:
+        ValueError: data that cannot be sharded or cut as the program asks (the message says why).
+    """
     shard = step.find(ShardData)
-    accumulate = step.find(Accumulate)
-    n = accumulate.num_micro_batches if accumulate else 1
+    n = micro_batches_per_update(step)
+    invariant = step.find(Invariant) is not None
+    world_size = mesh.world_size
     ranks = range(world_size)
     cache: dict[tuple[int, ...], _Layout] = {}
 
     def layout(rank: int) -> _Layout:
-        if shard is None or (shard.even_batches or shard.drop_last) and not shard.split_batches:
-            key: tuple[int, ...] = (0,) if shard is None or rank < 0 else (int(_is_padded(data, rank, world_size)),)
+        data_rank, data_world = mesh.data_coordinates(rank)
+        if invariant:  # every rank reads blocks of the same size
+            key: tuple[int, ...] = (0,)
+        elif shard is None or (shard.even_batches or shard.drop_last) and not shard.split_batches:
+            key = (0,) if shard is None else (int(_is_padded(data, data_rank, data_world)),)
         else:
-            key = (rank,)
+            key = (data_rank,)
         if key not in cache:
-            cache[key] = _layout(data, shard, rank, world_size)
+            cache[key] = (_blocks_layout(data, n, data_world) if invariant
+                          else _layout(data, shard, data_rank, data_world))
         return cache[key]
 
     steps: list[int | None] = [state.step] * world_size

@@ -15,6 +15,16 @@ Persistent state per rank (what ``prepare`` and the first update leave behind):
   sharded like the parameter, scalars are not;
 - buffers, whole on every rank (FSDP2 does not shard them), and transform state tensors.
 
+Which piece of each parameter a rank holds is the split of the run's own rules
+(``_split``): a pipeline's stages, a tensor-parallel layer's ``Shard`` dimension, FSDP2's
+``Shard(0)`` of that (2-D FSDP x TP). Under ``deepspeed()`` DeepSpeed's partitions
+(``distributed.deepspeed.zero_partition``): the parameters whole (ZeRO 0-2) or in
+``ceil(numel / W)`` partitions plus the persistent ones whole (ZeRO-3), the fp32 master
+partitions and the optimizer's state of them counted as optimizer state (the ZeRO paper's
+``K``), offloaded bytes (``offload_optimizer``, ``offload_param``; ``shard_params(offload=
+True)``) counted where they are and named in ``Memory.offloaded``. Under ``invariant()``
+the window's partial sums: flat gradient buffers as many as ``push``'s binary counter keeps.
+
 The activation peak of one micro-batch is traced: the loss function's forward and backward
 run on a fake copy of the model (``FakeTensorMode``: shapes, dtypes and devices without
 storage) over a fake copy of the first batch, counting the bytes of every storage an operator
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,9 +46,18 @@ import attrs
 import torch
 from torch.utils._pytree import tree_flatten
 
+from accelfn.distributed.canonical import blocks
+from accelfn.distributed.deepspeed import offloaded, zero_partition
+from accelfn.distributed.mesh import Mesh
 from accelfn.loop.planning._peak import PeakTracker
-from accelfn.transforms import Replicate, ShardParams
-from accelfn.transforms.precision import Policy
+from accelfn.loop.planning._split import ModelSplit, whole
+from accelfn.step import Step
+from accelfn.transforms import Clip, DeepSpeed, Invariant, Replicate, ShardParams
+from accelfn.transforms.deepspeed import enabled_precisions, engine_config, micro_batches_per_update
+from accelfn.transforms.invariant import stack_sizes
+from accelfn.transforms.precision import Policy, parse_policy
+
+_FP32 = parse_policy("fp32")
 
 
 @attrs.frozen
@@ -50,11 +70,20 @@ class Memory:
         optimizer: optimizer state after the first update.
         buffers: buffers (not sharded).
         transform_state: tensors in ``TrainState.transforms_state``.
-        ddp_buckets: DDP's gradient buckets under ``replicate`` on more than one process.
+        ddp_buckets: DDP's gradient buckets under ``replicate`` on more than one process
+            (under ``pipeline() x replicate()``, the one flat copy of the stage's gradients
+            its all-reduce sends).
         gathered: under ``shard_params``, the all-gathered parameters held at the same time
             (the root unit's and the largest unit's, twice for FSDP2's prefetch).
         micro_batch: what one micro-batch's forward and backward add at their peak
             (activations, temporaries and gradients), traced; None when not traced.
+        partial_sums: under ``invariant()``, the flat gradient buffers of the window's
+            partial sums held at once at their most (the stack, the leaf being made, the
+            exchange's received copy).
+        offloaded: of the parameters, gradients and optimizer state above, the bytes that
+            offloading keeps off the device (``shard_params(offload=True)``: all three;
+            DeepSpeed's ``offload_optimizer``: the optimizer state, ``offload_param``: the
+            parameter partitions).
     """
 
     params: int
@@ -65,6 +94,8 @@ class Memory:
     ddp_buckets: int = 0
     gathered: int = 0
     micro_batch: int | None = None
+    partial_sums: int = 0
+    offloaded: int = 0
 
     @property
     def persistent(self) -> int:
@@ -73,10 +104,16 @@ class Memory:
 
     @property
     def peak(self) -> int:
-        """The step's peak: persistent state, DDP buckets, gathered parameters and the
-        micro-batch's peak (its gradients included; without a trace, the gradients alone)."""
+        """The step's peak: persistent state, DDP buckets, gathered parameters, invariant's
+        partial sums and the micro-batch's peak (its gradients included; without a trace, the
+        gradients alone), wherever they are held."""
         extra = self.micro_batch if self.micro_batch is not None else self.grads
-        return self.persistent + self.ddp_buckets + self.gathered + max(extra, self.grads)
+        return self.persistent + self.ddp_buckets + self.gathered + self.partial_sums + max(extra, self.grads)
+
+    @property
+    def device_peak(self) -> int:
+        """:attr:`peak` less what offloading keeps in host memory (or on NVMe): the device's share."""
+        return self.peak - self.offloaded
 
 
 def _storage_dtype(t: torch.Tensor, policy: Policy) -> torch.dtype:
@@ -144,60 +181,137 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
 
 
 def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, *,
-                      policy: Policy, shard: ShardParams | None, replicate: Replicate | None, world_size: int,
-                      local_world_size: int) -> tuple[tuple[Memory, ...], str | None]:
-    """Each rank's persistent bytes, and why the optimizer state could not be planned (or None)."""
-    params = list(dict.fromkeys(model.parameters()))
-    degree = shard.shard_degree(world_size, local_world_size) if shard is not None else 1
-    sharded = shard is not None and (world_size > 1 or shard.offload) and degree > 1
-    if not sharded:
-        degree = 1
+                      policy: Policy, step: Step, split: ModelSplit) -> tuple[tuple[Memory, ...], str | None]:
+    """Each rank's persistent bytes on ``split``'s mesh, and why the optimizer state could not
+    be planned (or None)."""
+    mesh = split.mesh
+    params = whole(model.parameters())
     problem = None
     try:
         state_shapes = optimizer_state_shapes(optimizer, params, policy)
     except Exception as e:  # noqa: BLE001 - any optimizer's failure on meta tensors: said in the plan
         state_shapes = [[] for _ in params]
         problem = f"{type(optimizer).__name__}.step() does not run on meta tensors ({type(e).__name__}: {e})"
-    buffers = sum(_nbytes(b.numel(), _storage_dtype(b, policy)) for b in model.buffers())
+    ds = step.find(DeepSpeed)
+    if ds is not None:
+        return _zero_memory(model, optimizer, transforms_state, step, ds, policy, mesh), problem
+    shard, replicate, invariant = step.find(ShardParams), step.find(Replicate), step.find(Invariant)
     transform = sum(t.nbytes for t in _tensors(transforms_state))
     memories = []
-    cache: dict[int, Memory] = {}
-    gathered = _gathered(model, shard, policy) if sharded else 0
-    for rank in range(world_size):
-        index = rank % degree
-        if index in cache:
-            memories.append(cache[index])
+    cache: dict[tuple[int, ...], Memory] = {}
+    for rank in range(mesh.world_size):
+        key = split.key(rank)
+        if key in cache:
+            memories.append(cache[key])
             continue
         p_bytes = g_bytes = o_bytes = 0
         for p, shapes in zip(params, state_shapes):
             dtype = _storage_dtype(p, policy)
-            numel = local_numel(p.shape, index, degree)
+            numel = split.numel(p, rank)
             size = _nbytes(numel, dtype)
             p_bytes += size
             g_bytes += size if p.requires_grad else 0
-            for shape, state_dtype in shapes:
-                o_bytes += _nbytes(numel if shape == p.shape else math.prod(shape), state_dtype)
-        buckets = g_bytes if replicate is not None and world_size > 1 and not replicate.gradient_as_bucket_view else 0
-        cache[index] = Memory(params=p_bytes, grads=g_bytes, optimizer=o_bytes, buffers=buffers,
-                              transform_state=transform, ddp_buckets=buckets,
-                              gathered=gathered)
-        memories.append(cache[index])
+            if split.holds(p, rank):
+                for shape, state_dtype in shapes:
+                    o_bytes += _nbytes(numel if shape == p.shape else math.prod(shape), state_dtype)
+        buffers = sum(_nbytes(b.numel(), _storage_dtype(b, policy)) for b in model.buffers() if split.holds(b, rank))
+        # DDP's flat buckets; under pipeline() the one flat copy of the stage's gradients its all-reduce sends
+        copies = replicate is not None and mesh.replicate > 1 and (
+            not replicate.gradient_as_bucket_view or split.held)
+        offloaded = p_bytes + g_bytes + o_bytes if shard is not None and shard.offload else 0
+        cache[key] = Memory(params=p_bytes, grads=g_bytes, optimizer=o_bytes, buffers=buffers,
+                            transform_state=transform, ddp_buckets=g_bytes if copies else 0,
+                            gathered=_gathered(model, shard, policy, split, rank) if split.sharded else 0,
+                            partial_sums=_partial_sums(params, policy, mesh, rank, invariant,
+                                                         micro_batches_per_update(step)),
+                            offloaded=offloaded)
+        memories.append(cache[key])
     return tuple(memories), problem
 
 
-def _gathered(model: torch.nn.Module, shard: ShardParams | None, policy: Policy) -> int:
+def _partial_sums(params: list[torch.nn.Parameter], policy: Policy, mesh: Mesh, rank: int,
+                  invariant: Invariant | None, n: int) -> int:
+    """Under ``invariant()``, the flat gradient buffers (all the parameters' gradients in one
+    tensor) ``backends._invariant`` holds at once at its most, from its code: the window's stack
+    (``transforms.invariant.stack_sizes``) and the leaf each micro-batch makes; at the update the
+    stack, the last leaf (still referenced where it was added into a node), and what the
+    canonical sum allocates (``_exchange_buffers``), or, with ``A`` no power of two on several
+    ranks, every rank's padded stack all-gathered (``W + 1`` stacks of the deepest's size)."""
+    if invariant is None or not params:
+        return 0
+    world = mesh.world_size
+    flat = _nbytes(sum(p.numel() for p in params),
+                   functools.reduce(torch.promote_types, (_storage_dtype(p, policy) for p in params)))
+    sizes = stack_sizes(rank=rank, world_size=world, num_micro_batches=n)
+    making = max(before + 1 for before in [0, *sizes[:-1]])
+    merged = int(n > 1 and sizes[-1] <= sizes[-2])
+    if world > 1 and n & (n - 1):  # blocks straddle subtrees: every rank's stack gathered
+        most = max(max(stack_sizes(rank=r, world_size=world, num_micro_batches=n)) for r in range(world))
+        return flat * max(making, sizes[-1] + merged + most * (world + 1))
+    return flat * max(making, sizes[-1] + merged + _exchange_buffers(rank, world))
+
+
+def _exchange_buffers(rank: int, world: int) -> int:
+    """The flat buffers ``distributed.canonical_all_reduce`` holds at once besides its input on
+    ``rank``: the last round's received copy (a block of more than one rank), and where the world
+    has several power-of-two blocks the other blocks' roots and the running sum of their fold."""
+    if world == 1:
+        return 0
+    layout = blocks(world)
+    size = next(n for start, n in layout if start <= rank < start + n)
+    return int(size > 1) + (len(layout) if len(layout) > 1 else 0)
+
+
+def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, step: Step,
+                 ds: DeepSpeed, policy: Policy, mesh: Mesh) -> tuple[Memory, ...]:
+    """Each rank's bytes under a DeepSpeed engine: ``distributed.deepspeed.zero_partition``'s
+    elements, the parameters in the engine's dtype (bf16/fp16 when its section is enabled),
+    fp32 master partitions, and the optimizer's own state of them (its step on meta tensors)."""
+    config = engine_config(ds, num_micro_batches=micro_batches_per_update(step), clip=step.find(Clip),
+                           precision=policy.name, micro_batch_size=1, world_size=mesh.world_size)
+    enabled = enabled_precisions(config)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[enabled[0]] if enabled else torch.float32
+    params = whole(model.parameters())
+    groups = [[p.numel() for p in g["params"] if p.requires_grad and p.numel()] for g in optimizer.param_groups]
+    part = zero_partition([p.numel() for p in params], groups, config=config, world_size=mesh.data_size)
+    if part.masters:  # the optimizer steps flat fp32 partitions, one per (sub-)group
+        stand_ins = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in part.masters]
+        flat = torch.optim.Optimizer.__new__(type(optimizer))  # the same class, over the partitions
+        flat.__dict__ = dict(optimizer.__dict__, param_groups=[
+            {**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"}, "params": [m]}
+            for (g, _), m in zip(part.masters, stand_ins)])
+        shapes = optimizer_state_shapes(flat, stand_ins, _FP32)
+        masters = sum(_nbytes(n, torch.float32) for _, n in part.masters)
+        o_bytes = masters + sum(_nbytes(math.prod(shape), d) for s in shapes for shape, d in s)
+    else:  # stage 0: the optimizer steps the parameters themselves
+        shapes = optimizer_state_shapes(optimizer, params, policy)
+        o_bytes = sum(_nbytes(math.prod(shape), d) for s in shapes for shape, d in s)
+    on_host_optimizer, on_host_params = offloaded(config)
+    p_bytes = _nbytes(part.params, dtype)
+    offloaded_bytes = (o_bytes if on_host_optimizer else 0) + (_nbytes(part.partitions, dtype) if on_host_params else 0)
+    memory = Memory(params=p_bytes, grads=_nbytes(part.grads, dtype), optimizer=o_bytes,
+                    buffers=sum(_nbytes(b.numel(), b.dtype if not b.is_floating_point() else dtype)
+                                for b in model.buffers()),
+                    transform_state=sum(t.nbytes for t in _tensors(transforms_state)), offloaded=offloaded_bytes)
+    return (memory,) * mesh.world_size
+
+
+def _gathered(model: torch.nn.Module, shard: ShardParams | None, policy: Policy, split: ModelSplit,
+              rank: int) -> int:
     """The unsharded parameters FSDP2 holds at once: the root's own, and the largest unit's twice
-    (the one computing and the one prefetched), in the compute dtype of an autocast policy."""
+    (the one computing and the one prefetched), in the compute dtype of an autocast policy
+    (under ``tensor_parallel``, each parameter's tensor-parallel piece)."""
     assert shard is not None
     dtype = policy.compute_dtype
+    unsharded = attrs.evolve(split, sharded=False)
     units = shard.select(model)
     inside: set[int] = set()
     sizes = []
     for _, unit in units:
         own = [p for p in unit.parameters() if id(p) not in inside]
         inside.update(id(p) for p in own)
-        sizes.append(sum(_nbytes(p.numel(), dtype) for p in own))
-    root = sum(_nbytes(p.numel(), dtype) for p in model.parameters() if id(p) not in inside)
+        sizes.append(sum(_nbytes(unsharded.numel(p, rank), dtype) for p in own))
+    root = sum(_nbytes(unsharded.numel(p, rank), dtype) for p in model.parameters() if id(p) not in inside)
     if not shard.reshard_after_forward:
         return root + sum(sizes)
     return root + 2 * max(sizes, default=0)

@@ -18,6 +18,9 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from accelfn.backends.base import Backend
 from accelfn.data import num_batches
+from accelfn.data.blocks import epoch_length
+from accelfn.distributed import meta as meta_models
+from accelfn.distributed.mesh import Mesh
 from accelfn.loop.planning._counts import EpochCounts
 from accelfn.loop.planning._memory import Memory
 from accelfn.loop.planning._schedule import simulate
@@ -78,6 +81,15 @@ class Facts:
     trace_problem: str | None = None
     unused_params: tuple[str, ...] = ()
     scheduler_steps: int | None = None
+    mesh: Mesh | None = None
+    mesh_error: str | None = None
+    split_error: str | None = None
+    not_planned: tuple[str, ...] = ()
+
+    @property
+    def data_world_size(self) -> int:
+        """The data shards the world reads (the mesh's data dimensions; the world without a mesh)."""
+        return self.mesh.data_size if self.mesh is not None else self.world_size
 
 
 Check = Callable[[Facts], Iterable[Problem]]
@@ -114,14 +126,15 @@ def _parallel(f: Facts) -> Replicate | ShardParams | DeepSpeed | Invariant | Non
 @_check
 def _global_batch(f: Facts) -> Iterable[Problem]:
     shard, loader = f.step.find(ShardData), _loader(f)
+    world = f.data_world_size
     if shard is not None and shard.split_batches and loader is not None and loader.batch_size \
-            and loader.batch_size % f.world_size:
+            and loader.batch_size % world:
         b = loader.batch_size
         yield Problem("global-batch-indivisible", True,
-                      f"shard_data(split_batches=True) splits each global batch of {b} samples over {f.world_size} "
-                      f"processes, and {b} does not divide by {f.world_size}",
-                      f"use a DataLoader batch_size that is a multiple of {f.world_size} (e.g. "
-                      f"{math.ceil(b / f.world_size) * f.world_size}), or split_batches=False")
+                      f"shard_data(split_batches=True) splits each global batch of {b} samples over {world} "
+                      f"data shards, and {b} does not divide by {world}",
+                      f"use a DataLoader batch_size that is a multiple of {world} (e.g. "
+                      f"{math.ceil(b / world) * world}), or split_batches=False")
 
 
 @_check
@@ -174,15 +187,17 @@ def _empty_ranks(f: Facts) -> Iterable[Problem]:
     size = _map_size(f) if isinstance(f.data, DataLoader) else len(f.data) if isinstance(f.data, Sized) else None
     if not size:  # no data at all: run warns of an epoch that read nothing, as it always has
         return
-    shard = f.step.find(ShardData)
+    if f.step.find(Invariant) is not None:  # its blocks: the counts say whether an epoch has an update
+        return
+    shard, world = f.step.find(ShardData), f.data_world_size
     try:
-        counts = {num_batches(f.data, shard, rank=r, world_size=f.world_size) for r in {0, f.world_size - 1}}
+        counts = {num_batches(f.data, shard, rank=r, world_size=world) for r in {0, world - 1}}
     except ValueError:
         return
     if 0 in counts:
         yield Problem("empty-rank", True,
                       f"some rank reads no micro-batch in an epoch ({size if size is not None else 'the'} samples "
-                      f"over {f.world_size} processes, after drop_last)",
+                      f"over {world} data shards, after drop_last)",
                       "use fewer processes or a smaller batch size, or keep the last partial batch "
                       "(drop_last=False)")
 
@@ -276,10 +291,10 @@ def _iterable_readers(f: Facts) -> Iterable[Problem]:
         items = len(loader.dataset)  # type: ignore[arg-type]  # an IterableDataset may define __len__
     except TypeError:
         return
-    readers = f.world_size * max(1, loader.num_workers)
+    readers = f.data_world_size * max(1, loader.num_workers)
     if items < readers:
         yield Problem("iterable-empty-readers", True,
-                      f"the IterableDataset has {items} items for {readers} readers ({f.world_size} processes x "
+                      f"the IterableDataset has {items} items for {readers} readers ({f.data_world_size} data shards x "
                       f"{max(1, loader.num_workers)} workers): some read nothing",
                       f"use at most {items} processes x workers, or a dataset with at least {readers} items")
 
@@ -292,8 +307,8 @@ def _mib(n: int) -> str:
 def _fits(f: Facts) -> Iterable[Problem]:
     if f.device_memory is None or not f.memory:
         return
-    worst = max(f.memory, key=lambda m: m.peak)
-    if worst.peak <= f.device_memory:
+    worst = max(f.memory, key=lambda m: m.device_peak)
+    if worst.device_peak <= f.device_memory:
         return
     options = []
     if f.step.find(ShardParams) is None and f.world_size > 1:
@@ -305,7 +320,7 @@ def _fits(f: Facts) -> Iterable[Problem]:
     if worst.micro_batch:
         options.append("a smaller micro-batch with af.accumulate(n) (the same update, 1/n of the activations)")
     yield Problem("exceeds-device-memory", True,
-                  f"the planned peak per rank is {_mib(worst.peak)} (parameters {_mib(worst.params)}, gradients "
+                  f"the planned peak per rank is {_mib(worst.device_peak)} (parameters {_mib(worst.params)}, gradients "
                   f"{_mib(worst.grads)}, optimizer {_mib(worst.optimizer)}, micro-batch "
                   f"{_mib(worst.micro_batch or 0)}), more than the device's {_mib(f.device_memory)}",
                   "; or ".join(options) or "a smaller model or micro-batch")
@@ -323,8 +338,9 @@ def _xla_cpu(f: Facts) -> Iterable[Problem]:
 def _resume_position(f: Facts) -> Iterable[Problem]:
     if f.state.epoch_micro_step == 0 or f.count_error is not None:
         return
+    data_rank, data_world = f.mesh.data_coordinates(0) if f.mesh is not None else (0, f.world_size)
     try:
-        per_epoch = num_batches(f.data, f.step.find(ShardData), rank=0, world_size=f.world_size)
+        per_epoch = epoch_length(f.data, f.step, rank=data_rank, world_size=data_world)
     except ValueError:
         return
     if per_epoch is not None and f.state.epoch_micro_step > per_epoch:
@@ -474,8 +490,26 @@ def _unplanned(f: Facts) -> Iterable[Problem]:
 @_check
 def _meta(f: Facts) -> Iterable[Problem]:
     meta = [n for n, p in f.state.model.named_parameters() if p.device.type == "meta"]
-    if meta:
+    if meta and not meta_models.fills(f.step):  # shard_params or tensor_parallel: prepare fills each rank's part
         yield Problem("meta-model", False,
                       f"{len(meta)} parameter(s) are on the meta device ({meta[0]}, ...): a plan needs no more, "
-                      "training does",
+                      "training does, and prepare fills such a model only for a program that shards or splits it",
+                      "add shard_params() or tensor_parallel(...) (prepare then fills each rank's part), or "
                       "materialize the model (model.to_empty(device=...) and initialize it) before af.run")
+
+
+@_check
+def _layout(f: Facts) -> Iterable[Problem]:
+    if f.mesh_error is not None and "shard_size" not in f.mesh_error:
+        what, _, fix = f.mesh_error.partition("; ")
+        yield Problem("world-indivisible", True, what, fix or "launch a multiple of the ranks one model spans")
+    if f.split_error is not None:
+        what, _, fix = f.split_error.partition("; ")
+        yield Problem("model-unsplittable", True, what, fix or "see docs/11")
+
+
+@_check
+def _not_planned(f: Facts) -> Iterable[Problem]:
+    for what in f.not_planned:
+        yield Problem("not-planned", False, f"{what}: no rule of the plan models it, so the plan gives no number "
+                      "for it", "measure it on a real run (docs/13 lists what the plan models)")

@@ -49,7 +49,7 @@ def render(plan: Any) -> str:
         if len(plan.epochs) > _SHOWN_EPOCHS:
             lines.append(f"  ... {len(plan.epochs) - _SHOWN_EPOCHS} more epochs like these")
     if plan.memory:
-        worst = max(plan.memory, key=lambda m: m.peak)
+        worst = max(plan.memory, key=lambda m: m.peak)  # the rank holding the most
         job = plan.memory
 
         def row(label: str, attr: str) -> list[str]:
@@ -62,21 +62,28 @@ def render(plan: Any) -> str:
             rows.append(row("DDP buckets", "ddp_buckets"))
         if worst.gathered:
             rows.append(row("gathered params", "gathered"))
+        if worst.partial_sums:
+            rows.append(row("partial sums", "partial_sums"))
         rows.append(["micro-batch peak", size(worst.micro_batch) if worst.micro_batch is not None else "not traced",
                      size(sum(m.micro_batch for m in job)) if worst.micro_batch is not None else ""])
         rows.append(row("persistent", "persistent"))
         rows.append(row("step peak", "peak"))
+        if worst.offloaded:
+            rows.append(row("of it offloaded", "offloaded"))
         lines += ["", *_table(rows)]
         if plan.device_memory is not None:
             lines.append(f"  device memory {size(plan.device_memory)}: peak at "
-                         f"{100 * worst.peak / plan.device_memory:.0f}%")
+                         f"{100 * worst.device_peak / plan.device_memory:.0f}%")
     if plan.comms:
         rows = [["collectives (rank 0)", "dtype", "elements", "bytes", "on wire", "per update"]]
         for c in plan.comms:
-            rows.append([f"{c.kind} {c.what}", str(c.dtype).removeprefix("torch."), str(c.elements), size(c.bytes),
+            elements = "?" if c.elements is None else str(c.elements)
+            rows.append([f"{c.kind} {c.what}", str(c.dtype).removeprefix("torch."), elements, size(c.bytes),
                          size(c.wire_bytes), "per log" if c.per_log else f"x{c.count}"])
-        total = sum(c.wire_bytes * c.count for c in plan.comms if not c.per_log)
-        lines += ["", *_table(rows), f"  sent per update and rank: {size(total)}"]
+        total = sum(c.wire_bytes * c.count for c in plan.comms if not c.per_log and c.wire_bytes is not None)
+        unknown = any(c.wire_bytes is None for c in plan.comms)
+        lines += ["", *_table(rows), f"  sent per update and rank: {size(total)}"
+                  + (" and the collectives of unknown size (?)" if unknown else "")]
     if plan.problems:
         lines += ["", "problems"]
         lines += [f"  {'error' if p.error else 'warning'} {p}" for p in plan.problems]

@@ -25,14 +25,17 @@ from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
-from accelfn.loop.planning._comms import Collective, collectives_per_update, metric_count
+from accelfn.distributed.mesh import Mesh
+from accelfn.distributed.pipeline import cut, split_batch
+from accelfn.loop.planning._comms import Collective, Traced, collectives_per_update, metric_count
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
 from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro_batch
 from accelfn.loop.planning._problems import Facts, Problem, find_problems
+from accelfn.loop.planning._split import ModelSplit, split_of
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
-from accelfn.step import Step, unpack
-from accelfn.transforms import Replicate, ShardParams
+from accelfn.step import OutputLoss, Step, check_loss_form, unpack
+from accelfn.transforms import Pipeline
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
 
@@ -91,11 +94,11 @@ def _target(backend: Backend | None, world_size: int | None) -> tuple[Backend, i
         raise TypeError(f"plan(backend=...) must be a backend such as af.backends.auto() or None, got {backend!r}")
     if backend is None:
         backend = CPU(LaunchEnv())
-    if world_size is None:
-        world_size = backend.env.plan_world_size or backend.world_size
+    if world_size is None:  # under `accelfn plan` the backend stands for the planned world
+        world_size = backend.world_size
     check_int("plan", "world_size", world_size, minimum=1)
-    local = backend.env.plan_local_world_size or backend.local_world_size
-    if world_size != backend.world_size and not backend.env.plan_world_size:
+    local = backend.local_world_size
+    if world_size != backend.world_size:
         local = min(world_size, backend.local_world_size if backend.world_size > 1 else world_size)
     return backend, world_size, min(local, world_size)
 
@@ -106,9 +109,15 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     """What ``run(step, state, data, backend=backend, epochs=epochs, max_steps=max_steps)``
     will do on ``world_size`` processes, computed here in one process without training.
 
-    Counts (updates, scheduler steps, samples per rank) are exact; parameter, gradient,
-    optimizer-state and buffer bytes are exact; the micro-batch's peak is traced on fake
-    tensors (no activation is allocated); collectives follow DDP's buckets and FSDP2's units.
+    The plan reads the run's own rules: the program's mesh (``distributed.mesh``: which data
+    shard each rank reads under tensor and pipeline parallelism), each parallelism's split of
+    the model (tensor-parallel styles, the pipeline's cut, FSDP2's shards, DeepSpeed's ZeRO
+    partitions, invariant's partial sums) and the collectives each issues. Counts (updates,
+    scheduler steps, samples per rank) are exact; parameter, gradient, optimizer-state and
+    buffer bytes are exact; the micro-batch's peak is traced on fake tensors (no activation is
+    allocated); collectives follow DDP's buckets (in a comm hook's dtype), FSDP2's units, the
+    tensor-parallel layers, the pipeline's stages, invariant's canonical sum and DeepSpeed's
+    kinds. What no rule models is a ``not-planned`` warning naming it (docs/13).
     ``state`` may be built on the meta device (``torch.device("meta")``).
 
     Args:
@@ -131,6 +140,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
     Raises:
         TypeError: ``step`` not a Step, ``state`` not a TrainState, ``backend`` not a backend.
         ValueError: ``world_size``, ``epochs``, ``max_steps`` or ``device_memory`` below 1.
+        TransformError: an ``af.output_loss(fn)`` in a program without ``pipeline()``.
 
     Example:
         >>> import torch, accelfn as af
@@ -154,6 +164,7 @@ def plan(step: Step, state: TrainState, data: Iterable[Any], *, backend: Backend
         epochs = 1
     backend, world_size, local_world_size = _target(backend, world_size)
     step = with_launch_defaults(step, backend.env, warn=False)
+    check_loss_form(step)
     return _plan(step, state, data, backend, world_size, local_world_size, epochs, max_steps, device_memory,
                  trace=trace)
 
@@ -165,44 +176,57 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     facts = Facts(step=step, state=state, data=data, backend=backend, world_size=world_size,
                   local_world_size=local_world_size, policy=policy, epochs=epochs, max_steps=max_steps,
                   device_memory=device_memory)
+    try:
+        mesh = Mesh.of(step, world_size, local_world_size)
+    except ValueError as e:  # a world the transforms cannot lay out: a problem of the plan
+        facts = attrs.evolve(facts, mesh_error=str(e))
+        return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=(),
+                    total_updates=None, scheduler_steps=None, memory=None, comms=(),
+                    problems=find_problems(facts), device_memory=device_memory)
+    facts = attrs.evolve(facts, mesh=mesh)
     counted: tuple[EpochCounts, ...] = ()
     final: tuple[int | None, ...] = (state.step,)
     try:
-        counted, final = epoch_counts(step, state, data, world_size=world_size, epochs=epochs, max_steps=max_steps)
+        counted, final = epoch_counts(step, state, data, mesh=mesh, epochs=epochs, max_steps=max_steps)
     except ValueError as e:  # data that cannot be sharded or split as asked: a problem of the plan
         facts = attrs.evolve(facts, count_error=str(e))
     facts = attrs.evolve(facts, epochs_counted=counted, final_steps=final)
-    shard = step.find(ShardParams)
-    memory = None
-    user_metrics = 0  # the loss function's own metrics, known from the trace
-    try:
-        memory, optimizer_problem = persistent_memory(
-            state.model, state.optimizer, state.transforms_state, policy=policy, shard=shard,
-            replicate=step.find(Replicate), world_size=world_size, local_world_size=local_world_size)
-    except ValueError as e:  # shard_size that does not divide the world: a problem of the plan
-        optimizer_problem = None
-        facts = attrs.evolve(facts, count_error=facts.count_error or str(e))
-    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem)
+    split, split_error = split_of(step, state.model, mesh)
+    not_planned = [f"tensor_parallel(): the split of {what}" for what in split.unknown]
+    memory, optimizer_problem = None, None
+    if split_error is None:
+        memory, optimizer_problem = persistent_memory(state.model, state.optimizer, state.transforms_state,
+                                                      policy=policy, step=step, split=split)
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error)
+    traced = None
     if trace and memory is not None:
-        traced = _trace(step, state, data, backend, policy, facts)
-        if isinstance(traced, tuple):
-            peak, unused, user_metrics = traced
+        result = _trace(step, state, data, backend, policy, split)
+        if isinstance(result, tuple):
+            peak, unused, traced = result
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
             facts = attrs.evolve(facts, unused_params=unused)
         else:
-            facts = attrs.evolve(facts, trace_problem=traced)
+            facts = attrs.evolve(facts, trace_problem=result)
+    if memory is not None and mesh.pipe > 1:
+        not_planned.append("pipeline(): the activations of the micro-batches each stage keeps in flight (the "
+                           "micro-batch peak is the whole model's, one micro-batch)")
+    if memory is not None and mesh.tensor > 1:
+        not_planned.append("tensor_parallel(): the activations of the split layers (the micro-batch peak is the "
+                           "unsplit model's)")
     facts = attrs.evolve(facts, memory=memory)
-    num_metrics = metric_count(step, state.optimizer, policy, user_metrics)
+    num_metrics = metric_count(step, state.optimizer, policy, traced.metrics if traced is not None else 0)
     total = final[0]
     scheduler_steps = None
     if state.scheduler is not None and total is not None:
         scheduler_steps = int(getattr(state.scheduler, "last_epoch", 0)) + total - state.step
     facts = attrs.evolve(facts, scheduler_steps=scheduler_steps)
-    try:
-        comms = collectives_per_update(step, state.model, policy, world_size, local_world_size,
-                                       num_metrics=num_metrics, memory_values=2 if backend.device.type == "cuda" else 1)
-    except ValueError:  # shard_size that does not divide the world: a problem of the plan already
-        comms = ()
+    comms: tuple[Collective, ...] = ()
+    if split_error is None:
+        comms, unknown = collectives_per_update(step, state.model, policy, split, traced=traced,
+                                                num_metrics=num_metrics,
+                                                memory_values=2 if backend.device.type == "cuda" else 1)
+        not_planned.extend(unknown)
+    facts = attrs.evolve(facts, not_planned=tuple(not_planned))
     return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
                 total_updates=total, scheduler_steps=scheduler_steps, memory=memory, comms=comms,
                 problems=find_problems(facts), device_memory=device_memory)
@@ -218,18 +242,38 @@ def _first_batch(data: Iterable[Any]) -> Any:
 
 
 def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           facts: Facts) -> tuple[int, tuple[str, ...], int] | str:
-    """(peak bytes of one micro-batch, parameters that got no gradient, the loss function's
-    metrics), or why it was not traced."""
+           split: ModelSplit) -> tuple[int, tuple[str, ...], Traced] | str:
+    """(peak bytes of one micro-batch, parameters that got no gradient, what the collectives'
+    sizes depend on), or why it was not traced. Under ``pipeline`` the forward runs through
+    the model cut into its stages (recording the value each passes on) and the loss takes the
+    last stage's output and the batch's targets."""
     batch = _first_batch(data)
     if batch is None:
         return "no first batch to trace (data that is not a map-style DataLoader or a list)"
     names: list[str] = []
-    metrics: list[int] = []
+    seen: dict[str, Any] = {"metrics": [], "layers": {}, "crossings": []}
+    pp = step.find(Pipeline)
 
     def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
-        loss, _, returned, _ = unpack(step.loss_fn(model, b))
-        metrics.append(len(returned))
+        modules = dict(model.named_modules())
+        for layer in split.layers:
+            modules[layer.module].register_forward_hook(_layer_probe(layer.module, seen["layers"]))
+        if pp is None and isinstance(step.loss_fn, OutputLoss):  # refused by the problems; traced whole
+            inputs, targets = split_batch(b)
+            out = step.loss_fn(model(*inputs), targets)
+        elif pp is None:
+            out = step.loss_fn(model, b)
+        else:
+            inputs, targets = split_batch(b)
+            value: Any = inputs
+            stages = cut(model, pp)
+            for i, stage in enumerate(stages):
+                value = stage(*value) if i == 0 else stage(value)
+                if i < len(stages) - 1:
+                    seen["crossings"].append((tuple(value.shape), value.dtype))
+            out = step.loss_fn(value, targets)
+        loss, _, returned, is_sum = unpack(out)
+        seen["metrics"].append((len(returned), is_sum))
         return loss
 
     def autocast() -> Any:
@@ -241,7 +285,19 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
         peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names, device=device)
     except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
         return f"{type(e).__name__}: {str(e)[:300]}"
-    return peak, tuple(names), metrics[0]
+    metrics, is_sum = seen["metrics"][0]
+    return peak, tuple(names), Traced(layers=seen["layers"], crossings=tuple(seen["crossings"]), metrics=metrics,
+                                      item_counts=is_sum)
+
+
+def _layer_probe(name: str, into: dict[str, Any]) -> Any:
+    """A forward hook recording a layer's output and input (shapes, dtypes, whether the input
+    requires a gradient) in ``into[name]``."""
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        x = args[0] if args else None
+        if isinstance(output, torch.Tensor) and isinstance(x, torch.Tensor):
+            into[name] = (tuple(output.shape), output.dtype, tuple(x.shape), x.dtype, x.requires_grad)
+    return hook
 
 
 #: errors that ``prepare`` and the data already raise before the first forward, with their own
@@ -249,14 +305,20 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
 RAISED_ELSEWHERE = frozenset({"precision-unsupported", "shard-params-unsupported", "compile-unsupported",
                               "tensor-parallel-unsupported", "pipeline-unsupported", "invariant-unsupported",
                               "sampler-unshardable", "global-batch-indivisible", "shard-size-indivisible",
-                              "data-unshardable", "resume-beyond-epoch"})
+                              "data-unshardable", "resume-beyond-epoch", "world-indivisible",
+                              "model-unsplittable"})
+
+
+#: warnings about the plan itself, not the program: ``af.plan`` and ``accelfn plan`` show them, ``run`` does not
+PLAN_ONLY = frozenset({"not-planned"})
 
 
 def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, epochs: int | None,
                      max_steps: int | None) -> Plan:
     """``run``'s check: the plan without tracing; raises ``PlanError`` naming every error (but
-    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``) on the main
-    process; every rank computes the same plan, so every rank raises alike."""
+    those of ``RAISED_ELSEWHERE``) and warns of every warning (``PlanWarning``; not those of
+    ``PLAN_ONLY``, about the plan rather than the program) on the main process; every rank
+    computes the same plan, so every rank raises alike."""
     world_size = backend.world_size
     device_memory = None
     if backend.device.type == "cuda" and torch.cuda.is_available():
@@ -270,7 +332,8 @@ def check_before_run(step: Step, state: TrainState, data: Iterable[Any], backend
         raise PlanError(errors)
     if backend.is_main_process:
         for problem in result.warnings:
-            warnings.warn(str(problem), PlanWarning, stacklevel=4)
+            if problem.code not in PLAN_ONLY:
+                warnings.warn(str(problem), PlanWarning, stacklevel=4)
     return result
 
 
