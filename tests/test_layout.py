@@ -75,9 +75,11 @@ def test_every_module_names_its_concept_in_its_first_docstring_line() -> None:
 
 
 def test_the_checkpoint_package_is_cut_along_the_flow_of_a_save() -> None:
-    """accelfn/checkpoint/ holds at most 13 modules (its __init__ included)."""
+    """accelfn/checkpoint/ holds at most 15 modules (its __init__ included): 13 before the
+    manifest's schema (``_manifest``), the frozen base written once (``_frozen``) and PEFT's
+    export layouts (``_adapters``) each became a module of its own (issues 34 and 37)."""
     modules = sorted(p.name for p in (ROOT / "accelfn" / "checkpoint").glob("*.py"))
-    assert len(modules) <= 13, modules
+    assert len(modules) <= 15, modules
 
 
 def _import_graph() -> dict[str, set[str]]:

@@ -18,7 +18,7 @@ from accelfn.backends._interpreter import StepFn, step_function
 from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
-from accelfn.distributed import canonical, ddp, deepspeed, float8, fsdp, meta, pipeline, tensor_parallel
+from accelfn.distributed import canonical, context_parallel, ddp, deepspeed, float8, fsdp, meta, pipeline, tensor_parallel
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec
@@ -51,9 +51,10 @@ class Compile(ModelPhase):
 
 #: the model phases, in the order ``prepare`` applies them (each checked before any applies):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
-#: fp8's conversion to torchao's float8 layers (before FSDP2 wraps them, as torchao asks);
-#: sharding (FSDP2); a model built on the meta device filled (after the splits, so that each
-#: rank allocates only its own shards, as torchtitan's ``to_empty`` after parallelizing);
+#: context parallelism (the program's forward splits each sequence); fp8's conversion to
+#: torchao's float8 layers (before FSDP2 wraps them, as torchao asks); sharding (FSDP2); a
+#: model built on the meta device filled (after the splits, so that each rank allocates only
+#: its own shards, as torchtitan's ``to_empty`` after parallelizing);
 #: fp8's float8 scales of sharded weights (kept current before each forward, once the shards
 #: are real); replication (invariant's broadcast, or DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
@@ -61,6 +62,7 @@ PHASES: tuple[type[ModelPhase], ...] = (
     Place,
     pipeline.Cut,
     tensor_parallel.Split,
+    context_parallel.Ring,
     float8.Convert,
     fsdp.Shard,
     meta.Materialize,

@@ -29,7 +29,7 @@ import orjson
 import torch
 
 from accelfn._version import __version__
-from accelfn.checkpoint import _atomic, _codec, _tensorfiles
+from accelfn.checkpoint import _atomic, _codec, _frozen, _tensorfiles
 from accelfn.checkpoint._atomic import CHECKSUM, MANIFEST
 from accelfn.checkpoint._codec import NDARRAY, TENSOR, Encoder, decode, describe
 from accelfn.checkpoint._manifest import Manifest, RankEntry, ShardedTables, dumps, loads, unstructure, validated
@@ -220,16 +220,21 @@ class Encoded:
 
     manifest: Manifest
     groups: Groups
+    frozen: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
 def encode(snap: Snapshot, parts: list[RankPart], transforms: Any, *, sharded: ShardedTables | None = None,
-           files: Mapping[str, FileEntry] = MappingProxyType({})) -> Encoded:
-    """``snap`` with every rank's part as a manifest and tensor groups (nothing written)."""
+           files: Mapping[str, FileEntry] = MappingProxyType({}), frozen: frozenset[str] = frozenset()) -> Encoded:
+    """``snap`` with every rank's part as a manifest and tensor groups (nothing written);
+    the model's tensors named in ``frozen`` (parameters that do not require gradients) kept
+    apart, for files of their own (``_frozen``)."""
     parts = per_rank_extra(parts)
     encoders = {"model": Encoder(), "state": Encoder()}
     trees = {name: encoders[_table(name)].encode(getattr(snap, name), "" if name == "model" else name)
              for name in SHARED}
     groups: Groups = {table: (encoder.tensors, None) for table, encoder in encoders.items()}
+    model, frozen_tensors = _frozen.split(encoders["model"].tensors, frozen)
+    groups["model"] = (model, None)
     for rank, (_, tensors) in enumerate(parts):
         groups[_rank_group(rank)] = (tensors, rank)
     return Encoded(Manifest(
@@ -243,7 +248,7 @@ def encode(snap: Snapshot, parts: list[RankPart], transforms: Any, *, sharded: S
         files=dict(files),
         sharded=sharded,
         **trees,
-    ), groups)
+    ), groups, frozen_tensors)
 
 
 def problems(encoded: Encoded) -> list[str]:
@@ -257,6 +262,8 @@ def problems(encoded: Encoded) -> list[str]:
         return found
     found = consistency(manifest)
     tables = {group: tensors for group, (tensors, _) in encoded.groups.items()}
+    if encoded.frozen:  # the model's table, as a load reads it from both kinds of files
+        tables[_frozen.GROUP] = {**tables.get(_frozen.GROUP, {}), **encoded.frozen}
     for rank in range(manifest.world_size):
         try:
             snap = decode_snapshot(manifest, tables, rank=rank)
@@ -270,12 +277,26 @@ def problems(encoded: Encoded) -> list[str]:
     return list(dict.fromkeys(found))  # a shared field's problem once, not once per rank
 
 
-def write_encoded(directory: Path, encoded: Encoded, files: Mapping[str, FileEntry] = MappingProxyType({})) -> None:
+def write_encoded(directory: Path, encoded: Encoded, files: Mapping[str, FileEntry] = MappingProxyType({}), *,
+                  earlier: Path | None = None) -> None:
     """Writes ``encoded`` into ``directory``: tensor files, then the manifest, which also
-    lists ``files`` written already (a sharded checkpoint's DCP files). Check
-    ``problems(encoded)`` first: nothing here checks it."""
+    lists ``files`` written already (a sharded checkpoint's DCP files). The frozen model
+    tensors' files are hard links to those of the checkpoint ``earlier`` where it holds
+    the same bytes (``_frozen``). Check ``problems(encoded)`` first: nothing here checks it."""
     written = _tensorfiles.write(directory, encoded.groups)
-    write(directory, attrs.evolve(encoded.manifest, files={**encoded.manifest.files, **files, **written}))
+    frozen, _ = _frozen.write(directory, encoded.frozen, _earlier_files(earlier))
+    write(directory, attrs.evolve(encoded.manifest, files={**encoded.manifest.files, **files, **written, **frozen}))
+
+
+def _earlier_files(earlier: Path | None) -> tuple[Path, Mapping[str, FileEntry]] | None:
+    """The checkpoint ``earlier`` and its manifest's files, or None where there is none or its
+    manifest does not read (its frozen files are then not reused)."""
+    if earlier is None:
+        return None
+    try:
+        return earlier, read(earlier).files
+    except CheckpointError:
+        return None
 
 
 def refuse(path: Path, found: list[str]) -> None:

@@ -33,7 +33,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -146,6 +146,18 @@ def _header(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[str]]:
     return struct.pack("<Q", len(data)) + data, order
 
 
+def _chunks(tensors: Mapping[str, torch.Tensor]) -> Iterator[bytes | memoryview]:
+    """The bytes of the safetensors file of ``tensors`` (CPU tensors, any layout), in chunks of
+    at most ``CHUNK_BYTES``: its header, then each tensor's raw bytes."""
+    contiguous = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    prefix, order = _header(contiguous)
+    yield prefix
+    for key in order:
+        data = _bytes(contiguous[key])
+        for start in range(0, len(data), CHUNK_BYTES):
+            yield data[start:start + CHUNK_BYTES]
+
+
 def write_file(path: Path, tensors: Mapping[str, torch.Tensor], algorithm: str) -> tuple[str, int]:
     """Writes ``tensors`` (CPU tensors, any layout) as the safetensors file ``path``, fsynced.
 
@@ -157,21 +169,29 @@ def write_file(path: Path, tensors: Mapping[str, torch.Tensor], algorithm: str) 
         TypeError: a dtype that safetensors cannot store.
     """
     hasher = new(algorithm)
-    contiguous = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
-    prefix, order = _header(contiguous)
-    size = len(prefix)
+    size = 0
     with open(path, "wb") as f:
-        f.write(prefix)
-        hasher.update(prefix)
-        for key in order:
-            data = _bytes(contiguous[key])
-            for start in range(0, len(data), CHUNK_BYTES):
-                chunk = data[start:start + CHUNK_BYTES]
-                f.write(chunk)  # a buffered file writes all of it, or raises
-                hasher.update(chunk)
-            size += len(data)
+        for chunk in _chunks(tensors):
+            f.write(chunk)  # a buffered file writes all of it, or raises
+            hasher.update(chunk)
+            size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
+    return hasher.hexdigest(), size
+
+
+def checksum(tensors: Mapping[str, torch.Tensor], algorithm: str) -> tuple[str, int]:
+    """The hex checksum by ``algorithm`` and the size in bytes of the file ``write_file``
+    would write for ``tensors``, computed in memory (nothing is written).
+
+    Raises:
+        TypeError: a dtype that safetensors cannot store.
+    """
+    hasher = new(algorithm)
+    size = 0
+    for chunk in _chunks(tensors):
+        hasher.update(chunk)
+        size += len(chunk)
     return hasher.hexdigest(), size
 
 
@@ -346,7 +366,8 @@ def shard_bytes(total_bytes: int) -> int:
     return max(MIN_SHARD_BYTES, min(MAX_SHARD_BYTES, -(-total_bytes // (os.cpu_count() or 1))))
 
 
-def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+def split_shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in order, cut into shards of at most ``limit`` bytes (a larger tensor alone)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
@@ -386,7 +407,7 @@ def write(directory: Path, groups: Mapping[str, tuple[Mapping[str, torch.Tensor]
         for name, (tensors, rank) in groups.items():
             if not tensors:
                 continue
-            shards = _shards(tensors, limit)
+            shards = split_shards(tensors, limit)
             for i, shard in enumerate(shards):
                 filename = name + SUFFIX if len(shards) == 1 else f"{name}-{i:05d}{SUFFIX}"
                 on_cpu = {k: t.to("cpu") for k, t in shard.items()}

@@ -51,7 +51,7 @@ import torch
 
 from accelfn import distributed
 from accelfn.checkpoint import _atomic
-from accelfn.checkpoint.save_load import collect, write, writes_sharded
+from accelfn.checkpoint.save_load import Collected, collect, write, writes_sharded
 from accelfn.distributed import Agreement, ProcessContext
 from accelfn.errors import CheckpointError, boolean, check_directory, count_at_least_one, finite_positive, to_path
 from accelfn.state import TrainState, require_state
@@ -179,7 +179,7 @@ class Checkpoints:
         with _atomic.writing(self.directory) if main else contextlib.nullcontext():
             if main:
                 self._recover()
-            write(state, path, backend, program=program)
+            write(state, path, backend, program=program, earlier=self.latest() if main else None)
             if main:
                 self._retain(state.step)
         return path
@@ -198,12 +198,13 @@ class Checkpoints:
         """
         return Schedule(self, backend, program=program, timeout_s=timeout_s)
 
-    def _write(self, path: Path, write_files: Callable[[Path], None]) -> None:
+    def _write(self, path: Path, collected: Collected) -> None:
         """Rank 0's writing of ``path`` (in a background thread): finishes or removes
-        leftovers of interrupted writes, writes, then applies ``keep``."""
+        leftovers of interrupted writes, writes (frozen model tensors linked to the latest
+        checkpoint's where they are the same), then applies ``keep``."""
         with _atomic.writing(self.directory):
             self._recover()
-            write_files(path)
+            collected.write(path, earlier=self.latest())
             step = self.step_of(path)
             assert step is not None, "path_for made the path"
             self._retain(step)
@@ -421,7 +422,7 @@ class Schedule:
         collected = collect(state, self._backend, self._program, to_host=buffers, path=path)
         if buffers is not None:
             buffers.synchronize()
-        background.start(path, state.step, None if collected is None else lambda: self.policy._write(path, collected.write))
+        background.start(path, state.step, None if collected is None else lambda: self.policy._write(path, collected))
         self.last_step = state.step
         return path
 

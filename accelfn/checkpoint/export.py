@@ -33,6 +33,7 @@ holds the whole model, as for a model built on the meta device and prepared.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import struct
@@ -45,7 +46,7 @@ import torch
 
 from accelfn import distributed
 from accelfn._version import __version__
-from accelfn.checkpoint import _atomic, _pipelined
+from accelfn.checkpoint import _adapters, _atomic, _pipelined
 from accelfn.checkpoint._format import MANIFEST
 from accelfn.checkpoint.snapshot import clean_name, unwrap
 from accelfn.distributed import ProcessContext, is_dtensor
@@ -103,7 +104,7 @@ def _plan(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[str]
 
 
 def _is_layout(name: str) -> bool:
-    return name in (WEIGHTS, INDEX) or _SHARD.match(name) is not None
+    return name in (WEIGHTS, INDEX, _adapters.ADAPTER_WEIGHTS) or _SHARD.match(name) is not None
 
 
 def _marked(path: Path) -> bool:
@@ -153,7 +154,7 @@ def _write_file(path: Path, data: bytes | None, tensors: dict[str, torch.Tensor]
 
 
 def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shard_size: int | str = "10GB",
-               backend: ProcessContext | None = None) -> Path:
+               adapters: str | None = None, backend: ProcessContext | None = None) -> Path:
     """Writes ``state``'s model as consolidated safetensors weights in the Hugging Face layout.
 
     ``directory/model.safetensors``, or ``model-00001-of-0000N.safetensors``, ... and
@@ -171,6 +172,20 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
         max_shard_size: the most bytes of tensors per file: an int, or a str such as
             ``"5GB"`` (powers of 1000) or ``"4GiB"`` (powers of 1024); the default is
             Accelerate's ``save_model``'s.
+        adapters: for a ``peft.PeftModel`` (LoRA, ...; its active adapter): None writes the
+            model as it is, under peft's wrapped names; ``"peft"`` the adapter alone in PEFT's
+            own layout (``adapter_model.safetensors`` + ``adapter_config.json``, what
+            ``PeftModel.from_pretrained(base, directory)`` reads); ``"merged"`` the base
+            model with the adapter merged into its weights, under the base model's own names,
+            plus its ``config.json`` for a ``transformers`` model (what
+            ``AutoModelForCausalLM.from_pretrained(directory)`` reads). Both go through peft's
+            own functions (``get_peft_model_state_dict``; ``merge_and_unload`` on a CPU copy:
+            the state is not touched); rank 0 holds the whole merged model in CPU memory.
+            Export the two into separate folders (``from_pretrained`` takes a folder with an
+            ``adapter_config.json`` for an adapter). Sharded and tensor-parallel models
+            (DTensors) are gathered first; their merged copy is built from the base model's
+            class and config (a ``transformers`` model). An adapter is written as one file,
+            whatever ``max_shard_size``; a merged model is split by it.
         backend: the process context (as for ``af.save``).
 
     Returns:
@@ -179,7 +194,11 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     Raises:
         TypeError: ``state`` is not a TrainState, ``directory`` not a path, or a
             ``max_shard_size`` of another type.
-        ValueError: a ``max_shard_size`` that is not a size > 0.
+        ValueError: a ``max_shard_size`` that is not a size > 0; ``adapters`` not None,
+            ``"peft"`` or ``"merged"``, or given for a model that is not a ``peft.PeftModel``,
+            or ``"merged"`` for a sharded model that is not a ``transformers`` model.
+        ImportError: ``adapters`` given without peft installed.
+        NotImplementedError: ``adapters`` for a pipelined model (``af.pipeline``).
         CheckpointError: ``directory`` is a file or an accelfn checkpoint, or holds files of
             the layout's names that no export wrote (nothing is written then); rank 0 failed
             to write; some rank did
@@ -207,6 +226,8 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
             raise CheckpointError(str(e)) from None
     main = backend.is_main_process
     distributed.sync_buffers(state.model, backend.collective_device)  # replicas' buffers: rank 0's
+    if adapters is not None:
+        return _save_adapters(state, directory, adapters, limit, backend)
     tensors = [(clean_name(k), v) for k, v in unwrap(state.model).state_dict().items()]
     own = dict(tensors)
     layout = _pipelined.stage_layout(unwrap(state.model))
@@ -249,6 +270,68 @@ def save_model(state: TrainState, directory: str | os.PathLike[str], *, max_shar
     return directory
 
 
+def _gathered(tensors: list[tuple[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
+    """``tensors`` as full CPU tensors (DTensors gathered one by one, in order: a collective,
+    every rank calls it alike), kept where ``keep`` (rank 0), else dropped at once."""
+    found = {}
+    for key, t in tensors:
+        full = t.full_tensor() if is_dtensor(t) else t
+        if keep:
+            found[key] = full.detach().to("cpu", copy=True).contiguous()
+        del full
+    return found
+
+
+def _save_adapters(state: TrainState, directory: Path, adapters: str, limit: int, backend: ProcessContext) -> Path:
+    """``save_model`` of a peft model's adapter (``adapters="peft"``) or of the model with it
+    merged (``"merged"``); see ``_adapters``."""
+    model = unwrap(state.model)
+    if _pipelined.stage_layout(model) is not None:
+        raise NotImplementedError(f"save_model(adapters={adapters!r}) does not export a pipelined model "
+                                  "(af.pipeline); export it with adapters=None, or train the adapters unpipelined")
+    name = _adapters.check(model, adapters)
+    main = backend.is_main_process
+    failure: BaseException | None = None
+    if main:
+        try:
+            _check_target(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+        except BaseException as e:  # re-raised below, after telling the other ranks
+            failure = e
+    _outcome(backend, failure, f"save_model(): rank 0 cannot write to {directory}")
+    if adapters == "peft":
+        tensors = _gathered(_adapters.adapter_tensors(model, name), keep=main)
+    else:
+        full = _gathered([(clean_name(k), v) for k, v in model.state_dict().items()], keep=main)
+    if main:
+        try:
+            if adapters == "peft":
+                _write_file(directory / _adapters.ADAPTER_WEIGHTS, None, tensors)
+                _adapters.write_adapter_config(directory, model, name, lambda path, data: _write_file(path, data, None))
+                _finish(directory, [_adapters.ADAPTER_WEIGHTS], [list(tensors)], 0)
+            else:
+                merged, config = _adapters.merged(model, full, name)
+                del full
+                _write_weights(directory, merged, limit)
+                if config is not None and hasattr(config, "to_json_string"):
+                    _write_file(directory / _adapters.CONFIG, config.to_json_string().encode(), None)
+        except BaseException as e:
+            failure = e
+    _outcome(backend, failure, f"save_model(): rank 0 failed to write {directory}; its error says why")
+    return directory
+
+
+def _write_weights(directory: Path, tensors: list[tuple[str, torch.Tensor]], limit: int) -> None:
+    """Writes CPU ``tensors`` in the layout of ``save_model`` (one process, no collective)."""
+    files = _plan(tensors, limit)
+    names = [WEIGHTS] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                              for i in range(len(files))]
+    by_name = dict(tensors)
+    for filename, keys in zip(names, files):
+        _write_file(directory / filename, None, {key: by_name[key].contiguous() for key in keys})
+    _finish(directory, names, files, sum(_nbytes(t) for _, t in tensors))
+
+
 def _finish(directory: Path, names: list[str], files: list[list[str]], total_bytes: int) -> None:
     """Writes the index (for more than one file), then removes an earlier export's other files."""
     if len(files) > 1:
@@ -259,6 +342,9 @@ def _finish(directory: Path, names: list[str], files: list[list[str]], total_byt
     for entry in os.scandir(directory):  # an earlier export's files (marked: save_model wrote them)
         if _is_layout(entry.name) and entry.name not in written and _marked(Path(entry.path)):
             os.remove(entry.path)
+            if entry.name == _adapters.ADAPTER_WEIGHTS:  # its config too: from_pretrained would read it
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(directory / _adapters.ADAPTER_CONFIG)
     _atomic.fsync_dir(directory)
 
 

@@ -10,6 +10,7 @@ caller may choose where the resumed epoch continues (``run`` does, from the coun
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,7 +20,7 @@ import attrs
 import torch
 
 from accelfn import distributed
-from accelfn.checkpoint import _atomic, _format, _pipelined, _sharded
+from accelfn.checkpoint import _atomic, _format, _frozen, _pipelined, _sharded
 from accelfn.checkpoint._format import RankPart
 from accelfn.checkpoint._manifest import Manifest
 from accelfn.checkpoint._tensorfiles import FileEntry
@@ -172,17 +173,20 @@ class Collected:
     snap: Snapshot
     parts: list[RankPart]
     transforms: Any
+    frozen: frozenset[str] = frozenset()
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, *, earlier: Path | None = None) -> None:
         """Writes the checkpoint ``path`` atomically, once it is checked by the rules a load
-        applies (``_format.problems``): nothing is written if a load would refuse it.
+        applies (``_format.problems``): nothing is written if a load would refuse it. The
+        model's ``frozen`` tensors go into files of their own, hard links to the checkpoint
+        ``earlier``'s where it holds the same bytes (``_frozen``).
 
         Raises:
             CheckpointError, OSError: as ``save``.
         """
-        encoded = _format.encode(self.snap, self.parts, self.transforms)
+        encoded = _format.encode(self.snap, self.parts, self.transforms, frozen=self.frozen)
         _format.refuse(path, _format.problems(encoded))
-        _atomic.write_directory(path, lambda d: _format.write_encoded(d, encoded))
+        _atomic.write_directory(path, lambda d: _format.write_encoded(d, encoded, earlier=earlier))
 
 
 def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
@@ -213,13 +217,17 @@ def collect(state: TrainState, backend: ProcessContext, program: Step | None, *,
     distributed.sync_buffers(state.model, backend.collective_device)  # the one model: rank 0's buffers
     snap = capture(state, copy=False) if to_host is None else capture(state, copy=True, to_host=to_host)
     parts = _gather_parts(backend, _format.rank_part(snap))
-    return Collected(snap, parts, _format.transforms_record(program)) if backend.is_main_process else None
+    if not backend.is_main_process:
+        return None
+    return Collected(snap, parts, _format.transforms_record(program), _frozen.names(unwrap(state.model)))
 
 
 def write(state: TrainState, path: Path, backend: ProcessContext | None, *, program: Step | None = None,
-          what: str = "Checkpoints.save") -> Path:
+          what: str = "Checkpoints.save", earlier: Path | None = None) -> Path:
     """``save`` of a checked ``path``, sharded or not (a collective); ``program``'s transforms
-    are recorded in the manifest; ``what`` is the API named when a rank does not call it.
+    are recorded in the manifest; ``what`` is the API named when a rank does not call it;
+    the frozen model tensors of an unsharded state are hard links to the checkpoint
+    ``earlier``'s where it holds the same bytes (given on rank 0; ``_frozen``).
 
     Raises:
         As ``save``.
@@ -231,7 +239,7 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
         failure: BaseException | None = None
         if collected is not None:
             try:
-                collected.write(path)
+                collected.write(path, earlier=earlier)
             except BaseException as e:  # re-raised below, after telling the other ranks
                 failure = e
     else:
@@ -338,11 +346,14 @@ class Opened:
     @property
     def data_world_size(self) -> int:
         """The number of data shards the run that wrote the checkpoint read: its world size, or,
-        under ``tensor_parallel(size=t)`` or ``pipeline(size=t)`` (as its manifest records the program), ``world_size // t``."""
+        under ``tensor_parallel(size=t)``, ``context_parallel(size=c)`` or ``pipeline(size=p)`` (as its
+        manifest records the program), the world size over the product of their sizes (the ranks of
+        one model copy read one shard together)."""
         records = self.manifest.transforms if isinstance(self.manifest.transforms, list) else []
-        sizes = [r.get("size") for r in records if isinstance(r, dict) and r.get("type") in ("TensorParallel", "Pipeline")]
-        size = sizes[0] if sizes and isinstance(sizes[0], int) and sizes[0] > 0 else 1
-        return max(self.manifest.world_size // size, 1)
+        sizes = [r.get("size") for r in records
+                 if isinstance(r, dict) and r.get("type") in ("TensorParallel", "ContextParallel", "Pipeline")]
+        model = math.prod(size for size in sizes if isinstance(size, int) and size > 0)
+        return max(self.manifest.world_size // model, 1)
 
     def other_program(self, program: Step | None) -> str | None:
         """What differs when the checkpoint was written by a program with other transforms

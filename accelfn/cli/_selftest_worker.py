@@ -27,7 +27,7 @@ from accelfn.cli._selftest import FAULTS
 from accelfn.distributed import float8
 from accelfn.loop import run
 from accelfn.state import TrainState
-from accelfn.step import Step, train_step
+from accelfn.step import Step, output_loss, train_step
 from accelfn.transforms import (
     Transform,
     accumulate,
@@ -155,7 +155,7 @@ def check_parallel(backend: Backend, kind: str) -> str:
         "deepspeed": lambda: deepspeed({"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}),
     }
     parallel = builders[kind]()
-    loss: Any = _pipeline_loss if kind == "pipeline" else _loss  # pipeline's form: (output, targets)
+    loss: Any = output_loss(_pipeline_loss) if kind == "pipeline" else _loss  # pipeline's form: (output, targets)
     step = compose(shard_data(), parallel, accumulate(WINDOW), clip(MAX_NORM))(train_step(loss))
     data_world = n if kind in ("shard_params", "deepspeed") else 1
     state = _train(backend, _state(stages=stages, width=width), step, data_world=data_world)

@@ -111,6 +111,13 @@ def check_modules(model: torch.nn.Module, plan: Mapping[str, Any], spelling: Map
         why = (f"tensor_parallel(plan=...): {pattern!r} is {spelling[pattern]} and matches {listed}; torch's "
                f"{'ColwiseParallel' if kind == 'colwise' else 'RowwiseParallel'} splits nn.Linear and nn.Embedding "
                "layers only")
+        if any(type(m).__module__.startswith("peft.") for _, m in wrong):
+            raise ValueError(
+                why + ". These are peft adapter layers (LoRA, ...): a base layer with the adapter's own small layers "
+                "beside it, whose output it adds; accelfn has no tensor-parallel plan for them. Leave the adapted "
+                "layers whole (out of the plan) and split layers without adapters, e.g. the MLP's: "
+                "{'base_model.model.model.layers.*.mlp.gate_proj': 'colwise', ...up_proj: 'colwise', ...down_proj: "
+                "'rowwise'}; or train with shard_params() alone")
         if any(type(m).__name__ == "Conv1D" for _, m in wrong):
             raise ValueError(
                 why + ". transformers' Conv1D (GPT-2's layers) holds its weight transposed, (in, out), and GPT-2's "

@@ -75,6 +75,15 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
+def original_class(module: torch.nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` made it an instance of FSDP's subclass of
+    it (``FSDPLlamaForCausalLM`` for a ``LlamaForCausalLM``); its own class otherwise."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(module, fsdp.FSDPModule):
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, fsdp.FSDPModule))
+
+
 def reshard(model: torch.nn.Module) -> None:
     """Frees the parameters every FSDP2 unit of ``model`` gathered and registers its shards
     again (``FSDPModule.reshard``): after forwards without a backward, as in evaluation, a
@@ -354,7 +363,9 @@ class Shard(ModelPhase):
     parallelism (torchtitan's order).
 
     Over ``("replicate", "shard")`` when both have several ranks (hybrid sharding), else over
-    ``"shard"``; nothing is sharded on a data dimension of one rank (but with ``offload``,
+    ``"shard"``, with the ``context`` ranks folded into ``shard`` (``Mesh.fsdp_mesh``, as
+    torchtitan's ``dp_shard_cp``: the context ranks' gradients are reduce-scattered with the
+    rest); nothing is sharded on a data dimension of one rank (but with ``offload``,
     which needs FSDP even on one process). A model sharded by an earlier ``prepare`` keeps its
     layout (checked) and gets its precision refreshed.
     """
@@ -396,18 +407,18 @@ class Shard(ModelPhase):
             mark_replicas(model)  # one model: its buffers are rank 0's where it is read
         if self.sharded:
             refresh_precision(model)  # requires_grad may have changed since (pytorch#186998)
-            prep.forward_is_collective = prep.mesh.shard > 1
+            prep.forward_is_collective = prep.mesh.fsdp_size > 1
             return
-        device_mesh = prep.mesh.device_mesh(prep.hardware.device, "replicate", "shard")
+        device_mesh = prep.mesh.fsdp_mesh(prep.hardware.device)
         if device_mesh is None and spec.offload:  # FSDP on one process, for its offloading
             single_process_group(prep.hardware.device)
             from torch.distributed.device_mesh import init_device_mesh
 
             device_mesh = init_device_mesh(prep.hardware.device.type, (1,), mesh_dim_names=("shard",))
-        if device_mesh is not None and (prep.mesh.shard > 1 or spec.offload):
+        if device_mesh is not None and (prep.mesh.fsdp_size > 1 or spec.offload):
             split = prep.mesh.tensor > 1  # equal on every rank already: tensor parallelism broadcast it
             shard_model(model, prep.state.optimizer, spec, prep.policy, device_mesh, broadcast=not split)
-            prep.forward_is_collective = prep.mesh.shard > 1
+            prep.forward_is_collective = prep.mesh.fsdp_size > 1
         remember_layout(model, spec)
 
 

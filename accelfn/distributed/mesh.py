@@ -6,14 +6,15 @@ Every parallelism is a named dimension of one grid of ranks, outermost first::
     replicate  data parallel copies of the model (replicate(), invariant(), hybrid
                sharding's groups, a DeepSpeed ZeRO-0 engine, or ranks that train alone)
     shard      data parallel ranks that split one copy (shard_params(), DeepSpeed ZeRO 1-3)
-    context    (room for context parallelism: the ranks that split one sequence)
+    context    context_parallel(size=c): the ranks that split one sequence; their gradients
+               are reduced with the data-parallel ranks' (FSDP2 over shard x context)
     tensor     tensor_parallel(size=t): the ranks that split each layer
 
 Rank ``r`` sits at the row-major coordinates of ``r`` in that grid, so the innermost
 dimensions hold consecutive ranks (a tensor-parallel group on one node, where its per-layer
 collectives are cheapest; a pipeline's stages far apart, as torchtitan lays them out). The
 data a rank reads is its place on the data dimensions (``replicate`` x ``shard``): the ranks
-of one pipeline or one tensor-parallel group read the same batches.
+of one pipeline, one context group or one tensor-parallel group read the same batches.
 
 ``Mesh.of(step, world_size, local_world_size)`` is pure arithmetic (``af.plan`` builds the
 mesh of any world size in one process); ``device_mesh`` builds torch's ``DeviceMesh`` of the
@@ -37,6 +38,7 @@ from accelfn.distributed.agreement import extremes
 from accelfn.distributed.context import ProcessContext
 from accelfn.step import Step
 from accelfn.transforms import Pipeline, ShardParams, TensorParallel
+from accelfn.transforms.context_parallel import ContextParallel
 from accelfn.transforms.deepspeed import DeepSpeed
 
 if TYPE_CHECKING:
@@ -81,11 +83,11 @@ class Mesh:
                 ranks not a multiple of ``shard_params(shard_size=...)``; the message names
                 the transforms.
         """
-        tp, pp = step.find(TensorParallel), step.find(Pipeline)
-        tensor, pipe = (tp.size if tp else 1), (pp.size if pp else 1)
-        model = tensor * pipe
+        tp, pp, cp = step.find(TensorParallel), step.find(Pipeline), step.find(ContextParallel)
+        tensor, pipe, context = (tp.size if tp else 1), (pp.size if pp else 1), (cp.size if cp else 1)
+        model = tensor * pipe * context
         if world_size % model:
-            named = " x ".join(f"{t.verb}(size={t.size})" for t in (pp, tp) if t is not None)
+            named = " x ".join(f"{t.verb}(size={t.size})" for t in (pp, cp, tp) if t is not None)
             raise ValueError(
                 f"{named}: one copy of the model spans {model} ranks, and the world of {world_size} processes "
                 f"cannot be split into such groups; launch a multiple of {model} processes, or choose sizes whose "
@@ -95,10 +97,10 @@ class Mesh:
         if step.find(DeepSpeed) is not None:  # ZeRO partitions over every data-parallel rank
             return cls(pipe=pipe, shard=data, tensor=tensor)
         if shard is None or data == 1:
-            return cls(pipe=pipe, replicate=data, tensor=tensor)
+            return cls(pipe=pipe, replicate=data, context=context, tensor=tensor)
         local = world_size if local_world_size is None else local_world_size
         degree = shard.shard_degree(data, min(local, data))
-        return cls(pipe=pipe, replicate=data // degree, shard=degree, tensor=tensor)
+        return cls(pipe=pipe, replicate=data // degree, shard=degree, context=context, tensor=tensor)
 
     # -- sizes and coordinates -------------------------------------------------------------
 
@@ -115,6 +117,25 @@ class Mesh:
     def data_size(self) -> int:
         """The number of data shards: the ranks along ``replicate`` x ``shard``."""
         return self.replicate * self.shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """The ranks FSDP2 shards one copy of the model over: ``shard`` x ``context`` (the
+        context ranks' gradients are reduce-scattered with the shard ranks', as torchtitan folds
+        them)."""
+        return self.shard * self.context
+
+    @property
+    def replicas(self) -> int:
+        """The ranks DDP averages the gradients over under ``replicate()``: ``replicate`` x
+        ``context`` (the context ranks' gradients are summed with the replicas')."""
+        return self.replicate * self.context
+
+    def fsdp_place(self, rank: int) -> int:
+        """``rank``'s place along FSDP2's sharded dimension, ``shard`` x ``context`` (row-major,
+        as torch flattens them: ``fsdp_mesh``), of ``fsdp_size``."""
+        place = self.coordinates(rank)
+        return place["shard"] * self.context + place["context"]
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """``rank``'s place along each dimension (row-major: the last dimension varies fastest).
@@ -136,8 +157,8 @@ class Mesh:
         return place["replicate"] * self.shard + place["shard"], self.data_size
 
     def leads(self, rank: int) -> bool:
-        """Whether ``rank`` reports for its data shard: the first rank of its pipeline and its
-        tensor-parallel group (every rank of a data-parallel-only mesh)."""
+        """Whether ``rank`` reports for its data shard: the first rank of its pipeline, its
+        context group and its tensor-parallel group (every rank of a data-parallel-only mesh)."""
         place = self.coordinates(rank)
         return all(place[name] == 0 for name in DIMENSIONS if name not in DATA)
 
@@ -168,6 +189,20 @@ class Mesh:
         if wanted == whole.mesh_dim_names:
             return whole
         return whole[wanted] if len(wanted) > 1 else whole[wanted[0]]
+
+    def fsdp_mesh(self, device: torch.device) -> DeviceMesh | None:
+        """torch's ``DeviceMesh`` FSDP2 shards over: ``("replicate", "shard")`` with ``context``
+        folded into ``shard`` (flattened to one dimension named ``"shard_context"`` when both have
+        several ranks), as torchtitan's ``dp_shard_cp``; None when no data dimension has more
+        than one rank."""
+        folded = tuple(n for n in ("shard", "context") if getattr(self, n) > 1)
+        if len(folded) < 2:
+            return self.device_mesh(device, "replicate", "shard", "context")
+        whole = _whole(device.type, self)
+        # torch's own fold (torchtitan's dp_shard_cp), made once and kept by the root mesh
+        flat = whole[folded]._flatten("shard_context")  # noqa: SLF001
+        # hybrid sharding needs it beside "replicate": sliced from the root mesh, the one way torch 2.13 has
+        return whole["replicate", "shard_context"] if self.replicate > 1 else flat
 
     def group(self, device: torch.device, name: str) -> Any:
         """The process group of this rank along dimension ``name``, or None (one rank)."""

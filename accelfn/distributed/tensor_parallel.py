@@ -65,6 +65,18 @@ class Resolved:
     spelling: dict[str, str]
 
 
+def _own_plan(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The model's own plan (a transformers model's ``_tp_plan``), its patterns prefixed with
+    the name of the module that holds it: the outermost that has one of its own (a
+    ``peft.PeftModel`` holds its transformers model as ``base_model.model``, and forwards
+    attribute lookups to it, so the root's ``_tp_plan`` would name modules it does not have)."""
+    for name, module in model.named_modules():
+        own = vars(module).get("_tp_plan") or vars(module).get("tp_plan")
+        if own:
+            return {f"{name}.{pattern}" if name else pattern: style for pattern, style in own.items()}
+    return getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)  # a class attribute
+
+
 def resolve(tp: TensorParallel, model: torch.nn.Module) -> Resolved | None:
     """The plan as ``parallelize_module`` takes it, checked (None for a plan function).
 
@@ -77,7 +89,7 @@ def resolve(tp: TensorParallel, model: torch.nn.Module) -> Resolved | None:
     if callable(tp.plan):
         return None
     if tp.plan == "auto":
-        own = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None)
+        own = _own_plan(model)
         if not own:
             raise ValueError(
                 f"tensor_parallel(plan='auto') takes the model's own tensor-parallel plan (a transformers "

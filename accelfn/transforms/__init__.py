@@ -7,6 +7,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
     model     replicate       data parallel: one gradient all-reduce per update
               shard_params    fully sharded data parallel (FSDP2): 1/W of the state per rank
               tensor_parallel  layers split over groups of ranks (TP; with shard_params: 2-D)
+              context_parallel  each sequence split over groups of ranks (CP; attention as a ring)
               pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
     forward   with_precision  autocast / low-precision parameters, loss scaling
@@ -24,6 +25,7 @@ backend interprets them.
 from accelfn.transforms.accumulate import Accumulate, Window, accumulate
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
+from accelfn.transforms.context_parallel import ContextParallel, context_parallel
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
 from accelfn.transforms.data import ShardData, shard_data
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
@@ -76,6 +78,8 @@ __all__ = [
     "with_precision",
     "TensorParallel",
     "tensor_parallel",
+    "ContextParallel",
+    "context_parallel",
     "SCHEDULES",
     "Pipeline",
     "pipeline",

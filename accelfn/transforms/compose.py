@@ -11,6 +11,7 @@ from accelfn.step import TransformBase
 from accelfn.transforms.accumulate import Accumulate
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.compile import Compile
+from accelfn.transforms.context_parallel import ContextParallel
 from accelfn.transforms.data import ShardData
 from accelfn.transforms.deepspeed import DeepSpeed
 from accelfn.transforms.invariant import Invariant
@@ -25,10 +26,10 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite, TensorParallel, Pipeline, Invariant, DeepSpeed]
+                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
-    TensorParallel, Pipeline, Invariant, DeepSpeed,
+    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

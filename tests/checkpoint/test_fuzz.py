@@ -1,7 +1,8 @@
 """Corrupted checkpoints by the hundred, seeded: each is refused with a CheckpointError before
 anything in the state changes, or loads exactly what was saved.
 
-One small checkpoint (a 6-16-3 model mid-accumulation-window under fp16: AdamW moments and
+One small checkpoint (a 6-16-3 model, its first layer frozen, so that its tensors are in
+``frozen.safetensors``, mid-accumulation-window under fp16: AdamW moments and
 scalar steps, a cosine schedule, the loss scale and skip count, the open window and its
 gradients, ``extra`` objects with a list, a tuple, a tensor and a numpy array) is saved once;
 each mutation rewrites one or two of its files in place and puts them back after the load
@@ -55,6 +56,7 @@ class Moments:
 
 def _state(seed: int) -> af.TrainState:
     state = build(seed, extra=True)
+    state.model.fc1.requires_grad_(False)  # a frozen layer (a LoRA's base): its own frozen.safetensors
     return state.replace(extra={**state.extra, "moments": Moments()})
 
 

@@ -114,15 +114,16 @@ def _modules_walked(fn: Callable[[], object]) -> list[str]:
     return sorted(seen)
 
 
-def test_a_save_and_a_load_each_walk_at_most_eight_checkpoint_modules(tmp_path: Path) -> None:
-    """af.save of a trained state runs code of at most 8 modules of accelfn.checkpoint, and
-    af.load of it at most 8, the same ones: a save checks what it writes by the reader a load
-    runs (counted by a profile hook on every Python call)."""
+def test_a_save_and_a_load_each_walk_at_most_nine_checkpoint_modules(tmp_path: Path) -> None:
+    """af.save of a trained state runs code of at most 9 modules of accelfn.checkpoint, and
+    af.load of it at most 8: the same ones but ``_frozen`` (which writes the frozen base's
+    files, read as any model file): a save checks what it writes by the reader a load runs
+    (counted by a profile hook on every Python call)."""
     state = make_state()
     state = af.run(af.train_step(P.mse), state, _loader(), backend=af.backends.CPU(), max_steps=2, epochs=None,
                    progress=False)
     saved = _modules_walked(lambda: af.save(state, tmp_path / "ckpt"))
     loaded = _modules_walked(lambda: af.load(tmp_path / "ckpt", into=make_state()))
-    assert len(saved) <= 8, saved
+    assert len(saved) <= 9, saved
     assert len(loaded) <= 8, loaded
-    assert saved == loaded
+    assert set(saved) - set(loaded) == {"accelfn.checkpoint._frozen"} and set(loaded) <= set(saved)

@@ -212,17 +212,17 @@ def collectives_per_update(step: Step, model: torch.nn.Module, policy: Policy, s
         out.extend(_pipeline(step, pp, params, policy, split, traced, n))
     elif invariant is not None:
         out.extend(_invariant(params, policy, mesh, n, traced))
-        over_ranks = guard and shard is not None and mesh.shard > 1
-        if shard is not None and mesh.shard > 1:
+        over_ranks = guard and shard is not None and mesh.fsdp_size > 1
+        if shard is not None and mesh.fsdp_size > 1:
             unknown.append("invariant() with shard_params(): FSDP2's all-gathers of the parameters are not planned")
     else:
-        if replicate is not None and mesh.replicate > 1:
+        if replicate is not None and mesh.replicas > 1:
             out.extend(_ddp(model, params, policy, replicate, mesh, unknown))
             over_ranks = False
         if split.sharded and shard is not None:
             out.extend(_fsdp(model, shard, policy, split, n))
             if mesh.replicate > 1:  # hybrid: the sharded gradients all-reduced across the groups
-                out.extend(_make("all_reduce", c.dtype, (c.elements or 0) // mesh.shard,
+                out.extend(_make("all_reduce", c.dtype, (c.elements or 0) // mesh.fsdp_size,
                                  c.what.replace("reduce-scatter", "replica all-reduce"), mesh.replicate, c.count)
                            for c in list(out) if c.kind == "reduce_scatter")
         if tp is not None and mesh.tensor > 1:
@@ -246,7 +246,7 @@ def _ddp(model: torch.nn.Module, params: list[torch.nn.Parameter], policy: Polic
     by_dtype: dict[torch.dtype, int] = {}
     for b in model.buffers():
         by_dtype[_stored(b, policy)] = by_dtype.get(_stored(b, policy), 0) + b.numel()
-    out.extend(_make("broadcast", dtype, elements, "DDP buffers", mesh.replicate) for dtype, elements in by_dtype.items())
+    out.extend(_make("broadcast", dtype, elements, "DDP buffers", mesh.replicas) for dtype, elements in by_dtype.items())
     for i, bucket in enumerate(ddp_buckets(params, replicate.bucket_cap_mb)):
         dtype = ddp_rules.bucket_dtype(replicate.comm_hook, _stored(params[bucket[0]], policy))
         if dtype is None:
@@ -254,7 +254,7 @@ def _ddp(model: torch.nn.Module, params: list[torch.nn.Parameter], policy: Polic
                            "collectives of each gradient bucket")
             return out
         out.append(_make("all_reduce", dtype, sum(params[j].numel() for j in bucket), f"DDP bucket {i}",
-                         mesh.replicate))
+                         mesh.replicas))
     return out
 
 
@@ -393,7 +393,7 @@ def _stored(p: torch.Tensor, policy: Policy) -> torch.dtype:
 
 
 def _fsdp(model: torch.nn.Module, shard: ShardParams, policy: Policy, split: ModelSplit, n: int) -> list[Collective]:
-    degree = split.mesh.shard
+    degree = split.mesh.fsdp_size
     gather_dtype = policy.compute_dtype if policy.autocast else None
     reduce_dtype = torch.float32 if policy.autocast else None
     whole_rank = attrs.evolve(split, sharded=False)  # rank 0's tensor-parallel pieces, as FSDP2 shards them

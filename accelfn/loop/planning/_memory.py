@@ -216,7 +216,7 @@ def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
                     o_bytes += _nbytes(numel if shape == p.shape else math.prod(shape), state_dtype)
         buffers = sum(_nbytes(b.numel(), _storage_dtype(b, policy)) for b in model.buffers() if split.holds(b, rank))
         # DDP's flat buckets; under pipeline() the one flat copy of the stage's gradients its all-reduce sends
-        copies = replicate is not None and mesh.replicate > 1 and (
+        copies = replicate is not None and mesh.replicas > 1 and (
             not replicate.gradient_as_bucket_view or split.held)
         offloaded = p_bytes + g_bytes + o_bytes if shard is not None and shard.offload else 0
         cache[key] = Memory(params=p_bytes, grads=g_bytes, optimizer=o_bytes, buffers=buffers,

@@ -79,6 +79,7 @@ class Facts:
     memory: tuple[Memory, ...] | None = None
     optimizer_problem: str | None = None
     trace_problem: str | None = None
+    context_problem: str | None = None
     unused_params: tuple[str, ...] = ()
     scheduler_steps: int | None = None
     mesh: Mesh | None = None
@@ -485,6 +486,13 @@ def _unplanned(f: Facts) -> Iterable[Problem]:
     if f.trace_problem:
         yield Problem("trace-failed", False, f"the micro-batch could not be traced on fake tensors: {f.trace_problem}",
                       "the plan has no activation peak; plan(trace=False) skips the trace")
+
+
+@_check
+def _context_length(f: Facts) -> Iterable[Problem]:
+    if f.context_problem:
+        what, _, fix = f.context_problem.partition("; ")
+        yield Problem("context-length-indivisible", True, f"the first batch: {what}", fix)
 
 
 @_check

@@ -12,7 +12,8 @@ Rank ``r`` sits at ``Mesh.coordinates(r)`` (``distributed.mesh``). Of each param
   row-wise ``Shard(1)``, as ``torch.chunk`` cuts, so ranks differ where ``tensor`` does not
   divide ``d``);
 - ``shard_params``: of that, the ``s``-th of ``shard`` chunks along dim 0 (FSDP2's
-  ``Shard(0)`` of the local tensor, over the mesh's shard dimension: 2-D FSDP x TP).
+  ``Shard(0)`` of the local tensor, over the mesh's shard dimension: 2-D FSDP x TP; with
+  ``context_parallel``, over shard x context, ``Mesh.fsdp_place`` of ``Mesh.fsdp_size``).
 
 DeepSpeed's partitions are DeepSpeed's own rule (``distributed.deepspeed.zero_partition``).
 """
@@ -79,7 +80,7 @@ class ModelSplit:
         if dim is not None:
             shape = chunk_shape(shape, dim, place["tensor"], self.mesh.tensor)
         if self.sharded:
-            shape = chunk_shape(shape, 0, place["shard"], self.mesh.shard)
+            shape = chunk_shape(shape, 0, self.mesh.fsdp_place(rank), self.mesh.fsdp_size)
         return shape
 
     def numel(self, param: torch.Tensor, rank: int) -> int:
@@ -90,7 +91,7 @@ class ModelSplit:
     def key(self, rank: int) -> tuple[int, ...]:
         """Ranks with the same key hold the same pieces (their place on pipe, tensor, shard)."""
         place = self.mesh.coordinates(rank)
-        return place["pipe"], place["tensor"], place["shard"] if self.sharded else 0
+        return place["pipe"], place["tensor"], self.mesh.fsdp_place(rank) if self.sharded else 0
 
 
 def model_split(step: Step, model: torch.nn.Module, mesh: Mesh) -> ModelSplit:
@@ -118,7 +119,7 @@ def model_split(step: Step, model: torch.nn.Module, mesh: Mesh) -> ModelSplit:
         for layer in layers:
             params = dict(modules[layer.module].named_parameters())
             tensor_dims.update((id(params[name]), dim) for name, dim in layer.dims if name in params)
-    sharded = shard is not None and mesh.shard > 1
+    sharded = shard is not None and mesh.fsdp_size > 1
     return ModelSplit(mesh, stages, held, tensor_dims, tuple(layers), sharded, tuple(unknown))
 
 

@@ -5,7 +5,8 @@ A plan is computed in one process for any world size, without training and witho
 allocating gradients, optimizer state or activations: the counts are arithmetic over the
 data's length and the program's transforms (``_counts``), the persistent bytes come from
 shapes and dtypes and the optimizer's own step on meta tensors, the activation peak from one
-micro-batch traced on fake tensors (``_memory``), the collectives from the bucket and
+micro-batch traced on fake tensors (``_memory``; under ``context_parallel``, context rank 0's
+part of each sequence, what its forward holds), the collectives from the bucket and
 unit layout (``_comms``), and the misconfigurations from the catalogue (``_problems``).
 ``run`` checks the plan's problems before the first forward and refuses one with errors.
 """
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
+from accelfn.distributed import context_parallel
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.distributed.mesh import Mesh
@@ -35,7 +37,7 @@ from accelfn.loop.planning._split import ModelSplit, split_of
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import OutputLoss, Step, check_loss_form, unpack
-from accelfn.transforms import Pipeline
+from accelfn.transforms import ContextParallel, Pipeline
 
 __all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
 
@@ -197,10 +199,11 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if split_error is None:
         memory, optimizer_problem = persistent_memory(state.model, state.optimizer, state.transforms_state,
                                                       policy=policy, step=step, split=split)
-    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error)
+    facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error,
+                         context_problem=_context_problem(step, data, mesh))
     traced = None
     if trace and memory is not None:
-        result = _trace(step, state, data, backend, policy, split)
+        result = _trace(step, state, data, backend, policy, split, mesh)
         if isinstance(result, tuple):
             peak, unused, traced = result
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
@@ -210,6 +213,9 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     if memory is not None and mesh.pipe > 1:
         not_planned.append("pipeline(): the activations of the micro-batches each stage keeps in flight (the "
                            "micro-batch peak is the whole model's, one micro-batch)")
+    if mesh.context > 1:
+        not_planned.append("context_parallel(): the ring's exchanges of keys and values in each attention (the "
+                           "activation peak is one rank's part of each sequence, attended locally)")
     if memory is not None and mesh.tensor > 1:
         not_planned.append("tensor_parallel(): the activations of the split layers (the micro-batch peak is the "
                            "unsplit model's)")
@@ -241,8 +247,27 @@ def _first_batch(data: Iterable[Any]) -> Any:
     return None  # an iterator would lose the batch; a stream would start its workers
 
 
+def _context_part(step: Step, batch: Any, mesh: Mesh) -> Any:
+    """Under ``context_parallel`` on several context ranks, context rank 0's part of ``batch``
+    (what its forward holds); else ``batch``. Raises ValueError as ``split_batch``."""
+    spec = step.find(ContextParallel)
+    return batch if spec is None or mesh.context == 1 else context_parallel.split_batch(batch, spec, 0)
+
+
+def _context_problem(step: Step, data: Iterable[Any], mesh: Mesh) -> str | None:
+    """Why ``context_parallel`` cannot cut the first batch's sequences, or None."""
+    batch = _first_batch(data) if step.find(ContextParallel) is not None else None
+    if batch is None:
+        return None
+    try:
+        _context_part(step, batch, mesh)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           split: ModelSplit) -> tuple[int, tuple[str, ...], Traced] | str:
+           split: ModelSplit, mesh: Mesh) -> tuple[int, tuple[str, ...], Traced] | str:
     """(peak bytes of one micro-batch, parameters that got no gradient, what the collectives'
     sizes depend on), or why it was not traced. Under ``pipeline`` the forward runs through
     the model cut into its stages (recording the value each passes on) and the loss takes the
@@ -250,6 +275,10 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
     batch = _first_batch(data)
     if batch is None:
         return "no first batch to trace (data that is not a map-style DataLoader or a list)"
+    try:
+        batch = _context_part(step, batch, mesh)  # a rank holds its part of each sequence
+    except ValueError:  # the length does not divide: context-length-indivisible says so
+        return "the batch's sequences cannot be cut over the context ranks"
     names: list[str] = []
     seen: dict[str, Any] = {"metrics": [], "layers": {}, "crossings": []}
     pp = step.find(Pipeline)
