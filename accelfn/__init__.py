@@ -7,6 +7,7 @@ from accelfn.step import Loss, OutputLoss, Step, output_loss, train_step
 # transforms: each a frozen record and the verb that builds it
 from accelfn.transforms import (
     Accumulate,
+    CheckpointActivations,
     Clip,
     ClipValue,
     Compile,
@@ -21,6 +22,7 @@ from accelfn.transforms import (
     Transform,
     WithPrecision,
     accumulate,
+    checkpoint_activations,
     clip,
     clip_value,
     compile,
@@ -57,6 +59,7 @@ from accelfn._version import __version__
 __all__ = [
     "JSONL",
     "Accumulate",
+    "CheckpointActivations",
     "CheckpointError",
     "Checkpoints",
     "Clip",
@@ -99,6 +102,7 @@ __all__ = [
     "__version__",
     "accumulate",
     "backends",
+    "checkpoint_activations",
     "clip",
     "clip_value",
     "compile",

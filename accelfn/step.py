@@ -47,6 +47,9 @@ class TransformBase:
     reduces_gradients: ClassVar[bool] = False
     #: an engine that places, partitions and wraps the model itself (deepspeed): prepare does not
     engine: ClassVar[bool] = False
+    #: the program computes other values with it than without it; checkpoints record the transforms
+    #: that do (False: checkpoint_activations, which changes what is kept, never a value)
+    changes_results: ClassVar[bool] = True
     #: why its step computes the loss from the model's output instead of calling
     #: ``loss_fn(model, batch)`` (pipeline: on the last stage), so that the program's loss must be
     #: an ``af.output_loss(fn)``; None for a transform that calls ``loss_fn(model, batch)``

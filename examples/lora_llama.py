@@ -11,7 +11,8 @@ process its files, and a resumed epoch continues each stream from its saved stat
 re-reading it). The program:
 
 1. trains the adapter (peft ``LoraConfig`` on the attention's q and v projections) with
-   ``shard_params()`` (FSDP2) and bf16 for ``--steps`` updates, uninterrupted, in ``A/``;
+   ``shard_params()`` (FSDP2), bf16 and activation checkpointing of the decoder layers
+   (``checkpoint_activations()``) for ``--steps`` updates, uninterrupted, in ``A/``;
 2. trains it again in ``B/``, stopped after ``--stop`` updates (mid-epoch; a checkpoint every
    ``--every-steps``), then resumed from the latest checkpoint in a freshly built state to the
    same total (``run(max_steps=...)`` takes totals), and checks that it ends bitwise equal to
@@ -99,8 +100,7 @@ def train(files: list[str], run_dir: Path, *, max_steps: int, every_steps: int, 
         af.shard_data(seed=SEED),
         af.shard_params(),
         af.with_precision("bf16"),
-        # ACTIVATION CHECKPOINTING (issue 33): af.checkpoint_activations() goes here once it is on
-        # main; the run is the same with it, only its memory differs.
+        af.checkpoint_activations(),  # the decoder layers recompute their activations in the backward
     )(af.train_step(loss_fn))
     loader = DataLoader(stream(files), batch_size=batch_size)
     checkpoints = af.Checkpoints(run_dir / "ckpt", every_steps=every_steps)

@@ -212,7 +212,7 @@ class Backend(ProcessContext, abc.ABC):
                 a phase (``refusals``: XLA's ``shard_params``, ``compile``, ...), or a phase
                 not with these options (offloading on the CPU backend).
             ValueError: a world size the transforms cannot divide; a model prepared before
-                with other transforms (sharded, split, cut) than ``step``'s.
+                with other transforms (sharded, split, cut) than ``step``'s; a phase's check.
             TransformError: under ``invariant()``, a batch-coupled layer (BatchNorm, ...),
                 named, before anything is placed; ``af.output_loss`` without ``pipeline()``.
         """

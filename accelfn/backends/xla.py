@@ -123,6 +123,11 @@ class XLA(Backend):
 
     #: the model phases XLA does not run, and why
     refusals: ClassVar[Mapping[str, str]] = {
+        # XLA's compiler sees the recomputed forward as a copy of the first and folds it away
+        "checkpoint_activations": "the xla backend does not support checkpoint_activations(): XLA's compiler folds "
+                                  "a recomputed forward into the first one (common subexpressions), keeping the "
+                                  "activations after all; checkpoint with torch_xla.utils.checkpoint.checkpoint "
+                                  "(optimization barriers) in the model's forward instead",
         # torch_xla traces every step into an XLA graph and compiles it already
         "compile": "the xla backend does not support compile(): torch_xla already compiles each step into an XLA "
                    "graph; remove af.compile() (or accelfn launch --compile) for XLA",

@@ -38,7 +38,7 @@ from accelfn.checkpoint.snapshot import TRANSIENT, Snapshot
 from accelfn.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from accelfn.step import Step
+    from accelfn.step import Step, TransformBase
 
 #: 2: manifest.sha256 added; 3: records named by stable tags (``_codec.RECORDS``), not module paths;
 #: 4: tensor files checked with xxh3_128, each file entry naming its algorithm (sha256 when
@@ -414,13 +414,20 @@ def decode_snapshot(manifest: Manifest, tables: Mapping[str, Mapping[str, torch.
     return Snapshot(**fields)
 
 
+def _recorded(program: Step) -> list[TransformBase]:
+    """The transforms of ``program`` that change what it computes (``changes_results``): a
+    checkpoint records those; one that only changes what is kept (``checkpoint_activations``:
+    the same values, bit for bit) is left out, so checkpoints with and without it are alike."""
+    return [t for t in program.transforms if t.changes_results]
+
+
 def transforms_record(program: Step | None) -> Any:
     """The program's transforms as the manifest holds them (plain data: each transform's
-    type name and options), or None."""
+    type name and options; those that change results only), or None."""
     if program is None:
         return None
     records = [{"type": type(t).__name__, **{k: _described(getattr(t, k)) if isinstance(getattr(t, k), frozenset) else v
-                                             for k, v in unstructure(t).items()}} for t in program.transforms]
+                                             for k, v in unstructure(t).items()}} for t in _recorded(program)]
     return orjson.loads(dumps(records, default=_described))  # as it reads back from a manifest
 
 
@@ -440,10 +447,10 @@ def saved_transforms(saved: Any, program: Step | None) -> Any:
     defaults of ``program``'s transforms of the same type and place: an option added to a
     transform since (``shard_data(split_batches=...)``) reads as its default, which is what
     the program that wrote the checkpoint ran with."""
-    if not isinstance(saved, list) or program is None or len(saved) != len(program.transforms):
+    if not isinstance(saved, list) or program is None or len(saved) != len(_recorded(program)):
         return saved
     filled = []
-    for record, transform in zip(saved, program.transforms):
+    for record, transform in zip(saved, _recorded(program)):
         if isinstance(record, dict) and record.get("type") == type(transform).__name__:
             defaults = {f.name: f.default for f in attrs.fields(type(transform))  # type: ignore[arg-type]  # transforms are attrs classes
                         if f.name not in record and f.default is not attrs.NOTHING

@@ -15,16 +15,17 @@ and exports are the unsharded model's). The stages run through
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from accelfn.distributed import recompute
 from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.phases import ModelPhase
-from accelfn.transforms import Pipeline
+from accelfn.transforms import CheckpointActivations, Pipeline
 
 if TYPE_CHECKING:
     from accelfn.distributed.phases import Preparation
@@ -103,6 +104,17 @@ def _crossing(graph: torch.fx.Graph, stages: dict[torch.fx.Node, int], num_stage
     return flows
 
 
+class _Tracer(torch.fx.Tracer):
+    """``torch.fx``'s tracer, keeping the modules ``leaves`` whole (one ``call_module`` node each)."""
+
+    def __init__(self, leaves: Collection[torch.nn.Module]):
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return m in self._leaves or super().is_leaf_module(m, module_qualified_name)
+
+
 def check_split_points(model: torch.nn.Module, split_points: tuple[str, ...]) -> None:
     """Raises unless every split point names a module of ``model`` (before tracing it).
 
@@ -167,25 +179,39 @@ def _untraceable_hint(model: torch.nn.Module) -> str:
     return hint
 
 
-def cut(model: torch.nn.Module, pp: Pipeline) -> list[torch.fx.GraphModule]:
+def cut(model: torch.nn.Module, pp: Pipeline, leaves: Collection[torch.nn.Module] = frozenset(),
+        ) -> list[torch.fx.GraphModule]:
     """``model`` traced and cut at ``pp.split_points``: one ``GraphModule`` per stage, on the
     model's own parameters and buffers, under their own names.
 
+    Args:
+        model: the model.
+        pp: the transform (its split points).
+        leaves: modules the stages call whole, as ``call_module`` (the blocks
+            ``checkpoint_activations`` recomputes: each stage then runs their own forward).
+
     Raises:
         ValueError: a split point that names no module of the model, the model cannot be
-            traced (named), a split point it never uses, a stage that would be empty, one
-            crossed by more than one value, a parameter used by two stages, an output not
-            computed by the last stage.
+            traced (named), a split point it never uses or inside one of ``leaves``, a stage
+            that would be empty, one crossed by more than one value, a parameter used by two
+            stages, an output not computed by the last stage.
     """
     check_split_points(model, pp.split_points)
+    whole = [name for name, module in model.named_modules() if module in leaves]
+    for point in pp.split_points:
+        inside = [name for name in whole if point.startswith(name + ".")]
+        if inside:
+            raise ValueError(
+                f"pipeline(split_points={list(pp.split_points)!r}): {point!r} is inside the block {inside[0]!r}, "
+                "whose activations checkpoint_activations() recomputes as a whole in its stage; split at a block "
+                "(e.g. the block itself), or recompute other modules (checkpoint_activations(modules=...))")
     try:
-        traced = torch.fx.symbolic_trace(model)
+        graph = _Tracer(leaves).trace(model)
     except Exception as e:  # noqa: BLE001  # torch's tracing errors have many types
         raise ValueError(
             f"pipeline(): torch.fx.symbolic_trace cannot trace {type(model).__name__} ({type(e).__name__}: {e}); "
             "pipeline() cuts a traceable forward (no control flow on tensor values, positional tensor "
             f"arguments){_untraceable_hint(model)}") from e
-    graph = traced.graph
     stages = assign_stages(graph, pp.split_points)
     _check_not_empty(stages, pp.split_points)
     flows = _crossing(graph, stages, pp.num_stages, pp.split_points)
@@ -264,15 +290,16 @@ def prune(model: torch.nn.Module, optimizer: torch.optim.Optimizer, kept: set[in
 
 
 def prepare_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pp: Pipeline, mesh: Mesh,
-                  rank: int, group: Any) -> list[tuple[int, torch.fx.GraphModule]]:
+                  rank: int, group: Any, leaves: Collection[torch.nn.Module] = frozenset(),
+                  ) -> list[tuple[int, torch.fx.GraphModule]]:
     """Cuts ``model``, prunes it and ``optimizer`` to the stages of ``rank`` (its place on
     ``mesh``'s pipe dimension, whose process group is ``group``), leaves on it the
     ``StageLayout`` checkpoints read, and returns its stages as ``(stage index, module)`` pairs.
 
     Raises:
-        ValueError: from :func:`cut`.
+        ValueError: from :func:`cut` (``leaves``: the modules its stages call whole).
     """
-    modules = cut(model, pp)
+    modules = cut(model, pp, leaves)
     names = {id(p): n for n, p in model.named_parameters()}
     layout = StageLayout(
         keys=tuple(model.state_dict()),
@@ -314,17 +341,28 @@ class Cut(ModelPhase):
                 "pipeline() of a model built on the meta device is not built yet (each rank would fill only its "
                 "stages); build the model on the CPU: prepare cuts it and each rank keeps only its stages")
         check_not_cut(prep.state.model)
-        cut(prep.state.model, self.spec)  # every error of the cut, before anything changes
+        cut(prep.state.model, self.spec, self._leaves(prep))  # every error of the cut, before anything changes
 
     def apply(self, prep: Preparation) -> None:
         model, rank = prep.state.model, prep.hardware.rank
         for tensor in [*model.parameters(), *model.buffers()]:  # every rank starts from rank 0's model
             dist.broadcast(tensor.data, src=0)
         group = prep.mesh.group(prep.hardware.device, "pipe")
-        prep.stages = prepare_model(model, prep.state.optimizer, self.spec, prep.mesh, rank, group)
+        prep.stages = prepare_model(model, prep.state.optimizer, self.spec, prep.mesh, rank, group,
+                                    self._leaves(prep))
         last_rank = prep.mesh.ranks_along("pipe", rank)[-1]
         keep(model, prep.stages, self.spec.num_stages, group, last_rank, prep.hardware.device)
         prep.forward_is_collective = True
+
+
+    @staticmethod
+    def _leaves(prep: Preparation) -> frozenset[torch.nn.Module]:
+        """The blocks whose activations the program recomputes: each stage calls them whole, so
+        that the stage recomputes them (``checkpoint_activations`` per stage)."""
+        spec = prep.step.find(CheckpointActivations)
+        if spec is None or (spec.policy == "budget" and spec.chosen is None):  # refused by its own phase
+            return frozenset()
+        return recompute.leaves(spec, prep.state.model)
 
 
 def cut_with(model: torch.nn.Module) -> Pipeline | None:

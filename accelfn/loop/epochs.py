@@ -18,7 +18,7 @@ from accelfn.loop._preemption import Preemption
 from accelfn.loop._progress import Progress, check_config, run_config
 from accelfn.loop._resume import check_run_arguments, resume_state
 from accelfn.loop.hooks import Hook, Hooks, check_hooks
-from accelfn.loop.planning.report import check_before_run, show_plan
+from accelfn.loop.planning.report import check_before_run, resolve_budget, show_plan
 from accelfn.loop.profile import Profile, profiling
 from accelfn.loop.updates import count_updates
 from accelfn.state import Stopped, TrainState, require_state
@@ -143,7 +143,8 @@ def run(
             without ``max_steps``; ``resume="auto"`` without ``checkpoints``; a checkpoint
             whose position in its epoch is beyond the data's micro-batches per epoch; a
             checkpoint directory that is a file; on every rank, metrics whose names differ
-            across ranks.
+            across ranks; ``checkpoint_activations("budget")`` that no choice of blocks meets,
+            or over data without a first batch to trace.
         NonFiniteError: too many consecutive updates skipped for non-finite gradients.
         RuntimeError: (``distributed.ArrivalError``) a collective: some rank did not call
             ``run`` within the collective timeout, or called another collective API (each
@@ -196,6 +197,7 @@ def _run(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, e
     check_run_arguments(checkpoints, resume)
     if not isinstance(continue_after_stop, bool):
         raise TypeError(f"run(continue_after_stop=...) takes True or False, got {continue_after_stop!r}")
+    step = resolve_budget(step, state, data, backend)  # checkpoint_activations("budget"): its blocks chosen
     state, step_fn = backend.prepare(step, state)
     step = step_fn.step  # the program as run: with what `accelfn launch` added (--accumulate, ...)
     if not state.model.training:  # left in eval mode as a whole, by the user's own evaluation

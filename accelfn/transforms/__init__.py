@@ -10,6 +10,7 @@ never changes the meaning of the program; ``Step.transforms`` lists them in phas
               context_parallel  each sequence split over groups of ranks (CP; attention as a ring)
               pipeline        the model cut into stages over ranks (PP; with replicate: PP x DP)
               invariant       the same bits on any number of processes (canonical sum tree)
+              checkpoint_activations  blocks' activations recomputed in the backward
     forward   with_precision  autocast / low-precision parameters, loss scaling
     backward  accumulate      n micro-batches per optimizer update
     gradient  clip, clip_value  after unscaling and after the all-reduce
@@ -23,6 +24,7 @@ backend interprets them.
 """
 
 from accelfn.transforms.accumulate import Accumulate, Window, accumulate
+from accelfn.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
 from accelfn.transforms.context_parallel import ContextParallel, context_parallel
@@ -90,4 +92,6 @@ __all__ = [
     "invariant",
     "DeepSpeed",
     "deepspeed",
+    "CheckpointActivations",
+    "checkpoint_activations",
 ]

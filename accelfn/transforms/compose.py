@@ -9,6 +9,7 @@ import toolz
 
 from accelfn.step import TransformBase
 from accelfn.transforms.accumulate import Accumulate
+from accelfn.transforms.checkpoint_activations import CheckpointActivations
 from accelfn.transforms.clip import Clip, ClipValue
 from accelfn.transforms.compile import Compile
 from accelfn.transforms.context_parallel import ContextParallel
@@ -26,10 +27,11 @@ if TYPE_CHECKING:
     from accelfn.step import Step
 
 Transform = Union[ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue,
-                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed]
+                  SkipNonfinite, TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
+                  CheckpointActivations]
 TRANSFORM_TYPES: tuple[type[TransformBase], ...] = (
     ShardData, Replicate, ShardParams, Compile, WithPrecision, Accumulate, Clip, ClipValue, SkipNonfinite,
-    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed,
+    TensorParallel, ContextParallel, Pipeline, Invariant, DeepSpeed, CheckpointActivations,
 )
 _VERB_NAMES = frozenset(t.verb for t in TRANSFORM_TYPES)
 

@@ -121,3 +121,79 @@ def test_compile_after_ddp_on_two_processes_matches_one_eager_process(pool: Pool
     trained = load_file(tmp_path / "params.safetensors")
     for name, p in reference.model.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=RTOL, atol=ATOL, msg=name)
+
+
+#: TorchDynamo reads ``.grad`` of a block's input (not a leaf) under torch's own ``hide_warnings``, which
+#: users never see; where warnings are errors (here) it is one
+HIDDEN_BY_TORCH = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf Tensor is being accessed:UserWarning")
+
+
+def _block_state(seed: int = 0, blocks: int = 4) -> af.TrainState:
+    from tests.helpers import recompute as R
+
+    return R.make_state(seed, hidden=(32,) * blocks, p=0.0)
+
+
+def _block_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _block_data() -> torch.utils.data.DataLoader:
+    from tests.helpers import recompute as R
+
+    return R.loader()
+
+
+@HIDDEN_BY_TORCH
+@pytest.mark.parametrize("recompute", [False, True])
+def test_regional_compilation_matches_eager_and_leaves_names_and_modules_as_they_are(
+        cpu: af.backends.CPU, recompute: bool) -> None:
+    """compile(regions=True) (inductor) compiles each of the 4 blocks in place (and with
+    checkpoint_activations, each block with its recomputation): 2 epochs of accumulate(2) end
+    within compile's tolerance of eager; the step calls the state's own model, no module is an
+    OptimizedModule, the names are the plain model's."""
+    extra = (af.checkpoint_activations(),) if recompute else ()
+    program = af.compose(af.accumulate(2), *extra)(af.train_step(_block_loss))
+    eager = af.run(program, _block_state(), _block_data(), backend=cpu, epochs=2, progress=False)
+    state = _block_state()
+    state, step_fn = cpu.prepare(af.compile(regions=True)(program), state)
+    assert step_fn._model is state.model  # noqa: SLF001 (what the forward calls)
+    compiled = af.run(af.compile(regions=True)(program), state, _block_data(), backend=cpu, epochs=2, progress=False)
+    assert compiled.step == eager.step == 6
+    for (name, a), b in zip(compiled.model.named_parameters(), eager.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=name)
+    assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in compiled.model.modules())
+    assert list(compiled.model.state_dict()) == list(_block_state().model.state_dict())
+    assert [m._compiled_call_impl is not None for m in compiled.model.modules()] == [  # noqa: SLF001
+        n.startswith("blocks.") and n.count(".") == 1 for n, _ in compiled.model.named_modules()]
+
+
+@HIDDEN_BY_TORCH
+@pytest.mark.parametrize("blocks", [4, 8])
+def test_regional_compilation_compiles_the_block_once_whatever_the_number_of_blocks(
+        cpu: af.backends.CPU, blocks: int) -> None:
+    """TorchDynamo compiles the blocks' shared forward once, for 4 blocks as for 8: one compiled
+    code object (one graph) serves every block."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    af.run(af.compile(backend="eager", regions=True)(af.train_step(_block_loss)), _block_state(blocks=blocks),
+           _block_data(), backend=cpu, epochs=1, progress=False)
+    assert counters["frames"]["ok"] == 1
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@HIDDEN_BY_TORCH
+def test_regional_compilation_is_refused_without_repeated_blocks_and_undone_by_a_plain_prepare(
+        cpu: af.backends.CPU) -> None:
+    """compile(regions=True) of a model without repeated blocks raises ValueError before anything
+    changes; a model whose blocks a prepare compiled has them uncompiled by a prepare without it."""
+    with pytest.raises(ValueError, match=r"compile\(regions=True\): MLP has no repeated blocks"):
+        cpu.prepare(af.compile(regions=True)(af.train_step(loss_fn)), fresh_state())
+    state, _ = cpu.prepare(af.compile(backend="eager", regions=True)(af.train_step(_block_loss)), _block_state())
+    assert state.model.blocks[0]._compiled_call_impl is not None  # noqa: SLF001
+    state, _ = cpu.prepare(af.train_step(_block_loss), state)
+    assert all(m._compiled_call_impl is None for m in state.model.modules())  # noqa: SLF001

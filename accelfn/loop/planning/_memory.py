@@ -331,15 +331,22 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(getattr(tree, field.name))
 
 
+#: ``(storages that exist before, the fake model) -> tracker``: what counts a traced micro-batch's bytes
+TrackerFactory = Callable[[list[torch.Tensor], torch.nn.Module], PeakTracker]
+
+
 def trace_micro_batch(model: torch.nn.Module, batch: Any, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor],
                       autocast: Callable[[], Any], policy: Policy, unused: list[str] | None = None,
-                      device: torch.device | None = None) -> int:
+                      device: torch.device | None = None, *, adjust: Callable[[torch.nn.Module], Any] | None = None,
+                      tracker: TrackerFactory | None = None) -> int:
     """What one micro-batch's forward and backward add at their peak, in bytes, traced on fake
     tensors: a fake copy of ``model`` (parameters in the policy's storage dtype) and of ``batch``,
     on ``device`` (None: the CPU) as the backend places them, so that the device's kernels and
     autocast decide the activations' dtypes and sizes.
     Nothing is allocated for activations or gradients, and ``model`` is not touched. The names of
-    trainable parameters that got no gradient are appended to ``unused``."""
+    trainable parameters that got no gradient are appended to ``unused``. ``adjust`` changes the
+    fake copy before the trace (which blocks recompute: ``distributed.recompute.recompute``);
+    ``tracker`` makes the counter (default: a ``PeakTracker``; one that also watches the fake model)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -351,16 +358,18 @@ def trace_micro_batch(model: torch.nn.Module, batch: Any, loss_of: Callable[[tor
         for b in model.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=_storage_dtype(b, policy), device=device)
         fake = copy.deepcopy(model, memo)
+        if adjust is not None:
+            adjust(fake)
         fake_batch = _to_fake(batch, mode, device)
         known = [*fake.parameters(), *fake.buffers(), *(t for t in tree_flatten(fake_batch)[0]
                                                         if isinstance(t, torch.Tensor))]
-        with PeakTracker(known) as tracker:
+        with (tracker or (lambda k, _: PeakTracker(k)))(known, fake) as counting:
             with autocast():
                 loss = loss_of(fake, fake_batch)
             loss.backward()
         if unused is not None:
             unused.extend(n for n, p in fake.named_parameters() if p.requires_grad and p.grad is None)
-    return tracker.peak
+    return counting.peak
 
 
 def _to_fake(tree: Any, mode: Any, device: torch.device | None) -> Any:

@@ -82,6 +82,8 @@ class Facts:
     context_problem: str | None = None
     unused_params: tuple[str, ...] = ()
     scheduler_steps: int | None = None
+    recompute_full: int | None = None
+    recompute_problem: str = ""
     mesh: Mesh | None = None
     mesh_error: str | None = None
     split_error: str | None = None
@@ -318,6 +320,10 @@ def _fits(f: Facts) -> Iterable[Problem]:
                        f"{f.world_size} processes)")
     if f.step.find(ShardParams) is not None and not f.step.find(ShardParams).offload:  # type: ignore[union-attr]
         options.append("shard_params(offload=True) (the state in CPU memory)")
+    if worst.micro_batch and f.recompute_full is not None and f.recompute_full < worst.micro_batch:
+        options.append(f"af.checkpoint_activations() (its blocks recomputed in the backward: a micro-batch peak of "
+                       f"{_mib(f.recompute_full)} instead of {_mib(worst.micro_batch)}, "
+                       f"{_mib(worst.micro_batch - f.recompute_full)} less per rank)")
     if worst.micro_batch:
         options.append("a smaller micro-batch with af.accumulate(n) (the same update, 1/n of the activations)")
     yield Problem("exceeds-device-memory", True,
@@ -325,6 +331,14 @@ def _fits(f: Facts) -> Iterable[Problem]:
                   f"{_mib(worst.grads)}, optimizer {_mib(worst.optimizer)}, micro-batch "
                   f"{_mib(worst.micro_batch or 0)}), more than the device's {_mib(f.device_memory)}",
                   "; or ".join(options) or "a smaller model or micro-batch")
+
+
+@_check
+def _recompute_budget(f: Facts) -> Iterable[Problem]:
+    if f.recompute_problem:
+        yield Problem("recompute-budget-unreachable", True, f.recompute_problem,
+                      "raise max_bytes, shard or split the model's activations (tensor_parallel), or make the "
+                      "micro-batch smaller with af.accumulate(n)")
 
 
 @_check

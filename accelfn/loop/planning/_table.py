@@ -74,6 +74,13 @@ def render(plan: Any) -> str:
         if plan.device_memory is not None:
             lines.append(f"  device memory {size(plan.device_memory)}: peak at "
                          f"{100 * worst.device_peak / plan.device_memory:.0f}%")
+    if plan.recompute is not None:
+        r = plan.recompute
+        rows = [["checkpoint_activations", "micro-batch peak"],
+                *([label, size(peak)] for label, peak in r.peaks.items())]
+        lines += ["", *_table(rows), f"  recomputed: {len(r.chosen)} of {len(r.blocks)} blocks"
+                  + (f" ({', '.join(r.chosen[:4])}{', ...' if len(r.chosen) > 4 else ''})" if r.chosen else "")
+                  + (f"; each block saves {size(r.blocks[0][1])}" if len({b for _, b in r.blocks}) == 1 else "")]
     if plan.comms:
         rows = [["collectives (rank 0)", "dtype", "elements", "bytes", "on wire", "per update"]]
         for c in plan.comms:

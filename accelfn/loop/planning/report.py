@@ -29,17 +29,19 @@ from accelfn.distributed.env import LaunchEnv, with_launch_defaults
 from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.pipeline import cut, split_batch
+from accelfn.distributed.recompute import recomputing
 from accelfn.loop.planning._comms import Collective, Traced, collectives_per_update, metric_count
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
 from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro_batch
 from accelfn.loop.planning._problems import Facts, Problem, find_problems
+from accelfn.loop.planning._recompute import Recomputation, adjusting, plan_recomputation, resolved_step
 from accelfn.loop.planning._split import ModelSplit, split_of
 from accelfn.loop.planning._table import render
 from accelfn.state import TrainState
 from accelfn.step import OutputLoss, Step, check_loss_form, unpack
-from accelfn.transforms import ContextParallel, Pipeline
+from accelfn.transforms import CheckpointActivations, ContextParallel, Pipeline
 
-__all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "plan"]
+__all__ = ["Collective", "EpochCounts", "Memory", "Plan", "PlanError", "Problem", "Recomputation", "plan"]
 
 
 @attrs.frozen
@@ -59,6 +61,11 @@ class Plan:
         comms: the collectives of one optimizer update on rank 0, in order.
         problems: errors and warnings, each with a code, what is wrong and the fix.
         device_memory: the bytes per device the plan was checked against, or None.
+        recompute: under ``checkpoint_activations``, each candidate block's activation bytes,
+            the micro-batch's traced peak under each policy and the blocks recomputed (None
+            without it, or untraced).
+        step: the program ``run`` prepares: ``step`` with a ``checkpoint_activations("budget")``
+            resolved to the blocks the trace chose (prepare it in a loop of your own).
     """
 
     world_size: int
@@ -71,6 +78,8 @@ class Plan:
     comms: tuple[Collective, ...]
     problems: tuple[Problem, ...]
     device_memory: int | None = None
+    recompute: Recomputation | None = None
+    step: Step | None = None
 
     @property
     def updates_per_epoch(self) -> tuple[int | None, ...]:
@@ -202,12 +211,19 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     facts = attrs.evolve(facts, optimizer_problem=optimizer_problem, split_error=split_error,
                          context_problem=_context_problem(step, data, mesh))
     traced = None
+    recomputation = None
     if trace and memory is not None:
-        result = _trace(step, state, data, backend, policy, split, mesh)
+        recomputation, step, facts = _recomputation(step, state, data, backend, policy, facts, mesh)
+        result = _trace(step, state, data, backend, policy, split, mesh, step.find(CheckpointActivations))
         if isinstance(result, tuple):
             peak, unused, traced = result
             memory = tuple(attrs.evolve(m, micro_batch=peak) for m in memory)
-            facts = attrs.evolve(facts, unused_params=unused)
+            facts = attrs.evolve(facts, unused_params=unused, step=step)
+            if (device_memory is not None and recomputation is None
+                    and max(m.device_peak for m in memory) > device_memory):  # what checkpoint_activations() saves
+                full = _trace(step, state, data, backend, policy, split, mesh, CheckpointActivations())
+                if isinstance(full, tuple):
+                    facts = attrs.evolve(facts, recompute_full=full[0])
         else:
             facts = attrs.evolve(facts, trace_problem=result)
     if memory is not None and mesh.pipe > 1:
@@ -235,7 +251,7 @@ def _plan(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, 
     facts = attrs.evolve(facts, not_planned=tuple(not_planned))
     return Plan(world_size=world_size, backend=backend.name, precision=policy.name, epochs=counted,
                 total_updates=total, scheduler_steps=scheduler_steps, memory=memory, comms=comms,
-                problems=find_problems(facts), device_memory=device_memory)
+                problems=find_problems(facts), device_memory=device_memory, recompute=recomputation, step=step)
 
 
 def _first_batch(data: Iterable[Any]) -> Any:
@@ -266,26 +282,21 @@ def _context_problem(step: Step, data: Iterable[Any], mesh: Mesh) -> str | None:
     return None
 
 
-def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
-           split: ModelSplit, mesh: Mesh) -> tuple[int, tuple[str, ...], Traced] | str:
-    """(peak bytes of one micro-batch, parameters that got no gradient, what the collectives'
-    sizes depend on), or why it was not traced. Under ``pipeline`` the forward runs through
-    the model cut into its stages (recording the value each passes on) and the loss takes the
-    last stage's output and the batch's targets."""
-    batch = _first_batch(data)
-    if batch is None:
-        return "no first batch to trace (data that is not a map-style DataLoader or a list)"
-    try:
-        batch = _context_part(step, batch, mesh)  # a rank holds its part of each sequence
-    except ValueError:  # the length does not divide: context-length-indivisible says so
-        return "the batch's sequences cannot be cut over the context ranks"
-    names: list[str] = []
-    seen: dict[str, Any] = {"metrics": [], "layers": {}, "crossings": []}
+def _tracing(step: Step, backend: Backend, policy: Any, split: ModelSplit | None,
+             seen: dict[str, Any]) -> dict[str, Any]:
+    """The loss, autocast, policy and device of a trace of ``step``'s micro-batch, recording in
+    ``seen`` the loss function's metrics and, where ``split`` names layers, their inputs and
+    outputs, and the values the pipeline's stages pass on. Under ``pipeline`` the forward runs
+    through the model cut into its stages (each recomputed block of the fake model called
+    whole, as ``prepare``'s cut does) and the loss takes the last stage's output and the
+    batch's targets."""
+    for key, empty in (("metrics", []), ("layers", {}), ("crossings", [])):
+        seen.setdefault(key, empty)
     pp = step.find(Pipeline)
 
     def loss_of(model: torch.nn.Module, b: Any) -> torch.Tensor:
         modules = dict(model.named_modules())
-        for layer in split.layers:
+        for layer in split.layers if split is not None else ():
             modules[layer.module].register_forward_hook(_layer_probe(layer.module, seen["layers"]))
         if pp is None and isinstance(step.loss_fn, OutputLoss):  # refused by the problems; traced whole
             inputs, targets = split_batch(b)
@@ -295,7 +306,7 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
         else:
             inputs, targets = split_batch(b)
             value: Any = inputs
-            stages = cut(model, pp)
+            stages = cut(model, pp, frozenset(model.get_submodule(n) for n, _ in recomputing(model)))
             for i, stage in enumerate(stages):
                 value = stage(*value) if i == 0 else stage(value)
                 if i < len(stages) - 1:
@@ -308,10 +319,29 @@ def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend,
     def autocast() -> Any:
         return backend.autocast(policy)
 
+    # on the GPU the fake copy is a CUDA one (CUDA's kernels and autocast); XLA's is traced on the CPU
+    return {"loss_of": loss_of, "autocast": autocast, "policy": policy,
+            "device": backend.device if backend.device.type == "cuda" else None}
+
+
+def _trace(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any, split: ModelSplit,
+           mesh: Mesh, recompute: CheckpointActivations | None) -> tuple[int, tuple[str, ...], Traced] | str:
+    """(peak bytes of one micro-batch, parameters that got no gradient, what the collectives'
+    sizes depend on), or why it was not traced; the blocks ``recompute`` chooses recompute."""
+    batch = _first_batch(data)
+    if batch is None:
+        return "no first batch to trace (data that is not a map-style DataLoader or a list)"
     try:
-        # on the GPU the fake copy is a CUDA one (CUDA's kernels and autocast); XLA's is traced on the CPU
-        device = backend.device if backend.device.type == "cuda" else None
-        peak = trace_micro_batch(state.model, batch, loss_of, autocast, policy, unused=names, device=device)
+        batch = _context_part(step, batch, mesh)  # a rank holds its part of each sequence
+    except ValueError:  # the length does not divide: context-length-indivisible says so
+        return "the batch's sequences cannot be cut over the context ranks"
+    names: list[str] = []
+    seen: dict[str, Any] = {}
+    if recompute is not None and recompute.policy == "budget" and recompute.chosen is None:
+        recompute = CheckpointActivations("full", recompute.modules)  # a budget not met: the most it recomputes
+    try:
+        peak = trace_micro_batch(state.model, batch, unused=names, adjust=adjusting(recompute),
+                                 **_tracing(step, backend, policy, split, seen))
     except Exception as e:  # noqa: BLE001 - a forward that fake tensors cannot run: said in the plan
         return f"{type(e).__name__}: {str(e)[:300]}"
     metrics, is_sum = seen["metrics"][0]
@@ -329,9 +359,56 @@ def _layer_probe(name: str, into: dict[str, Any]) -> Any:
     return hook
 
 
+def _recomputation(step: Step, state: TrainState, data: Iterable[Any], backend: Backend, policy: Any,
+                   facts: Facts, mesh: Mesh) -> tuple[Recomputation | None, Step, Facts]:
+    """The plan of ``step``'s ``checkpoint_activations`` (None without it), ``step`` with its
+    budget resolved, and the facts with what went wrong (a budget not met, a trace that failed);
+    traced on the first batch as a rank holds it (its part of each sequence under context_parallel)."""
+    spec = step.find(CheckpointActivations)
+    if spec is None:
+        return None, step, facts
+    batch = _first_batch(data)
+    if batch is None:
+        return None, step, attrs.evolve(facts, trace_problem="no first batch to trace (data that is not a "
+                                                             "map-style DataLoader or a list)")
+    try:
+        batch = _context_part(step, batch, mesh)
+        planned, resolved, problem = plan_recomputation(spec, state.model, batch,
+                                                        **_tracing(step, backend, policy, None, {}))
+    except Exception as e:  # noqa: BLE001 - as _trace: said in the plan (a choice of no block: prepare's own error)
+        return None, step, attrs.evolve(facts, trace_problem=f"{type(e).__name__}: {str(e)[:300]}")
+    step = resolved_step(step, spec, resolved)
+    return planned, step, attrs.evolve(facts, recompute_problem=problem, recompute_full=planned.peaks["full"])
+
+
+def resolve_budget(step: Step, state: TrainState, data: Iterable[Any], backend: Backend) -> Step:
+    """``step`` with its ``checkpoint_activations("budget")`` resolved to the blocks the trace of
+    the data's first batch chooses (``run`` calls it before ``prepare``; every rank alike); any
+    other ``step`` as it is.
+
+    Raises:
+        ValueError: no first batch to trace, a trace that fails, or a budget no choice meets.
+    """
+    spec = step.find(CheckpointActivations)
+    if spec is None or spec.policy != "budget" or spec.chosen is not None:
+        return step
+    batch = _first_batch(data)
+    if batch is None:
+        raise ValueError(f"{spec!r} chooses its blocks from the trace of the data's first batch, and this data has "
+                         "none to read ahead (not a map-style DataLoader or a list); name the blocks instead: "
+                         "checkpoint_activations(modules=[...])")
+    policy = backend.precision(with_launch_defaults(step, backend.env, warn=False))
+    batch = _context_part(step, batch, Mesh.of(step, backend.world_size, backend.local_world_size))
+    _, resolved, problem = plan_recomputation(spec, state.model, batch, **_tracing(step, backend, policy, None, {}))
+    if problem:
+        raise ValueError(f"{problem}; raise max_bytes, or make the micro-batch smaller (af.accumulate(n))")
+    return resolved_step(step, spec, resolved)
+
+
 #: errors that ``prepare`` and the data already raise before the first forward, with their own
 #: exception types (NotImplementedError, ValueError) that callers catch: ``run`` leaves them to those
 RAISED_ELSEWHERE = frozenset({"precision-unsupported", "shard-params-unsupported", "compile-unsupported",
+                              "checkpoint-activations-unsupported",
                               "tensor-parallel-unsupported", "pipeline-unsupported", "invariant-unsupported",
                               "sampler-unshardable", "global-batch-indivisible", "shard-size-indivisible",
                               "data-unshardable", "resume-beyond-epoch", "world-indivisible",
