@@ -230,3 +230,19 @@ except NotImplementedError as e:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == ("Linear with_precision('fp8') trains through torchao's float8 layers, and torchao is "
                                   "not installed: pip install 'accelfn[fp8]' (torchao)"), out.stderr
+
+
+@H.requires_fp8
+def test_fp8_composes_with_activation_checkpointing(cpu):
+    """fp8 with checkpoint_activations() recomputes the converted blocks in the backward and gives
+    bitwise the parameters of fp8 without it after 3 updates (the conversion runs first)."""
+    batches = _batches(3)
+    results = []
+    for transforms in ([H.fp8()], [H.fp8(), af.checkpoint_activations()]):
+        state, fn = cpu.prepare(af.compose(*transforms)(af.train_step(H.loss_fn)), H.make_state())
+        for batch in batches:
+            state, _ = fn(state, batch)
+        assert type(state.model.blocks[0].up).__name__ == "Float8Linear"
+        results.append(state.model.state_dict())
+    assert results[0].keys() == results[1].keys()
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
