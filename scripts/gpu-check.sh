@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every CUDA test (pytest -m cuda) in one go, on a machine with a GPU, then (with 2 GPUs
-# or more) the context-parallel memory row of benchmarks/README.md.
+# Runs every CUDA test (pytest -m cuda) in one go, on a machine with a GPU, then the speed rows
+# of benchmarks/README.md: fp8 against bf16 step time (benchmarks/fp8.py, compute capability 8.9
+# and newer) and, with 2 GPUs or more, the context-parallel memory row.
 #
 #   scripts/gpu-check.sh [extra pytest args]
 #
@@ -28,6 +29,8 @@ else
     echo "gpu-check: context_parallel memory row skipped: CP = 2 splits one sequence over 2 GPUs (a process" \
          "each; NCCL refuses two ranks on one GPU), and $gpus GPU(s) are visible"
 fi
+# fp8 against bf16 step time (benchmarks/README.md); prints why it skipped without a GPU of compute capability 8.9+
+"$PYTHON" benchmarks/fp8.py
 if [ "$gpus" = "0" ]; then
     echo "gpu-check: no CUDA GPU visible: the CUDA tests were skipped, nothing was checked" >&2
     exit 1

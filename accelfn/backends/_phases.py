@@ -20,7 +20,8 @@ from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
 from accelfn.backends._tolerant_step import TolerantStepFn
 from accelfn.distributed import (
-    canonical, context_parallel, ddp, deepspeed, fault_tolerance, fsdp, meta, pipeline, recompute, tensor_parallel,
+    canonical, context_parallel, ddp, deepspeed, fault_tolerance, float8, fsdp, meta, pipeline, recompute,
+    tensor_parallel,
 )
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
@@ -98,21 +99,25 @@ def _compiled_regions(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 #: the model phases, in the order ``prepare`` applies them (each checked before any applies):
 #: an engine that runs the model itself; placement; the pipeline's cut; tensor parallelism;
-#: context parallelism (the program's forward splits each sequence); activation checkpointing
-#: (after TP and CP, before FSDP2: torchtitan's order); sharding (FSDP2); a model built on the
-#: meta device filled (after the splits, so that each rank allocates only its own shards, as
-#: torchtitan's ``to_empty`` after parallelizing);
-#: replication (invariant's broadcast; tolerate_faults' link to the other replica groups; or
-#: DDP); compilation (after DDP's wrapper).
+#: context parallelism (the program's forward splits each sequence); fp8's conversion to
+#: torchao's float8 layers (before activation checkpointing wraps blocks and FSDP2 shards them,
+#: as torchtitan converts first); activation checkpointing (after TP and CP, before FSDP2:
+#: torchtitan's order); sharding (FSDP2); a model built on the meta device filled (after the
+#: splits, so that each rank allocates only its own shards, as torchtitan's ``to_empty`` after
+#: parallelizing); fp8's float8 scales of sharded weights (kept current before each forward,
+#: once the shards are real); replication (invariant's broadcast; tolerate_faults' link to the
+#: other replica groups; or DDP); compilation (after DDP's wrapper).
 PHASES: tuple[type[ModelPhase], ...] = (
     deepspeed.Engine,
     Place,
     pipeline.Cut,
     tensor_parallel.Split,
     context_parallel.Ring,
+    float8.Convert,
     recompute.Recompute,
     fsdp.Shard,
     meta.Materialize,
+    float8.Scales,
     canonical.Replicas,
     fault_tolerance.Replicas,
     ddp.DDP,

@@ -34,7 +34,7 @@ class CPU(Backend):
 
     name: ClassVar[str] = "cpu"
     # torch autocasts to bfloat16 and float16 on CPU (fp16 since torch 2.3)
-    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
+    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true", "fp8")
 
     def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
         env = LaunchEnv.from_env() if env is None else env

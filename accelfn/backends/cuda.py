@@ -30,7 +30,7 @@ class CUDA(Backend):
     """
 
     name: ClassVar[str] = "cuda"
-    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true")
+    supported_precisions: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16", "bf16-true", "fp8")
 
     def __init__(self, env: LaunchEnv | None = None, *, place_model: bool = True, place_batches: bool = True):
         check_placement("CUDA", place_model=place_model, place_batches=place_batches)  # before any state changes

@@ -31,7 +31,7 @@ from accelfn.checkpoint._codec import (
 )
 from accelfn.checkpoint._rng import RngState
 from accelfn.checkpoint._tensorfiles import WORKERS, in_parallel
-from accelfn.distributed import is_dtensor
+from accelfn.distributed import is_dtensor, plain
 from accelfn.errors import CheckpointError
 from accelfn.state import OPTIMIZER_VIEW, Stopped, TrainState, require_state
 
@@ -148,7 +148,7 @@ class _Copier:
         self._done: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
+        t = plain(t.detach())  # torchao's float8 weight wrappers: their fp32 data
         if not self._copy:
             return t
         key = view_key(t)

@@ -28,6 +28,7 @@ from accelfn.distributed.ops import (
     is_dtensor,
     mark_replicas,
     pad_across_processes,
+    plain,
     rank,
     reduce,
     split_between_processes,
@@ -38,7 +39,7 @@ from accelfn.distributed.ops import (
 __all__ = [
     "REDUCE_OPS", "Agreement", "ArrivalError", "ProcessContext", "ReduceOp", "all_same", "any_rank", "arrive",
     "barrier", "broadcast", "broadcast_object", "default_device", "exchange", "extremes", "failures", "gather",
-    "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "rank", "reduce",
+    "gather_object", "is_dtensor", "mark_replicas", "outcome_of_rank_0", "pad_across_processes", "plain", "rank", "reduce",
     "same_length", "first_item", "split_between_processes", "sync_buffers", "world_size",
     "canonical_all_reduce",
 ]

@@ -128,6 +128,35 @@ def is_dtensor(value: object) -> TypeGuard[DTensor]:
     return module is not None and isinstance(value, module.DTensor)
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its data seen as a plain tensor (or a DTensor of plain local shards), sharing its
+    storage: for a tensor subclass that wraps one tensor of its own shape and dtype (torchao's
+    float8 weights under float8 all-gathers, ``WeightWithDynamicFloat8CastTensor``, and the
+    optimizer moments ``zeros_like`` makes of them), which safetensors cannot write.
+    Any other tensor is returned as it is.
+    """
+    if is_dtensor(t):
+        local = t.to_local()
+        inner = _plain_local(local)
+        if inner is local:
+            return t
+        return type(t).from_local(inner, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return _plain_local(t)
+
+
+def _plain_local(t: torch.Tensor) -> torch.Tensor:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not is_traceable_wrapper_subclass(t):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    if not isinstance(inner, torch.Tensor) or inner.shape != t.shape or inner.dtype != t.dtype:
+        return t
+    return _plain_local(inner)
+
+
 def world_size() -> int:
     """The number of ranks of the default group (1 without one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -12,14 +12,15 @@ from accelfn.backends import _phases
 from tests.helpers import programs as P
 
 #: the phases in the order prepare applies them (docs/04-backends-and-launching.md lists them)
-ORDER = ["deepspeed", "place", "pipeline", "tensor_parallel", "context_parallel", "checkpoint_activations",
-         "shard_params", "materialize", "invariant", "tolerate_faults", "replicate", "compile"]
+ORDER = ["deepspeed", "place", "pipeline", "tensor_parallel", "context_parallel", "fp8", "checkpoint_activations",
+         "shard_params", "materialize", "fp8 scales", "invariant", "tolerate_faults", "replicate", "compile"]
 
 
 def test_the_phase_table_lists_the_phases_in_their_order() -> None:
     """One row per phase, in the documented order: an engine, placement, the pipeline's cut,
-    tensor parallelism, context parallelism, activation checkpointing, sharding, materialization,
-    invariant's replicas, the replica groups of tolerate_faults, DDP, compilation."""
+    tensor parallelism, context parallelism, fp8's conversion, activation checkpointing, sharding,
+    materialization, fp8's sharded scales, invariant's replicas, the replica groups of
+    tolerate_faults, DDP, compilation."""
     assert [row.name for row in _phases.PHASES] == ORDER
 
 

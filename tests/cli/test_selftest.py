@@ -23,6 +23,7 @@ CHECKS = [
     "cpu bf16: training lowers the loss",
     "cpu fp16: training lowers the loss",
     "cpu bf16-true: training lowers the loss",
+    "cpu fp8: training lowers the loss",
     f"3 processes (gloo): {TRAINING}",
     "3 processes (gloo): checkpoint save/load round trip",
     "3 processes (gloo): gather of unequal sizes",

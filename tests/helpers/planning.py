@@ -239,7 +239,8 @@ MEMORY_FOUR = [("shard_params", precision, "adamw") for precision in ("fp32", "b
 
 
 #: the programs whose collectives are checked on 2 processes
-COMMS = ("replicate-acc4-clip", "replicate-buckets", "shard_params-clip", "shard_params-acc2-fp16")
+COMMS = ("replicate-acc4-clip", "replicate-buckets", "shard_params-clip", "shard_params-acc2-fp16",
+         "shard_params-fp8")
 
 
 def comms_program(name: str) -> af.Step:
@@ -249,8 +250,36 @@ def comms_program(name: str) -> af.Step:
         "replicate-buckets": [af.replicate(bucket_cap_mb=0.0002)],  # 209 bytes: several buckets
         "shard_params-clip": [af.shard_params(), af.clip(1.0)],
         "shard_params-acc2-fp16": [af.shard_params(), af.accumulate(2), af.with_precision("fp16")],
+        "shard_params-fp8": [af.shard_params(), af.with_precision("fp8", float8_all_gather=True)],
     }
     return af.compose(af.shard_data(), *transforms[name])(loss)
+
+
+class Fp8Net(torch.nn.Module):
+    """``3 -> 32``, two ``Linear(32, 32)`` blocks (converted to float8: multiples of 16) and
+    ``32 -> 5``: the input and output layers stay in high precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh()) for _ in range(2))
+        self.out = torch.nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def comms_state(name: str) -> af.TrainState:
+    """The state of the comms program ``name``: ``memory_state("adamw")``, or for fp8 the same
+    over ``Fp8Net`` (layers that suit float8)."""
+    if not name.endswith("fp8"):
+        return memory_state("adamw")
+    torch.manual_seed(0)
+    model = Fp8Net()
+    return af.TrainState.create(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
 def _example(name: str) -> Any:

@@ -1,12 +1,13 @@
 """``af.plan``'s collectives per update are what a real 2-process run issues: kind, dtype and
 elements of each, under replicate + accumulate(4) + clip (DDP buffers and bucket), replicate with
 several DDP buckets, shard_params + clip (FSDP2 all-gathers and reduce-scatters per unit, the clip
-norm) and shard_params + accumulate(2) + fp16 (fp16 gathers, fp32 reductions, the non-finite
-check), with the metric reductions of one logged update.
+norm), shard_params + accumulate(2) + fp16 (fp16 gathers, fp32 reductions, the non-finite
+check) and shard_params + fp8 with float8 all-gathers (float8 weights gathered beside bf16
+biases as bytes, the amax all-reduce), with the metric reductions of one logged update.
 
 Instrumented in the worker (tests/workers/plan_checks.py): the torch.distributed functions
 FSDP2 and accelfn call (all_gather_single, reduce_scatter_single, all_reduce, broadcast,
-_broadcast_coalesced) are wrapped to record each call, and DDP gets a comm hook that records
+_broadcast_coalesced, and DTensor's functional all_reduce) are wrapped to record each call, and DDP gets a comm hook that records
 each bucket and all-reduces it as DDP's default hook does; an optimizer step pre-hook cuts the
 record into updates.
 """

@@ -40,7 +40,8 @@ class _Record:
 
 
 def _instrumented(calls: list[Any]) -> Any:
-    """Patches the torch.distributed functions the run's collectives go through, and DDP (a comm
+    """Patches the torch.distributed functions the run's collectives go through (DTensor's
+    functional all-reduce too), and DDP (a comm
     hook reporting each bucket, then all-reducing it as DDP's default does); returns an undo."""
     import torch
     import torch.distributed as dist
@@ -76,6 +77,15 @@ def _instrumented(calls: list[Any]) -> Any:
         calls.extend(["broadcast", str(d), n] for d, n in by_dtype.items())
         return saved["_broadcast_coalesced"](group, tensors, *args, **kwargs)
 
+    import torch.distributed._functional_collectives as funcol
+
+    functional_all_reduce = funcol.all_reduce
+
+    def all_reduce_functional(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        record("all_reduce", tensor)  # DTensor's Partial -> Replicate (fp8's amax of all weights)
+        return functional_all_reduce(tensor, *args, **kwargs)
+
+    funcol.all_reduce = all_reduce_functional
     for name, fn in (("all_reduce", all_reduce), ("all_gather_single", all_gather_single),
                      ("reduce_scatter_single", reduce_scatter_single), ("broadcast", broadcast),
                      ("_broadcast_coalesced", broadcast_coalesced)):
@@ -103,6 +113,7 @@ def _instrumented(calls: list[Any]) -> Any:
     def undo() -> None:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+        funcol.all_reduce = functional_all_reduce
         ddp_module.DistributedDataParallel = ddp
 
     return undo
@@ -117,7 +128,7 @@ def comms() -> dict[str, Any]:
     backend = af.backends.auto()
     out = {}
     for name in planning.COMMS:
-        step, state, loader = planning.comms_program(name), planning.memory_state("adamw"), planning.memory_loader()
+        step, state, loader = planning.comms_program(name), planning.comms_state(name), planning.memory_loader()
         plan = af.plan(step, state, loader, backend=backend)
         calls: list[Any] = []
         state.optimizer.register_step_pre_hook(lambda *a: calls.append("UPDATE"))

@@ -15,6 +15,11 @@
   micro-batch (every micro-batch with ``reduce_every_micro_batch``); elements are the
   unit's parameters padded to a multiple of ``D`` rows; gathered in the compute dtype of an
   autocast policy, reduced in fp32. ``clip`` adds one scalar fp32 all-reduce of the norm.
+  Under ``with_precision("fp8", float8_all_gather=True)`` the converted weights travel in
+  float8 (1 byte) beside the unit's other parameters in the compute dtype, in one buffer of
+  bytes (FSDP2 gathers mixed dtypes as ``uint8``; a unit of float8 weights only, as
+  float8), and each update adds one fp32 all-reduce of one amax per converted weight
+  (torchao's ``precompute_float8_dynamic_scale_for_fsdp``).
 - ``replicate(comm_hook=...)``: each bucket all-reduced in the hook's dtype
   (``distributed.ddp.bucket_dtype``: fp16 or bf16 compression); a hook with collectives of its
   own (PowerSGD) is not planned.
@@ -53,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.parallel.distributed as ddp_module
 
 from accelfn.distributed import ddp as ddp_rules
+from accelfn.distributed import float8
 from accelfn.distributed.canonical import blocks
 from accelfn.distributed.deepspeed import offloaded
 from accelfn.distributed.pipeline import stage_indices
@@ -409,19 +415,39 @@ def _fsdp(model: torch.nn.Module, shard: ShardParams, policy: Policy, split: Mod
             total += (-(-shape[0] // degree) * degree) * math.prod(shape[1:]) if len(shape) else degree
         return total
 
+    in_float8 = _float8_weights(model, policy) if degree > 1 else set()
+
+    def gather(ps: list[torch.nn.Parameter], what: str) -> Collective:
+        dtype = gather_dtype or _stored(ps[0], policy)
+        eight = [p for p in ps if id(p) in in_float8]
+        if not eight:
+            return _make("all_gather", dtype, padded(ps), what, degree, count=n)
+        rest = [p for p in ps if id(p) not in in_float8]
+        if not rest:
+            return _make("all_gather", torch.float8_e4m3fn, padded(eight), what, degree, count=n)
+        return _make("all_gather", torch.uint8, padded(eight) + padded(rest) * dtype.itemsize, what, degree, count=n)
+
     for name, ps in forward_order:
         if ps:
-            out.append(_make("all_gather", gather_dtype or _stored(ps[0], policy), padded(ps), f"gather {name}",
-                             degree, count=n))
+            out.append(gather(ps, f"gather {name}"))
     if reshard:
         for name, ps in units:  # backward: innermost (last) units first
             if ps:
-                out.append(_make("all_gather", gather_dtype or _stored(ps[0], policy), padded(ps),
-                                 f"re-gather {name}", degree, count=n))
+                out.append(gather(ps, f"re-gather {name}"))
     scatters = n if shard.reduce_every_micro_batch else 1
     for name, ps in [*units, ("root", root)]:
         grads = [p for p in ps if p.requires_grad]
         if grads:
             out.append(_make("reduce_scatter", reduce_dtype or _stored(grads[0], policy), padded(grads),
                              f"reduce-scatter {name}", degree, count=scatters))
+    if in_float8:
+        out.insert(0, _make("all_reduce", torch.float32, len(in_float8), "float8 weight amax", degree))
     return out
+
+
+def _float8_weights(model: torch.nn.Module, policy: Policy) -> set[int]:
+    """The ids of the weights ``with_precision("fp8", float8_all_gather=True)`` gathers in float8."""
+    if policy.float8 is None or not policy.float8.all_gather:
+        return set()
+    modules = dict(model.named_modules())
+    return {id(modules[name].weight) for name in float8.convertible(model, policy.float8)}
