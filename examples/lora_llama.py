@@ -16,9 +16,9 @@ re-reading it). The program:
 2. trains it again in ``B/``, stopped after ``--stop`` updates (mid-epoch; a checkpoint every
    ``--every-steps``), then resumed from the latest checkpoint in a freshly built state to the
    same total (``run(max_steps=...)`` takes totals), and checks that it ends bitwise equal to
-   ``A``. (These checkpoints are sharded, written by every rank through DCP, and hold the
-   base each time; an unsharded run's checkpoints after the first write only the adapter,
-   optimizer and manifest: docs/06, "LoRA".)
+   ``A``. These checkpoints are sharded, written by every rank through DCP; the frozen base
+   is written once: a later checkpoint's ``dcp-frozen/`` files are hard links to the earlier
+   one's, and it writes only the adapter, the optimizer state and the manifest (docs/06, "LoRA").
 3. exports ``B``'s adapter (``af.save_model(..., adapters="peft")``) and merged model
    (``adapters="merged"``), and reloads them on rank 0 with ``PeftModel.from_pretrained`` and
    ``AutoModelForCausalLM.from_pretrained``: both give the same logits, and the adapter
@@ -137,9 +137,16 @@ def main(run_dir: str, *, steps: int = 4, stop: int = 2, every_steps: int = 2, b
     backend.print(f"resumed at step {stop} of {steps} (mid-epoch of {steps_per_epoch}): bitwise equal to the "
                   f"uninterrupted run: {bitwise}")
 
-    sizes = {path.name: sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-             for path in sorted((root / "B" / "ckpt").glob("step_*"))}
-    backend.print(f"checkpoints (bytes): {sizes}")
+    seen: set[int] = set()
+    new_bytes, frozen = {}, {}
+    for path in sorted((root / "B" / "ckpt").glob("step_*")):  # each file counted where it first appears
+        stats = [f.stat() for f in path.rglob("*") if f.is_file()]
+        new_bytes[path.name] = sum(st.st_size for st in stats if st.st_ino not in seen)
+        seen |= {st.st_ino for st in stats}
+        frozen[path.name] = {f.stat().st_ino for f in (path / "dcp-frozen").iterdir()}
+    first, *later = frozen.values()
+    backend.print(f"checkpoints, bytes of new files: {new_bytes}; the base written once (later dcp-frozen/ files "
+                  f"are hard links to the first's): {bool(later) and all(inodes == first for inodes in later)}")
     adapter = af.save_model(resumed, root / "export" / "adapter", adapters="peft", backend=backend)
     merged = af.save_model(resumed, root / "export" / "merged", adapters="merged", backend=backend)
     trained = full_tensors(resumed, trainable=True)

@@ -12,7 +12,8 @@ from it under ``tolerate_faults`` (the same encoding, in memory).
 The layout of a checkpoint directory is described once, in docs/06-checkpoints.md ("The
 format"): ``manifest.json`` written last (its schema ``_manifest.py``, the snapshot encoded
 into it ``_format.py``), ``manifest.sha256``, the tensor files (``_tensorfiles.py``), and
-``dcp/`` for a sharded state (``_sharded.py``); the directory is written as a hidden
+``dcp/`` for a sharded state (``_sharded.py``; its frozen tensors, a LoRA's base, in
+``dcp-frozen/``, written once per run: ``_frozen.py``); the directory is written as a hidden
 sibling and renamed into place (``_atomic.py``), so a crash at any instant leaves the old
 checkpoint or the new one. Nothing in it is a pickle, and loading never unpickles: records
 carry stable tags from one closed registry, never module paths (``_codec.py``, with the

@@ -53,6 +53,9 @@ SHARDED_FORMAT_VERSION = 5
 #: its DCP files (written only when there are some, so that an older accelfn, which would
 #: load None in their place, refuses it instead)
 EXTRA_DTENSORS_FORMAT_VERSION = 6
+#: 7: a sharded checkpoint whose frozen model tensors are in ``dcp-frozen/`` (``sharded.frozen``;
+#: written only when the model has some, so that an older accelfn, which would miss them, refuses it)
+FROZEN_SHARDS_FORMAT_VERSION = 7
 
 
 def write(directory: Path, manifest: Manifest) -> None:
@@ -74,6 +77,14 @@ def consistency(manifest: Manifest) -> list[str]:
                          "is inconsistent")
         if entry.rank is not None and not entry.rank < manifest.world_size:
             found.append(f"files.{name}.rank is {entry.rank}, outside the world of {manifest.world_size}")
+    sharded = manifest.sharded
+    if sharded is not None and sharded.frozen is not None:
+        if len(sharded.frozen.checksums) != manifest.world_size:
+            found.append(f"sharded.frozen.checksums has {len(sharded.frozen.checksums)} entries for a world of "
+                         f"{manifest.world_size} ranks; the manifest is inconsistent")
+        both = sorted(set(sharded.frozen.model) & set(sharded.model))
+        if both:
+            found.append(f"sharded.model and sharded.frozen.model both place {both}; the manifest is inconsistent")
     return found
 
 
@@ -118,10 +129,10 @@ def read(directory: Path) -> Manifest:
     except orjson.JSONDecodeError:
         raise CheckpointError(f"{path}: not JSON; the manifest is corrupted") from None
     version = plain.get("format_version") if isinstance(plain, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int) or version > EXTRA_DTENSORS_FORMAT_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > FROZEN_SHARDS_FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: format version {version!r}; this accelfn reads versions up to "
-            f"{EXTRA_DTENSORS_FORMAT_VERSION} (upgrade accelfn to load it)"
+            f"{FROZEN_SHARDS_FORMAT_VERSION} (upgrade accelfn to load it)"
         )
     if expected is None and version >= 2:
         raise CheckpointError(f"{directory / CHECKSUM} is missing: a checkpoint of format version {version} "
@@ -312,8 +323,8 @@ def encode(snap: Snapshot, parts: list[RankPart], transforms: Any, *, sharded: S
     for rank, (_, tensors) in enumerate(parts):
         groups[_rank_group(rank)] = (tensors, rank)
     return Encoded(Manifest(
-        format_version=(FORMAT_VERSION if sharded is None else EXTRA_DTENSORS_FORMAT_VERSION if sharded.extra
-                        else SHARDED_FORMAT_VERSION),
+        format_version=(FORMAT_VERSION if sharded is None else FROZEN_SHARDS_FORMAT_VERSION if sharded.frozen
+                        else EXTRA_DTENSORS_FORMAT_VERSION if sharded.extra else SHARDED_FORMAT_VERSION),
         accelfn_version=__version__,
         torch_version=torch.__version__,
         world_size=len(parts),

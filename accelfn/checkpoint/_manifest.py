@@ -30,7 +30,7 @@ from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, overrid
 from cattrs.preconf.orjson import OrjsonConverter, make_converter
 
 from accelfn.checkpoint._codec import describe
-from accelfn.checkpoint._tensorfiles import FileEntry
+from accelfn.checkpoint._tensorfiles import ALGORITHMS, FileEntry
 from accelfn.errors import CheckpointError
 
 
@@ -74,6 +74,26 @@ class ExtraTensor:
 
 
 @attrs.frozen
+class FrozenShards:
+    """The frozen model tensors of a sharded checkpoint (parameters that do not require
+    gradients: a LoRA's base), in its ``dcp-frozen/`` files, written once per run
+    (``_frozen``).
+
+    Attributes:
+        model: model ``state_dict`` name -> its tensor (global shape and dtype), stored
+            under that name in ``dcp-frozen/``.
+        algorithm: the checksum of ``checksums`` (one of ``_tensorfiles.ALGORITHMS``).
+        checksums: per rank, in rank order, the hex checksum of that rank's local frozen
+            shards (their keys, offsets, shapes, dtypes and bytes): a later checkpoint whose
+            ranks find the same links these files instead of writing them.
+    """
+
+    model: dict[str, ShardedTensor]
+    algorithm: str
+    checksums: tuple[str, ...]
+
+
+@attrs.frozen
 class ShardedTables:
     """Where the tensors in a sharded checkpoint's ``dcp/`` files belong (``_sharded``).
 
@@ -86,6 +106,8 @@ class ShardedTables:
         extra: DCP key (``extra/<name>/<path>``) -> a DTensor of an ``extra`` state, which the
             manifest's tree holds as None (empty, and no key, in checkpoints without any:
             older manifests read the same).
+        frozen: the frozen model tensors, kept apart from ``model`` in ``dcp-frozen/``
+            (None, and no key, where the model has none: older manifests read the same).
     """
 
     model: dict[str, ShardedTensor]
@@ -93,6 +115,7 @@ class ShardedTables:
     optimizer: dict[str, dict[str, ShardedTensor]]
     grads: dict[str, ShardedTensor]
     extra: dict[str, ExtraTensor] = attrs.field(factory=dict)
+    frozen: FrozenShards | None = None
 
 
 @attrs.frozen
@@ -175,6 +198,9 @@ _POSITIVE = _checked(lambda v: _is_int(v) and v >= 1, "an int >= 1")
 _SHAPE = _each(list, _COUNT, "a list of ints >= 0 (a shape)", tuple)
 _DTYPE = _checked(lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
                   "the name of a torch dtype ('float32')")
+_ALGORITHM = _checked(lambda v: v in ALGORITHMS, f"a checksum algorithm ({' or '.join(map(repr, ALGORITHMS))})")
+_HEX = _checked(lambda v: isinstance(v, str) and bool(v) and all(c in "0123456789abcdef" for c in v),
+                "a hex checksum (a str of 0-9, a-f)")
 _KEYS = _each(list, _checked(lambda v: _is_int(v) or isinstance(v, str), "a str or an int"),
               "a list of mapping keys and list indices")
 
@@ -190,7 +216,7 @@ def _make() -> OrjsonConverter:
     converter.register_structure_hook(float, _checked(lambda v: _is_int(v) or isinstance(v, float), "a number"))
     # a file entry names only the checksum it has; an unsharded checkpoint's manifest has no
     # ``sharded`` key (it reads as None), a rank entry without states of its own no ``extra``
-    omitted = {FileEntry: ("rank", "xxh3_128", "sha256"), ShardedTables: ("extra",), RankEntry: ("extra", "data_state"),
+    omitted = {FileEntry: ("rank", "xxh3_128", "sha256"), ShardedTables: ("extra", "frozen"), RankEntry: ("extra", "data_state"),
                Manifest: ("sharded", "stopped")}
     for cls, names in omitted.items():
         omit: dict[str, Any] = {name: override(omit_if_default=True) for name in names}
@@ -203,6 +229,8 @@ def _make() -> OrjsonConverter:
         Manifest: {"format_version": override(struct_hook=_POSITIVE), "world_size": override(struct_hook=_POSITIVE),
                    "counters": override(struct_hook=_each(dict, _COUNT, "a mapping of names to ints >= 0"))},
         RankEntry: {}, ShardedTables: {},
+        FrozenShards: {"algorithm": override(struct_hook=_ALGORITHM),
+                       "checksums": override(struct_hook=_each(list, _HEX, "a list of hex checksums", tuple))},
     }
     for cls, overrides in structure.items():
         converter.register_structure_hook(cls, make_dict_structure_fn(

@@ -122,7 +122,9 @@ def kept_tables(tables: ShardedTables, into: TrainState) -> ShardedTables:
     return attrs.evolve(tables, model={k: v for k, v in tables.model.items() if k in keys},
                         aliases={k: v for k, v in tables.aliases.items() if k in keys and v in keys},
                         optimizer={k: v for k, v in tables.optimizer.items() if k in names},
-                        grads={k: v for k, v in tables.grads.items() if k in keys})
+                        grads={k: v for k, v in tables.grads.items() if k in keys},
+                        frozen=None if tables.frozen is None else attrs.evolve(
+                            tables.frozen, model={k: v for k, v in tables.frozen.model.items() if k in keys}))
 
 
 def whole_model(tensors: list[tuple[str, torch.Tensor]], layout: StageLayout, backend: ProcessContext

@@ -11,6 +11,8 @@ a sharded checkpoint is a pickle, and loading never unpickles: ``HuggingFaceStor
 rebuilds DCP's metadata from the headers. Everything else is what an unsharded checkpoint
 holds, written by the same flow (``save_load``), plus the manifest's ``sharded`` table (where
 each DCP tensor belongs, its global shape and dtype) and the checksum of every DCP file.
+The model's frozen tensors (a LoRA's base) are a DCP save of their own in ``dcp-frozen/``,
+written once per run (``_frozen``); a load reads both folders, checked alike.
 
 Loading checks the DCP files (the ranks split the hashing and share what they found) and
 the checkpoint against the state on "meta" placeholders of the recorded shapes, before DCP
@@ -51,6 +53,8 @@ import torch.distributed as dist
 from accelfn import distributed
 from accelfn.checkpoint import _tensorfiles
 from accelfn.checkpoint._format import MANIFEST
+from accelfn.checkpoint._frozen import SHARDED_DIR as FROZEN_DIR
+from accelfn.checkpoint._frozen import SHARDED_GROUP as FROZEN_GROUP
 from accelfn.checkpoint._manifest import ExtraTensor, ShardedTables, ShardedTensor
 from accelfn.checkpoint._tensorfiles import FileEntry
 from accelfn.checkpoint.snapshot import Snapshot, clean_name, is_sharded, put, unwrap
@@ -270,15 +274,15 @@ def _own_files(folder: Path, rank: int) -> dict[str, dict[str, Any]]:
             for name, (algorithm, digest) in zip(mine, digests)}
 
 
-def write_shards(backend: ProcessContext, path: Path, directory: Path, flat: dict[str, torch.Tensor]
-                 ) -> dict[str, FileEntry]:
-    """Every rank writes its shards into ``directory/dcp`` (a collective): returns the
-    FileEntry of every rank's files, the same on every rank.
+def write_shards(backend: ProcessContext, path: Path, directory: Path, flat: dict[str, torch.Tensor], *,
+                 folder_name: str = DCP_DIR, group: str = GROUP) -> dict[str, FileEntry]:
+    """Every rank writes its shards into ``directory/<folder_name>`` (a collective): returns
+    the FileEntry (of ``group``) of every rank's files, the same on every rank.
 
     Raises:
         CheckpointError: on every rank, when some rank failed (each failure named by rank).
     """
-    folder = directory / DCP_DIR
+    folder = directory / folder_name
     dcp = _dcp()
     files: dict[str, dict[str, Any]] = {}
     error: str | None = None
@@ -294,14 +298,23 @@ def write_shards(backend: ProcessContext, path: Path, directory: Path, flat: dic
         what = "a rank failed to write its shards" if backend.is_main_process else "the checkpoint was not written"
         raise CheckpointError(f"{path}: {what}: {'; '.join(failed)}")
     every = distributed.exchange(files, device=backend.collective_device)
-    return {f"{DCP_DIR}/{name}": FileEntry(group=GROUP, num_bytes=f["num_bytes"], rank=rank,
+    return {f"{folder_name}/{name}": FileEntry(group=group, num_bytes=f["num_bytes"], rank=rank,
                                             **{k: v for k, v in f.items() if k != "num_bytes"})
             for rank, rank_files in enumerate(every) for name, f in rank_files.items()}
 
 
 def manifest_files(files: Mapping[str, FileEntry]) -> dict[str, FileEntry]:
     """The files of ``files`` that are not DCP's (the manifest's tensor files)."""
-    return {name: e for name, e in files.items() if e.group != GROUP}
+    return {name: e for name, e in files.items() if e.group not in (GROUP, FROZEN_GROUP)}
+
+
+def _folders(tables: ShardedTables) -> list[tuple[str, str, dict[str, ShardedTensor | ExtraTensor]]]:
+    """Each DCP folder of a checkpoint of ``tables``: its name, its files' group, and the
+    tensors its files hold (DCP key -> global shape and dtype)."""
+    folders = [(DCP_DIR, GROUP, _placed(tables))]
+    if tables.frozen is not None:
+        folders.append((FROZEN_DIR, FROZEN_GROUP, dict(tables.frozen.model)))
+    return folders
 
 
 def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, FileEntry],
@@ -315,11 +328,13 @@ def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, Fi
         CheckpointError: on every rank, naming each unlisted, missing, truncated or corrupted
             file, and each tensor whose chunks do not fit the manifest's tables.
     """
-    unexpected = _unexpected_files(directory, files)
-    if unexpected:
-        raise CheckpointError(f"{directory / DCP_DIR}: files the manifest does not list: {', '.join(unexpected)}; "
-                              "the checkpoint was changed after it was written")
-    names = sorted(name for name, entry in files.items() if entry.group == GROUP)
+    folders = _folders(tables)
+    for folder, group, _ in folders:
+        unexpected = _unexpected_files(directory, files, folder, group)
+        if unexpected:
+            raise CheckpointError(f"{directory / folder}: files the manifest does not list: {', '.join(unexpected)}; "
+                                  "the checkpoint was changed after it was written")
+    names = sorted(name for name, entry in files.items() if entry.group in (GROUP, FROZEN_GROUP))
 
     def check(name: str) -> str | None:
         try:
@@ -332,7 +347,9 @@ def check_files(backend: ProcessContext, directory: Path, files: Mapping[str, Fi
              if problem]
     problems = distributed.failures("\n".join(found) or None, device=backend.collective_device)
     if not problems:  # the verified files' headers (small, all of them: the chunks of every tensor)
-        chunks = _chunk_problems(directory, names, tables) if backend.rank == 0 else []
+        chunks = [problem for folder, group, placed in folders if backend.rank == 0
+                  for problem in _chunk_problems(directory, folder, placed,
+                                                 sorted(n for n in names if files[n].group == group))]
         problems = distributed.failures("\n".join(chunks) or None, device=backend.collective_device)
     if problems:
         raise CheckpointError("\n".join(problems))
@@ -346,13 +363,14 @@ def _placed(tables: ShardedTables) -> dict[str, ShardedTensor | ExtraTensor]:
     return placed | {f"grad/{name}": meta for name, meta in tables.grads.items()} | tables.extra
 
 
-def _chunk_problems(directory: Path, names: list[str], tables: ShardedTables) -> list[str]:
-    """How the headers of the DCP files ``names`` disagree with ``tables``: a tensor the tables
-    do not place, a chunk of another dtype than its tensor's or outside its shape (the chunk's
+def _chunk_problems(directory: Path, folder: str, placed: Mapping[str, ShardedTensor | ExtraTensor],
+                    names: list[str]) -> list[str]:
+    """How the headers of the DCP files ``names`` (of ``folder``) disagree with ``placed`` (the
+    manifest's tables of that folder, ``_folders``): a tensor the tables do not place, a chunk of another dtype than its tensor's or outside its shape (the chunk's
     offsets are in the header's ``DCP_SHARDING_INFO``), or a tensor its chunks do not cover
     exactly once (DCP would read it so, silently: an integer read into a float tensor, a
     region never written). Empty when the files hold what the tables say."""
-    placed, found = _placed(tables), []
+    found = []
     chunks: dict[str, list[tuple[list[int], list[int]]]] = {}
     for name in names:
         read = _tensorfiles.read_header(directory / name)
@@ -381,7 +399,7 @@ def _chunk_problems(directory: Path, names: list[str], tables: ShardedTables) ->
     for key, meta in placed.items():
         mine = [chunk for chunk in chunks.get(key, []) if math.prod(chunk[1])]
         if sum(math.prod(shape) for _, shape in mine) != math.prod(meta.shape) or _overlap(mine):
-            found.append(f"{directory / DCP_DIR}: {key!r}: its chunks do not cover its shape {tuple(meta.shape)} "
+            found.append(f"{directory / folder}: {key!r}: its chunks do not cover its shape {tuple(meta.shape)} "
                          f"in {MANIFEST} exactly once ({len(mine)} chunks)")
     return found
 
@@ -399,11 +417,11 @@ def _overlap(chunks: list[tuple[list[int], list[int]]]) -> bool:
     return bool((counts > 1).any())
 
 
-def _unexpected_files(directory: Path, files: Mapping[str, FileEntry]) -> list[str]:
-    """Files in ``dcp/`` the manifest does not list (DCP's reader would read them too)."""
-    listed = {name.removeprefix(f"{DCP_DIR}/") for name, e in files.items() if e.group == GROUP}
+def _unexpected_files(directory: Path, files: Mapping[str, FileEntry], folder: str, group: str) -> list[str]:
+    """Files in ``folder`` the manifest does not list (DCP's reader would read them too)."""
+    listed = {name.removeprefix(f"{folder}/") for name, e in files.items() if e.group == group}
     try:
-        present = {e.name for e in os.scandir(directory / DCP_DIR)}
+        present = {e.name for e in os.scandir(directory / folder)}
     except FileNotFoundError:
         return []
     return sorted(present - listed)
@@ -417,7 +435,7 @@ def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
     """``shell`` with the DCP tensors put back where ``split`` took them from, each made by
     ``tensor(dcp_key, meta)`` (a placeholder of the recorded shape, or the loaded tensor);
     the shell's own gradients (FSDP2's unsharded window gradients, per rank) stay."""
-    model = {name: tensor(name, meta) for name, meta in tables.model.items()}
+    model = {name: tensor(name, meta) for name, meta in _model_table(tables).items()}
     model |= {alias: model[name] for alias, name in tables.aliases.items() if name in model}
     index = {name: i for i, name in enumerate(_flat_names(shell))}
     state = {i: dict(entries) for i, entries in shell.optimizer["state"].items()}
@@ -439,6 +457,11 @@ def joined(shell: Snapshot, tables: ShardedTables, tensor: Any) -> Snapshot:
     return attrs.evolve(shell, model=model, optimizer={**shell.optimizer, "state": state}, grads=grads, extra=extra)
 
 
+def _model_table(tables: ShardedTables) -> dict[str, ShardedTensor]:
+    """The model's tensors of both DCP folders (the frozen ones last, as ``split`` put them apart)."""
+    return tables.model if tables.frozen is None else {**tables.model, **tables.frozen.model}
+
+
 def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor]:
     """Empty tensors for DCP to load into, laid out as ``state``'s own: for a tensor of a
     DTensor parameter's global shape, a DTensor of its mesh and placements; otherwise a
@@ -446,7 +469,8 @@ def _targets(state: TrainState, tables: ShardedTables) -> dict[str, torch.Tensor
     model = unwrap(state.model)
     live = {clean_name(k): v for k, v in model.state_dict().items()}
     params = {clean_name(n): p for n, p in model.named_parameters()}
-    targets = {name: torch.empty_like(live[name], dtype=_dtype(meta.dtype, name)) for name, meta in tables.model.items()}
+    targets = {name: torch.empty_like(live[name], dtype=_dtype(meta.dtype, name))
+               for name, meta in _model_table(tables).items()}
 
     def like_param(name: str, meta: ShardedTensor, key: str) -> torch.Tensor:
         dtype = _dtype(meta.dtype, key)
@@ -501,21 +525,26 @@ def placeholders(shell: Snapshot, tables: ShardedTables) -> Snapshot:
 def load_into(state: TrainState, directory: Path, shell: Snapshot, tables: ShardedTables,
               backend: ProcessContext) -> TrainState:
     """Reads the verified sharded checkpoint in ``directory`` into ``state``, sharded or not
-    (a collective), and puts ``shell`` (its other values) with it.
+    (a collective; the frozen model tensors from ``dcp-frozen/``, the rest from ``dcp/``), and
+    puts ``shell`` (its other values) with it.
 
     Raises:
         CheckpointError: DCP failed reading the verified files (each rank's error; the state
             may be partly loaded).
     """
     targets = _targets(state, tables)
+    frozen = set(tables.frozen.model) if tables.frozen is not None else set()
     dcp = _dcp()
-    try:
-        with _single_process_quiet():
-            dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory / DCP_DIR)),
-                     no_dist=_no_dist(backend))
-    except dcp.api.CheckpointException as e:  # DCP's; it raises on every rank alike
-        raise CheckpointError(f"{directory / DCP_DIR}: reading the shards failed: {_failure(e, backend.rank)}; "
-                              "the state may be partly loaded, build it again before retrying") from None
+    for folder, keys in ((DCP_DIR, set(targets) - frozen), (FROZEN_DIR, frozen)):
+        if not keys and folder == FROZEN_DIR:
+            continue
+        try:
+            with _single_process_quiet():
+                dcp.load({k: targets[k] for k in keys}, storage_reader=dcp.HuggingFaceStorageReader(
+                    str(directory / folder)), no_dist=_no_dist(backend))
+        except dcp.api.CheckpointException as e:  # DCP's; it raises on every rank alike
+            raise CheckpointError(f"{directory / folder}: reading the shards failed: {_failure(e, backend.rank)}; "
+                                  "the state may be partly loaded, build it again before retrying") from None
     snap = joined(attrs.evolve(shell, grads={}), tables, lambda key, meta: targets[key])
     if not is_sharded(state):  # a rank's unreduced window gradients are what DDP's .grad holds
         return put(state, attrs.evolve(snap, grads={**snap.grads, **shell.grads}), copy=False)

@@ -226,8 +226,8 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
           what: str = "Checkpoints.save", earlier: Path | None = None) -> Path:
     """``save`` of a checked ``path``, sharded or not (a collective); ``program``'s transforms
     are recorded in the manifest; ``what`` is the API named when a rank does not call it;
-    the frozen model tensors of an unsharded state are hard links to the checkpoint
-    ``earlier``'s where it holds the same bytes (given on rank 0; ``_frozen``).
+    the frozen model tensors are hard links to the checkpoint ``earlier``'s where it holds
+    the same bytes (given on rank 0; ``_frozen``).
 
     Raises:
         As ``save``.
@@ -247,23 +247,31 @@ def write(state: TrainState, path: Path, backend: ProcessContext | None, *, prog
             _check_extra(state)
         _arrived(backend, what, path)
         distributed.sync_buffers(state.model, backend.collective_device)
-        failure = _write_sharded(state, path, backend, _format.transforms_record(program))
+        failure = _write_sharded(state, path, backend, _format.transforms_record(program), earlier)
     distributed.outcome_of_rank_0(
         failure, lambda: CheckpointError(f"rank 0 failed to write the checkpoint {path}; its error says why"),
         device=backend.collective_device)
     return path
 
 
-def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, transforms: Any) -> BaseException | None:
-    """Every rank writes its shards into rank 0's temporary directory; rank 0 then the rest
-    and the manifest, and renames the directory into place. Returns this rank's failure."""
+def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, transforms: Any,
+                   earlier: Path | None) -> BaseException | None:
+    """Every rank writes its shards into rank 0's temporary directory (the frozen model
+    tensors into ``dcp-frozen/``, linked to ``earlier``'s where they are the same); rank 0
+    then the rest and the manifest, and renames the directory into place. Returns this
+    rank's failure."""
     model = unwrap(state.model)
     snap = capture(state, copy=False)
     layout = _pipelined.stage_layout(model)
+    frozen: dict[str, torch.Tensor] = {}
+    reuse = None
     if layout is None:
         shell, flat, tables = _sharded.split(snap, model)
         # FSDP2's unsharded window gradients are this rank's own: they go with its RNG states
         shell = attrs.evolve(shell, grads=_sharded.hidden_gradients(model))
+        flat, frozen, tables = _frozen.split_sharded(flat, tables, _frozen.names(model))
+        if frozen:  # the same names on every rank: all of them exchange, or none
+            tables, reuse = _frozen.plan(backend, tables, frozen, _previous(earlier) if backend.rank == 0 else None)
     else:  # a pipelined model: each rank writes its stages' tensors, rank 0 the joined tables
         shell, flat, tables = _sharded.split(attrs.evolve(_pipelined.stage_shell(snap, layout), grads={}), model)
         shell, tables = _pipelined.merged(shell, tables, layout, backend)
@@ -275,6 +283,8 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
             return CheckpointError(f"{path}: the checkpoint was not written: rank 0 could not start")
         try:
             _sharded.write_shards(backend, path, directory, flat)
+            if frozen:
+                _write_frozen(backend, path, directory, frozen, reuse)
         except CheckpointError as e:
             return e
         return None
@@ -284,7 +294,10 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
         nonlocal announced
         announced = True
         _sharded.announce(backend, path, directory)
-        _format.write_encoded(directory, encoded, _sharded.write_shards(backend, path, directory, flat))
+        files = _sharded.write_shards(backend, path, directory, flat)
+        if frozen:
+            files |= _write_frozen(backend, path, directory, frozen, reuse)
+        _format.write_encoded(directory, encoded, files)
 
     try:
         encoded = _format.encode(shell, parts, transforms, sharded=tables)
@@ -295,6 +308,25 @@ def _write_sharded(state: TrainState, path: Path, backend: ProcessContext, trans
             _sharded.announce(backend, path, None)
         return e
     return None
+
+
+def _previous(earlier: Path | None) -> tuple[Path, Manifest] | None:
+    """The checkpoint ``earlier`` and its manifest, or None where there is none or its manifest
+    does not read (its frozen files are then not reused)."""
+    if earlier is None:
+        return None
+    try:
+        return earlier, _format.read(earlier)
+    except CheckpointError:
+        return None
+
+
+def _write_frozen(backend: ProcessContext, path: Path, directory: Path, frozen: dict[str, torch.Tensor],
+                  reuse: _frozen.Reuse | None) -> dict[str, FileEntry]:
+    """The frozen tensors of a sharded state into ``directory/dcp-frozen`` (a collective):
+    linked to ``reuse``'s files, or written by DCP (``_frozen.write_sharded``)."""
+    return _frozen.write_sharded(backend, directory, reuse, lambda: _sharded.write_shards(
+        backend, path, directory, frozen, folder_name=_sharded.FROZEN_DIR, group=_sharded.FROZEN_GROUP))
 
 
 def find_checkpoint(path: Path) -> Path:

@@ -3,6 +3,8 @@ and merged under the base model's names load with peft and transformers."""
 
 from __future__ import annotations
 
+import json
+import re
 import os
 from pathlib import Path
 
@@ -187,3 +189,164 @@ def test_run_checkpoints_link_the_frozen_base_also_in_the_background(tmp_path: P
     assert checkpoints.steps() == [1, 2, 3]
     inodes = {(checkpoints.path_for(s) / FROZEN).stat().st_ino for s in (1, 2, 3)}
     assert len(inodes) == 1
+
+
+SHARD = "shard-{:05d}-model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory, pool: Pools) -> Path:
+    """2 processes under shard_params (``tests/workers/lora_sharded.py``): checkpoints after
+    updates 1, 2 and 3, each rank's bytes written per save, a resume from step 2, and a
+    checkpoint of the base edited by hand (step 5)."""
+    out = tmp_path_factory.mktemp("lora_sharded")
+    pool.launch("--nproc-per-node", "2", script="lora_sharded.py", script_args=(out,))
+    return out
+
+
+def _own_files(path: Path, rank: int) -> dict[str, int]:
+    """The files rank ``rank`` writes into the sharded checkpoint ``path`` but its frozen ones:
+    its ``dcp/`` shard file, and for rank 0 every file outside the DCP folders."""
+    files = {f"dcp/{SHARD.format(rank + 1)}": (path / "dcp" / SHARD.format(rank + 1)).stat().st_size}
+    if rank == 0:
+        files |= {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+    return files
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_checkpoint_after_the_first_writes_the_frozen_base_by_no_rank(sharded_run: Path) -> None:
+    """Under shard_params on 2 processes, the first checkpoint's ranks write their shards of
+    the frozen base (dcp-frozen/); in each later one, every rank writes only its adapter and
+    optimizer shards (dcp/) and rank 0 the manifest, plus the few KB of gloo messages a save
+    exchanges (far below a rank's 0.6 MB of base), and every dcp-frozen/ file is a hard link
+    to the first checkpoint's; the manifest places the frozen tensors apart, with every
+    rank's checksum."""
+    ckpt = sharded_run / "ckpt"
+    first = ckpt / "step_00000001"
+    for rank in (0, 1):
+        written = {int(k): v for k, v in json.loads((sharded_run / f"written-{rank}.json").read_text()).items()}
+        frozen = first / "dcp-frozen" / SHARD.format(rank + 1)
+        assert frozen.stat().st_size > 500_000
+        assert written[1] >= sum(_own_files(first, rank).values()) + frozen.stat().st_size
+        for step in (2, 3):
+            path = ckpt / f"step_{step:08d}"
+            own = sum(_own_files(path, rank).values())
+            assert own <= written[step] < own + frozen.stat().st_size // 4, (rank, step, written[step], own)
+            assert (path / "dcp-frozen" / SHARD.format(rank + 1)).stat().st_ino == frozen.stat().st_ino
+        assert frozen.stat().st_nlink == 3  # steps 1, 2, 3 (step 5's base was edited)
+    manifest = json.loads((ckpt / "step_00000002" / "manifest.json").read_text())
+    frozen_table = manifest["sharded"]["frozen"]
+    assert len(frozen_table["checksums"]) == 2 and frozen_table["checksums"][0] != frozen_table["checksums"][1]
+    assert all("lora_" not in name for name in frozen_table["model"])
+    assert all("lora_" in name for name in manifest["sharded"]["model"] if name.endswith(".weight")
+               and ("q_proj" in name or "v_proj" in name) and "base_layer" not in name)
+    assert sorted(os.listdir(ckpt / "step_00000002")) == ["dcp", "dcp-frozen", "manifest.json", "manifest.sha256"]
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_lora_run_resumed_from_its_second_checkpoint_is_bitwise_the_uninterrupted_run(
+        sharded_run: Path) -> None:
+    """The 2-process run resumed from step 2 (its base read from the linked dcp-frozen/ files)
+    ends with bitwise the model and optimizer state of the uninterrupted run."""
+    expected = safetensors.torch.load_file(sharded_run / "uninterrupted.safetensors")
+    resumed = safetensors.torch.load_file(sharded_run / "resumed.safetensors")
+    assert sorted(resumed) == sorted(expected)
+    assert [k for k in expected if not torch.equal(expected[k], resumed[k])] == []
+
+
+def _wide_state() -> af.TrainState:
+    """The worker's LoRA model (``lora_sharded.WIDE``), unsharded in this process."""
+    from tests.workers.lora_sharded import WIDE
+
+    torch.manual_seed(lora.SEED)
+    base = lora.transformers.LlamaForCausalLM(lora.transformers.LlamaConfig(**{**lora.CONFIG, **WIDE}))
+    return lora.state(lora.lora(base))
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_checkpoint_whose_base_was_edited_writes_it_again_and_loads_it(sharded_run: Path) -> None:
+    """A frozen weight edited by hand gives other checksums: step 5's dcp-frozen/ files are
+    written afresh (not links), and the checkpoint loads in one unsharded process with the
+    edited model."""
+    ckpt = sharded_run / "ckpt"
+    for rank in (0, 1):
+        edited = ckpt / "step_00000005" / "dcp-frozen" / SHARD.format(rank + 1)
+        assert edited.stat().st_ino != (ckpt / "step_00000001" / "dcp-frozen" / SHARD.format(rank + 1)).stat().st_ino
+        assert edited.stat().st_nlink == 1
+    loaded = af.load(ckpt / "step_00000005", into=_wide_state())
+    expected = safetensors.torch.load_file(sharded_run / "edited.safetensors")
+    model = {f"model/{k}": v for k, v in loaded.model.state_dict().items()}
+    assert sorted(model) == sorted(k for k in expected if k.startswith("model/"))
+    assert [k for k in model if not torch.equal(model[k], expected[k])] == []
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_missing_or_corrupt_linked_frozen_shard_file_is_refused_naming_it(sharded_run: Path, tmp_path: Path,
+                                                                         damage: str) -> None:
+    """Step 2's linked dcp-frozen/ file of rank 1, missing or with one byte flipped (a new
+    file: step 1's stays intact), makes the load a CheckpointError naming that file before
+    anything changes; step 1 still loads."""
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):  # copied with the links kept (cp -a)
+        (ckpt / f"step_{step:08d}" / "dcp-frozen").mkdir(parents=True)
+    for source in (sharded_run / "ckpt").glob("step_0000000[12]/**/*"):
+        target = ckpt / source.relative_to(sharded_run / "ckpt")
+        if source.is_dir():
+            target.mkdir(exist_ok=True)
+        elif "dcp-frozen" in source.parts and "step_00000002" in source.parts:
+            os.link(ckpt / "step_00000001" / "dcp-frozen" / source.name, target)
+        else:
+            target.write_bytes(source.read_bytes())
+    target = ckpt / "step_00000002" / "dcp-frozen" / SHARD.format(2)
+    assert target.stat().st_nlink == 2
+    if damage == "missing":
+        target.unlink()
+    else:
+        data = bytearray(target.read_bytes())
+        data[-3] ^= 0xFF
+        target.unlink()
+        target.write_bytes(bytes(data))
+    into = _wide_state()
+    before = {k: v.clone() for k, v in into.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=str(target)):
+        af.load(ckpt / "step_00000002", into=into)
+    assert all(torch.equal(before[k], v) for k, v in into.model.state_dict().items())
+    af.load(ckpt / "step_00000001", into=into)
+
+
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_lora_checkpoint_links_its_frozen_base_and_loads_bitwise(sharded_run: Path) -> None:
+    """Under tensor_parallel (the MLP split, the rest whole) on 2 processes, the second
+    checkpoint's dcp-frozen/ files are the first's (hard links), and the first loads into a
+    fresh tensor-parallel state with bitwise the model and optimizer state it saved."""
+    first, second = sharded_run / "tp" / "step_00000001", sharded_run / "tp" / "step_00000002"
+    names = sorted(p.name for p in (first / "dcp-frozen").iterdir())
+    assert names and names == sorted(p.name for p in (second / "dcp-frozen").iterdir())
+    for name in names:
+        assert (second / "dcp-frozen" / name).stat().st_ino == (first / "dcp-frozen" / name).stat().st_ino
+    saved = safetensors.torch.load_file(sharded_run / "tp-saved.safetensors")
+    loaded = safetensors.torch.load_file(sharded_run / "tp-loaded.safetensors")
+    assert sorted(saved) == sorted(loaded)
+    assert [k for k in saved if not torch.equal(saved[k], loaded[k])] == []
+
+
+def test_the_sharded_frozen_table_round_trips_and_its_bad_values_are_named() -> None:
+    """The manifest's sharded.frozen record (FrozenShards) round-trips through the manifest's
+    converter, is omitted where there is none (older manifests read the same), and a wrong
+    algorithm or checksum is refused naming the field."""
+    from accelfn.checkpoint._manifest import FrozenShards, ShardedTables, ShardedTensor, dumps, loads
+
+    frozen = FrozenShards(model={"w": ShardedTensor(shape=(4, 2), dtype="float32")}, algorithm="xxh3_128",
+                          checksums=("0a", "ff"))
+    tables = ShardedTables(model={}, aliases={}, optimizer={}, grads={}, frozen=frozen)
+    assert loads(dumps(tables), ShardedTables) == tables
+    plain = ShardedTables(model={}, aliases={}, optimizer={}, grads={})
+    assert "frozen" not in json.loads(dumps(plain)) and loads(dumps(plain), ShardedTables) == plain
+    for field, value, expected in [("algorithm", "md5", "frozen.algorithm: 'md5'"),
+                                   ("checksums", ["0a", "xyz"], "frozen.checksums[1]: 'xyz'"),
+                                   ("checksums", "0a", "frozen.checksums: '0a'")]:
+        data = json.loads(dumps(tables))
+        data["frozen"][field] = value
+        with pytest.raises(CheckpointError, match=re.escape(expected)):
+            loads(json.dumps(data).encode(), ShardedTables)

@@ -29,6 +29,8 @@ from tests.helpers.sharding import assert_same, build, full_state, loader, progr
 pytestmark = pytest.mark.multiprocess
 WORKER = "sharded_ckpt.py"
 SHARDS = ("dcp/shard-00001-model-00001-of-00001.safetensors", "dcp/shard-00002-model-00001-of-00001.safetensors")
+#: the files of the frozen parameter (the model's embedding, ``helpers.sharding.build``)
+FROZEN = tuple(name.replace("dcp/", "dcp-frozen/") for name in SHARDS)
 
 
 def _launch_worker(pool: Pools | None, nproc: int, *args: object) -> None:
@@ -77,7 +79,7 @@ def test_asynchronous_checkpoints_of_a_sharded_state_are_the_synchronous_ones(po
     _launch_worker(pool, 2, "train", "--out", tmp_path / "stopped.safetensors", "--max-steps", 3, "--checkpoints",
                    tmp_path / "checkpoints", "--every-steps", 3, "--asynchronous")
     written = tmp_path / "checkpoints" / "step_00000003"
-    for name in SHARDS:
+    for name in (*SHARDS, *FROZEN):
         assert_same(safetensors.torch.load_file(written / name), safetensors.torch.load_file(runs / "step3" / name))
     assert (json.loads((written / "manifest.json").read_bytes())["counters"]
             == json.loads((runs / "step3" / "manifest.json").read_bytes())["counters"])
@@ -109,7 +111,7 @@ def test_a_window_fsdp_holds_unsharded_resumes_bitwise_on_as_many_processes(pool
     manifest = json.loads((tmp_path / "mid" / "manifest.json").read_bytes())
     used = sorted(set(build(sharded=False).model.state_dict()) - {"emb.weight"})  # the untied embedding is unused
     assert [sorted(rank["grads"]) for rank in manifest["ranks"]] == [used, used]
-    assert sorted(manifest["files"]) == [*SHARDS, "rank_00000.safetensors", "rank_00001.safetensors"]
+    assert sorted(manifest["files"]) == sorted([*SHARDS, *FROZEN, "rank_00000.safetensors", "rank_00001.safetensors"])
     with pytest.raises(af.CheckpointError, match="saved by 2 processes in the middle of an accumulation window"):
         af.load(tmp_path / "mid", into=build(sharded=False))
 
@@ -150,10 +152,10 @@ def test_a_sharded_run_resumed_on_two_processes_is_bitwise_the_uninterrupted_run
 
 def test_each_rank_writes_its_own_safetensors_file_and_no_file_is_a_pickle(runs: Path) -> None:
     """A sharded checkpoint is a JSON manifest, its sha256 line and one DCP safetensors file per
-    rank: every file parses as JSON, a sha256 line or safetensors, none starts as a pickle or
+    rank in dcp/ and one in dcp-frozen/ (the frozen embedding, apart): every file parses as JSON, a sha256 line or safetensors, none starts as a pickle or
     a torch.save archive does, and DCP's pickled ``.metadata`` is absent."""
     files = sorted(str(p.relative_to(runs / "step3")) for p in (runs / "step3").rglob("*") if p.is_file())
-    assert files == [*SHARDS, "manifest.json", "manifest.sha256"]
+    assert files == sorted([*SHARDS, *FROZEN, "manifest.json", "manifest.sha256"])
     for name in files:
         data = (runs / "step3" / name).read_bytes()
         assert not data.startswith(b"\x80") and not data.startswith(b"PK\x03\x04"), name  # pickle PROTO, zip
@@ -166,9 +168,10 @@ def test_each_rank_writes_its_own_safetensors_file_and_no_file_is_a_pickle(runs:
             header = json.loads(data[8:8 + length])
             ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
             assert 8 + length + max(ends) == len(data), name  # nothing but the tensors after the header
-    assert manifest["world_size"] == 2 and manifest["format_version"] == 5
-    assert sorted(manifest["files"]) == list(SHARDS)
-    assert "blocks.0.weight" in manifest["sharded"]["model"]
+    assert manifest["world_size"] == 2 and manifest["format_version"] == 7
+    assert sorted(manifest["files"]) == sorted([*SHARDS, *FROZEN])
+    assert "blocks.0.weight" in manifest["sharded"]["model"] and "emb.weight" not in manifest["sharded"]["model"]
+    assert list(manifest["sharded"]["frozen"]["model"]) == ["emb.weight"]
 
 
 def test_a_sharded_checkpoint_loads_into_one_unsharded_process_with_the_same_full_state(
@@ -213,7 +216,7 @@ def _flipped(source: Path, target: Path, name: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", SHARDS)
+@pytest.mark.parametrize("name", [*SHARDS, *FROZEN])
 def test_a_flipped_byte_in_any_shard_file_is_refused_naming_the_file(runs: Path, tmp_path: Path, name: str) -> None:
     """One flipped bit in a rank's shard file: load refuses, naming the file and its
     checksum mismatch, before anything in the state changed."""
@@ -251,22 +254,25 @@ def test_a_sharded_checkpoint_that_does_not_fit_the_state_is_refused_before_anyt
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
-def test_a_file_in_dcp_the_manifest_does_not_list_is_refused(runs: Path, tmp_path: Path) -> None:
-    """DCP's reader reads every safetensors file in ``dcp/``, so one the manifest does not
-    list (a leftover, a planted file) is refused by name."""
+@pytest.mark.parametrize("folder", ["dcp", "dcp-frozen"])
+def test_a_file_in_dcp_the_manifest_does_not_list_is_refused(runs: Path, tmp_path: Path, folder: str) -> None:
+    """DCP's reader reads every safetensors file in ``dcp/`` (and ``dcp-frozen/``), so one the
+    manifest does not list (a leftover, a planted file) is refused by name."""
     shutil.copytree(runs / "step3", tmp_path / "ckpt")
-    shutil.copy(tmp_path / "ckpt" / SHARDS[0], tmp_path / "ckpt" / "dcp" / "shard-00003-model-00001-of-00001.safetensors")
-    with pytest.raises(af.CheckpointError, match=r"files the manifest does not list: "
+    shutil.copy(tmp_path / "ckpt" / SHARDS[0], tmp_path / "ckpt" / folder / "shard-00003-model-00001-of-00001.safetensors")
+    with pytest.raises(af.CheckpointError, match=rf"{tmp_path / 'ckpt' / folder}: files the manifest does not list: "
                                                  r"shard-00003-model-00001-of-00001\.safetensors;"):
         af.load(tmp_path / "ckpt", into=build(sharded=False))
 
 
 def _table_edits(files: Files) -> list[Mutation]:
-    """Every edit of a tensor in the manifest's sharded tables: its shape with another
-    dimension, reversed, of one element made ``[1, 1, 1, 1, 1]`` or negative, another dtype,
-    one torch does not know, a key unknown, the entry gone; the checksum recomputed."""
+    """Every edit of a tensor in the manifest's sharded tables (the frozen one's too): its shape
+    with another dimension, reversed, of one element made ``[1, 1, 1, 1, 1]`` or negative,
+    another dtype, one torch does not know, a key unknown, the entry gone; and of the frozen
+    table's checksums and algorithm; the checksum recomputed."""
     manifest = json.loads(files["manifest.json"])
     entries = [("model", k) for k in manifest["sharded"]["model"]]
+    entries += [("frozen", "model", k) for k in manifest["sharded"]["frozen"]["model"]]
     entries += [("optimizer", p, k) for p, states in manifest["sharded"]["optimizer"].items() for k in states]
     edits = []
     for where in entries:
@@ -287,6 +293,16 @@ def _table_edits(files: Files) -> list[Mutation]:
                 node[where[-1]][field] = value
             edits.append((f"sharded.{'.'.join(where)} {field} {value!r}",
                           signed(files, {"manifest.json": json.dumps(edited).encode()})))
+    frozen_edits: list[tuple[str, Any]] = [
+        ("checksums", ["zz", "0"]), ("checksums", ["0"]), ("checksums", "0"), ("checksums", [1, 2]),
+        ("algorithm", "md5"), ("algorithm", None), ("zz", 1), ("model", []), ("delete", None)]
+    for field, value in frozen_edits:
+        edited = json.loads(files["manifest.json"])
+        if field == "delete":
+            del edited["sharded"]["frozen"]
+        else:
+            edited["sharded"]["frozen"][field] = value
+        edits.append((f"sharded.frozen {field} {value!r}", signed(files, {"manifest.json": json.dumps(edited).encode()})))
     return edits
 
 
@@ -311,15 +327,18 @@ def _same_tensors(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def test_corrupted_sharded_checkpoints_are_refused_and_change_nothing(runs: Path, tmp_path: Path) -> None:
-    """80 seeded corruptions of a sharded checkpoint (its DCP files' headers edited, its
-    manifest's sharded tables edited, checksums recomputed) loaded into one unsharded process:
+    """90 seeded corruptions of a sharded checkpoint (the headers of its DCP files, dcp-frozen/'s
+    too, edited; its manifest's sharded tables edited, checksums recomputed) loaded into one unsharded process:
     each raises a CheckpointError before the state changes, or loads exactly the saved state;
     DCP never reads a chunk the manifest does not place as it says."""
     path = tmp_path / "ckpt"
     shutil.copytree(runs / "step3", path)
     files = {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
     rng = random.Random(7)
-    mutations = [*header_edits(rng, files, sorted(SHARDS), 40), *rng.sample(_table_edits(files), 40)]
+    tables = _table_edits(files)
+    frozen = [edit for edit in tables if edit[0].startswith("sharded.frozen")]
+    mutations = [*header_edits(rng, files, sorted(SHARDS), 30), *header_edits(rng, files, sorted(FROZEN), 20),
+                 *rng.sample([edit for edit in tables if edit not in frozen], 30), *frozen]
     expected = safetensors.torch.load_file(runs / "stopped.safetensors")
     wrong = []
     for what, changed in mutations:

@@ -48,12 +48,14 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 def build(*, sharded: bool, tied: bool = False) -> af.TrainState:
-    """Blocks (seeded) with AdamW and a step schedule; with ``sharded``, prepared with
+    """Blocks (seeded; its embedding frozen unless ``tied``) with AdamW and a step schedule; with ``sharded``, prepared with
     ``program()`` by the launch environment's backend, which shards it over the processes
     (each block of the ModuleList a unit, then the root)."""
     torch.manual_seed(0)
     model = Blocks(tied=tied)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    if not tied:  # a frozen parameter (as a LoRA's base; unused by forward): its own dcp-frozen/ files
+        model.emb.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     state = af.TrainState.create(model, optimizer, scheduler=scheduler)
     if sharded:
