@@ -19,10 +19,8 @@ from accelfn.backends._invariant import InvariantStepFn
 from accelfn.backends._pipeline_step import PipelineStepFn
 from accelfn.backends._placement import Place
 from accelfn.backends._tolerant_step import TolerantStepFn
-from accelfn.distributed import (
-    canonical, context_parallel, ddp, deepspeed, fault_tolerance, float8, fsdp, meta, pipeline, recompute,
-    tensor_parallel,
-)
+from accelfn.distributed import (canonical, context_parallel, ddp, deepspeed, fault_tolerance, float8, fsdp, meta,
+                                 pipeline, recompute, tensor_parallel)
 from accelfn.distributed.phases import ModelPhase, Preparation
 from accelfn.step import TransformBase
 from accelfn.transforms import Compile as CompileSpec

@@ -42,8 +42,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from accelfn.distributed.env import LaunchEnv
 from accelfn.distributed import ops
+from accelfn.distributed.env import LaunchEnv
 from accelfn.errors import LaunchError
 
 _registered = False

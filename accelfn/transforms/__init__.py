@@ -28,8 +28,8 @@ from accelfn.transforms.accumulate import Accumulate, Window, accumulate
 from accelfn.transforms.checkpoint_activations import CheckpointActivations, checkpoint_activations
 from accelfn.transforms.clip import Clip, ClipValue, clip, clip_value
 from accelfn.transforms.compile import Compile, compile
-from accelfn.transforms.context_parallel import ContextParallel, context_parallel
 from accelfn.transforms.compose import TRANSFORM_TYPES, Transform, compose
+from accelfn.transforms.context_parallel import ContextParallel, context_parallel
 from accelfn.transforms.data import ShardData, shard_data
 from accelfn.transforms.deepspeed import DeepSpeed, deepspeed
 from accelfn.transforms.invariant import Invariant, Layout, Node, TreeWindow, invariant

@@ -18,8 +18,8 @@ import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import programs as P
 from tests.helpers.events import read_scalars
-from tests.helpers.tracking import Recorder
 from tests.helpers.pool import Pools
+from tests.helpers.tracking import Recorder
 
 pytestmark = pytest.mark.multiprocess
 

@@ -41,6 +41,7 @@ from accelfn.errors import CheckpointError
 from tests.helpers.corrupt import Files, Mutation, header_edits, signed
 from tests.helpers.states import build, everything, loader, program, same_tree
 
+
 class Moments:
     """An ``extra`` object with a tensor, a numpy array, a tuple and a scalar tensor in its state."""
 

@@ -4,8 +4,8 @@ and merged under the base model's names load with peft and transformers."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest

@@ -16,9 +16,8 @@ import torch
 
 import accelfn as af
 from tests.helpers import launch as _launch
-from tests.helpers import launched
+from tests.helpers import launched, sockets
 from tests.helpers import programs as P
-from tests.helpers import sockets
 
 pytestmark = pytest.mark.multiprocess
 DOUBLE = lambda x: 2 * x  # noqa: E731 (a lambda defined in a file: spawned workers cannot import it by name)

@@ -7,7 +7,6 @@ are tests/workers/meta_checks.py's.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import pytest
 import torch

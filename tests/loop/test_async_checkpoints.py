@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 import accelfn as af
 from accelfn.errors import CheckpointError
 from tests.helpers.launch import environment
+from tests.helpers.pool import Pools
 from tests.helpers.states import assert_same_state, build, loader, loss_fn, program
 from tests.workers import async_saves
-from tests.helpers.pool import Pools
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "async_saves.py"
 

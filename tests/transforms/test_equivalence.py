@@ -10,8 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import accelfn as af
-from accelfn.backends._interpreter import InterpreterStepFn
-from accelfn.backends._interpreter import PlainStepFn
+from accelfn.backends._interpreter import InterpreterStepFn, PlainStepFn
 from tests.helpers.models import classification_data, loss_fn, make_mlp
 
 

@@ -24,10 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-
-import accelfn as af
 from torch.utils.data import DataLoader, TensorDataset
 
+import accelfn as af
 from accelfn.distributed.phases import layout
 from tests.helpers import context_parallel as C
 

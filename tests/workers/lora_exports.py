@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 import accelfn as af

@@ -34,7 +34,6 @@ import accelfn as af
 from tests.helpers import lora
 from tests.workers.lora_exports import TP_PLAN
 
-
 WIDE = dict(hidden_size=128, intermediate_size=256)
 
 

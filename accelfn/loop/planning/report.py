@@ -26,10 +26,10 @@ from accelfn.backends.base import Backend
 from accelfn.backends.cpu import CPU
 from accelfn.distributed import context_parallel
 from accelfn.distributed.env import LaunchEnv, with_launch_defaults
-from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.distributed.mesh import Mesh
 from accelfn.distributed.pipeline import cut, split_batch
 from accelfn.distributed.recompute import recomputing
+from accelfn.errors import PlanError, PlanWarning, check_int
 from accelfn.loop.planning._comms import Collective, Traced, collectives_per_update, metric_count
 from accelfn.loop.planning._counts import EpochCounts, epoch_counts
 from accelfn.loop.planning._memory import Memory, persistent_memory, trace_micro_batch
