@@ -108,5 +108,5 @@ def test_a_metric_named_like_a_groups_lr_is_refused(cpu):
         af.run(step, state, [(torch.randn(8, 4), torch.randn(8, 1))], backend=cpu, progress=False)
     assert str(error.value) == (
         "loss_fn returned a metric named 'lr/group1', which accelfn reports itself; rename it (reserved: grad_norm, "
-        "items_per_s, loss, loss_scale, lr, num_items, num_samples, peak_device_mib, rss_mib, samples_per_s, skipped, "
-        "updates_per_s, and names starting with 'lr/')")
+        "healed, items_per_s, loss, loss_scale, lr, micro_batches, num_items, num_samples, peak_device_mib, replays, "
+        "replicas, rss_mib, samples_per_s, skipped, updates_per_s, and names starting with 'lr/')")

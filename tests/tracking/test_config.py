@@ -66,7 +66,8 @@ def test_config_reaches_tensorboard_hparams_and_every_config_tracker_once(tmp_pa
         "version": af.__version__, "torch_version": torch.__version__, "backend": "cpu", "world_size": 1,
         "precision": "bf16", "batch_size": 4,
         "transforms": {"with_precision": {"policy": {"name": "bf16", "param_dtype": "torch.float32",
-                                                      "compute_dtype": "torch.bfloat16", "scaling": None}},
+                                                      "compute_dtype": "torch.bfloat16", "scaling": None,
+                                                      "float8": None}},
                        "accumulate": {"num_micro_batches": 2}, "clip": {"max_norm": 1.0, "norm_type": 2.0}},
     }
     (hparams_file,) = (tmp_path / "tb").glob("*.hparams")
