@@ -175,7 +175,7 @@ def test_fp8_resume_is_bitwise_and_the_export_loads_into_the_unconverted_model(c
 def test_fp8_composes_with_compile(cpu):
     """fp8 under compile() trains the converted model through torch.compile: its 4 losses stay
     within 1% of eager fp8's (inductor fuses the float8 casts, so not bitwise) and its weights
-    differ from compiled bf16's (the compiled matmuls are float8)."""
+    differ from bf16's (the compiled matmuls are float8; bf16 eager, one compilation less)."""
     batches = _batches(4)
 
     def train(*transforms: af.Transform) -> tuple[af.TrainState, list[float]]:
@@ -188,7 +188,7 @@ def test_fp8_composes_with_compile(cpu):
 
     _, eager = train(H.fp8())
     compiled, losses = train(H.fp8(), af.compile())
-    bf16, _ = train(af.with_precision("bf16"), af.compile())
+    bf16, _ = train(af.with_precision("bf16"))
     assert type(compiled.model.inp).__name__ == "Float8Linear"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager), rtol=1e-2, atol=0)
     assert not torch.allclose(compiled.model.inp.weight, bf16.model.inp.weight, rtol=0, atol=1e-3)
