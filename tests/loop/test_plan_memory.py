@@ -87,3 +87,40 @@ def test_an_lr_scheduler_does_not_hide_the_optimizer_state(cpu):
     trainable = [p for p in state.model.parameters() if p.requires_grad]
     assert plan.memory[0].optimizer == 2 * sum(p.nbytes for p in trainable) + 4 * len(trainable)
     assert not state.optimizer.state and not getattr(state.optimizer, "_opt_called", False)
+
+
+class _Released(torch.optim.SGD):
+    """An optimizer holding state outside Python (DeepSpeed's CPU Adam's kind): its finalizer
+    releases it, and counts how often it ran."""
+
+    released = 0
+
+    def __del__(self):
+        type(self).released += 1
+
+
+@pytest.mark.parametrize("name", ["replicate", "zero-0", "zero-1"])
+def test_an_optimizer_with_a_finalizer_is_never_copied(name):
+    """An optimizer class with ``__del__`` is not copied to step on meta tensors, on any path
+    (plain data parallel, DeepSpeed's stage 0 stepping the parameters, stage 1 stepping flat
+    fp32 partitions): no copy is collected (which would release the real one's state: a segfault
+    later with DeepSpeed's CPU Adam), and the plan says the optimizer state is not planned (a
+    warning) while planning the rest."""
+    import gc
+
+    transforms = {"replicate": lambda: [af.shard_data(), af.replicate()],
+                  "zero-0": lambda: [af.deepspeed({"zero_optimization": {"stage": 0}})],
+                  "zero-1": lambda: [af.deepspeed({"zero_optimization": {"stage": 1}})]}[name]
+    gc.collect()  # the optimizers of earlier cases first
+    _Released.released = 0
+    model = torch.nn.Linear(4, 3)
+    state = af.TrainState.create(model, _Released(model.parameters(), lr=0.1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 3)),
+                                         batch_size=4)
+    step = af.compose(*transforms())(af.train_step(planning._mse))
+    plan = af.plan(step, state, loader, world_size=2, trace=False)
+    gc.collect()
+    assert _Released.released == 0
+    [problem] = [p for p in plan.problems if p.code == "optimizer-unplanned"]
+    assert "_Released" in problem.what and "finalizer" in problem.what and not problem.error
+    assert plan.memory is not None and plan.memory[0].params == 15 * 4  # the rest planned: 15 fp32 parameters

@@ -133,6 +133,14 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
+def _refuse_finalizer(cls: type) -> None:
+    """Raises RuntimeError where ``cls`` has a finalizer: any instance sharing the real
+    optimizer's attributes, once collected, would release the real one's state."""
+    if any("__del__" in vars(c) for c in cls.__mro__[:-1]):
+        raise RuntimeError(f"{cls.__qualname__} has a finalizer (__del__): it holds state outside "
+                           "Python, which a copy stepped on meta tensors would release for the real optimizer")
+
+
 def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
                            policy: Policy) -> list[list[tuple[torch.Size, torch.dtype]]]:
     """The (shape, dtype) of each state tensor the optimizer keeps per parameter after one step,
@@ -146,9 +154,7 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
             or its class has a finalizer (``__del__``: state held outside Python, such as
             DeepSpeed's CPU Adam, which a copy would release for the real one).
     """
-    if any("__del__" in vars(c) for c in type(optimizer).__mro__[:-1]):
-        raise RuntimeError(f"{type(optimizer).__qualname__} has a finalizer (__del__): it holds state outside "
-                           "Python, which a copy stepped on meta tensors would release for the real optimizer")
+    _refuse_finalizer(type(optimizer))
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     keys = [(tuple(p.shape), _storage_dtype(p, policy), p.requires_grad, group_of.get(id(p))) for p in params]
     stand_ins: dict[tuple[Any, ...], torch.nn.Parameter] = {}
@@ -180,21 +186,30 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
     return [shapes.get(key, []) for key in keys]
 
 
+def _planned_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], policy: Policy
+                          ) -> tuple[list[list[tuple[torch.Size, torch.dtype]]], str | None]:
+    """:func:`optimizer_state_shapes`, or no state and why (said in the plan as a warning) where
+    the optimizer cannot be stepped on meta tensors: the plan of the rest still holds."""
+    try:
+        return optimizer_state_shapes(optimizer, params, policy), None
+    except Exception as e:  # noqa: BLE001 - any optimizer's failure on meta tensors: said in the plan
+        return [[] for _ in params], _unplanned(optimizer, e)
+
+
+def _unplanned(optimizer: torch.optim.Optimizer, error: Exception) -> str:
+    return f"{type(optimizer).__name__}.step() does not run on meta tensors ({type(error).__name__}: {error})"
+
+
 def persistent_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, *,
                       policy: Policy, step: Step, split: ModelSplit) -> tuple[tuple[Memory, ...], str | None]:
     """Each rank's persistent bytes on ``split``'s mesh, and why the optimizer state could not
     be planned (or None)."""
     mesh = split.mesh
     params = whole(model.parameters())
-    problem = None
-    try:
-        state_shapes = optimizer_state_shapes(optimizer, params, policy)
-    except Exception as e:  # noqa: BLE001 - any optimizer's failure on meta tensors: said in the plan
-        state_shapes = [[] for _ in params]
-        problem = f"{type(optimizer).__name__}.step() does not run on meta tensors ({type(e).__name__}: {e})"
     ds = step.find(DeepSpeed)
     if ds is not None:
-        return _zero_memory(model, optimizer, transforms_state, step, ds, policy, mesh), problem
+        return _zero_memory(model, optimizer, transforms_state, step, ds, policy, mesh)
+    state_shapes, problem = _planned_state_shapes(optimizer, params, policy)
     shard, replicate, invariant = step.find(ShardParams), step.find(Replicate), step.find(Invariant)
     transform = sum(t.nbytes for t in _tensors(transforms_state))
     memories = []
@@ -263,7 +278,7 @@ def _exchange_buffers(rank: int, world: int) -> int:
 
 
 def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, transforms_state: Any, step: Step,
-                 ds: DeepSpeed, policy: Policy, mesh: Mesh) -> tuple[Memory, ...]:
+                 ds: DeepSpeed, policy: Policy, mesh: Mesh) -> tuple[tuple[Memory, ...], str | None]:
     """Each rank's bytes under a DeepSpeed engine: ``distributed.deepspeed.zero_partition``'s
     elements, the parameters in the engine's dtype (bf16/fp16 when its section is enabled),
     fp32 master partitions, and the optimizer's own state of them (its step on meta tensors)."""
@@ -276,15 +291,20 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
     part = zero_partition([p.numel() for p in params], groups, config=config, world_size=mesh.data_size)
     if part.masters:  # the optimizer steps flat fp32 partitions, one per (sub-)group
         stand_ins = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in part.masters]
-        flat = torch.optim.Optimizer.__new__(type(optimizer))  # the same class, over the partitions
-        flat.__dict__ = dict(optimizer.__dict__, param_groups=[
-            {**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"}, "params": [m]}
-            for (g, _), m in zip(part.masters, stand_ins)])
-        shapes = optimizer_state_shapes(flat, stand_ins, _FP32)
+        try:  # before any instance exists: even an unstepped one would run the finalizer when collected
+            _refuse_finalizer(type(optimizer))
+        except RuntimeError as e:
+            shapes, problem = [], _unplanned(optimizer, e)
+        else:
+            flat = torch.optim.Optimizer.__new__(type(optimizer))  # the same class, over the partitions
+            flat.__dict__ = dict(optimizer.__dict__, param_groups=[
+                {**{k: v for k, v in optimizer.param_groups[g].items() if k != "params"}, "params": [m]}
+                for (g, _), m in zip(part.masters, stand_ins)])
+            shapes, problem = _planned_state_shapes(flat, stand_ins, _FP32)
         masters = sum(_nbytes(n, torch.float32) for _, n in part.masters)
         o_bytes = masters + sum(_nbytes(math.prod(shape), d) for s in shapes for shape, d in s)
     else:  # stage 0: the optimizer steps the parameters themselves
-        shapes = optimizer_state_shapes(optimizer, params, policy)
+        shapes, problem = _planned_state_shapes(optimizer, params, policy)
         o_bytes = sum(_nbytes(math.prod(shape), d) for s in shapes for shape, d in s)
     on_host_optimizer, on_host_params = offloaded(config)
     p_bytes = _nbytes(part.params, dtype)
@@ -293,7 +313,7 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
                     buffers=sum(_nbytes(b.numel(), b.dtype if not b.is_floating_point() else dtype)
                                 for b in model.buffers()),
                     transform_state=sum(t.nbytes for t in _tensors(transforms_state)), offloaded=offloaded_bytes)
-    return (memory,) * mesh.world_size
+    return (memory,) * mesh.world_size, problem
 
 
 def _gathered(model: torch.nn.Module, shard: ShardParams | None, policy: Policy, split: ModelSplit,
