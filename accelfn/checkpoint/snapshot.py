@@ -335,13 +335,17 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
     initializes a state, of a new optimizer over CPU stand-ins of each kind of parameter, their
     state's sizes mapped back. Empty where it cannot step so (LBFGS); no guess is refused."""
     optimizer, cls = optimizer_of(state), type(state.optimizer)
+    # what the state_dict's per-parameter states are shaped as: an engine's view (DeepSpeed's)
+    # holds whole fp32 master weights, not its partitioned or low-precision parameters
+    held = getattr(optimizer, "held_as", None) or (lambda p: p)
+    stepped = [[held(p) for p in group["params"]] for group in optimizer.param_groups]
     probes, kinds = [], []
-    for group, saved in zip(optimizer.param_groups, groups):
+    for params, saved in zip(stepped, groups):
         options = _options(cls, {k: v for k, v in saved.items() if k != "params"})
         if options is None:
             return {}
         kinds.append({(p.dtype, p.dim()): torch.zeros(_SIZES[:p.dim()], dtype=p.dtype, requires_grad=True)
-                      for p in group["params"] if p.dim() <= len(_SIZES) and p.is_floating_point()})
+                      for p in params if p.dim() <= len(_SIZES) and p.is_floating_point()})
         if kinds[-1]:
             on_cpu = {k: v for k, v in {"fused": None, "capturable": False, "foreach": None}.items() if k in options}
             probes.append({"params": list(kinds[-1].values()), **options, **on_cpu})  # CPU stand-ins
@@ -356,8 +360,7 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
         return {}
     found: dict[int, dict[str, Any]] = {}
     metas: dict[tuple[Any, ...], torch.Tensor] = {}  # one "meta" tensor per shape and dtype
-    params = [(p, kinds[g].get((p.dtype, p.dim()))) for g, group in enumerate(optimizer.param_groups)
-              for p in group["params"]]
+    params = [(p, kinds[g].get((p.dtype, p.dim()))) for g, group in enumerate(stepped) for p in group]
     for index, (p, stand_in) in enumerate(params):
         entry = {} if stand_in is None else {key: _like(v, p.shape, metas) for key, v in probe.state[stand_in].items()}
         if entry and all(value is not None for value in entry.values()):

@@ -294,6 +294,13 @@ class CheckpointView:
         return [{**{k: v for k, v in group.items() if k != "params"}, "params": params}
                 for group, params in zip(self._optimizer.param_groups, self._groups)]
 
+    def held_as(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A meta tensor shaped as ``state_dict`` holds ``param``'s optimizer states: its whole
+        fp32 master weight (at stage 3 the parameter itself is an empty partition, in bf16 runs
+        a bf16 copy)."""
+        shape = getattr(param, "ds_shape") if self._stage3 else param.shape
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+
     def _refuse(self) -> None:
         if self.open_window:
             raise CheckpointError(
@@ -315,8 +322,7 @@ class CheckpointView:
         for name, param in module.named_parameters():
             full = safe_get_full_fp32_param(param)
             if full is not None:
-                shape = getattr(param, "ds_shape") if self._stage3 else param.shape
-                state_dict[prefix + name] = full.detach().reshape(shape)
+                state_dict[prefix + name] = full.detach().reshape(self.held_as(param).shape)
 
     def _load_model(self, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
         import deepspeed
@@ -389,8 +395,7 @@ class CheckpointView:
                 entry = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in scalars.items()}
                 for key in keys:
                     full = safe_get_full_optimizer_state(param, key)
-                    shape = getattr(param, "ds_shape") if self._stage3 else param.shape
-                    entry[key] = full.detach().reshape(shape)
+                    entry[key] = full.detach().reshape(self.held_as(param).shape)
                 if entry:
                     state[index] = entry
                 indices.append(index)

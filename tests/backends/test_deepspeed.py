@@ -216,9 +216,9 @@ def saved(checks: dict[str, Any]) -> dict[str, Any]:
     return checks["checkpoints"]
 
 
-@pytest.mark.parametrize("stage", ["s1", "s2", "s3"])
+@pytest.mark.parametrize("stage", ["s1", "s2", "s3", "s3_bf16"])
 def test_mid_epoch_resume_is_bitwise_and_pickle_free(saved: dict[str, Any], stage: str) -> None:
-    """At each ZeRO stage, 3 updates + af.save + a resume (with pickle.load and torch.load made
+    """At each ZeRO stage (and stage 3 in bf16), 3 updates + af.save + a resume (with pickle.load and torch.load made
     to raise) in fresh processes end bitwise where the uninterrupted 10 updates end, and
     every file of the checkpoint is JSON, a checksum or safetensors (no pickle, no zip)."""
     got = saved[stage]

@@ -101,9 +101,9 @@ def train_all() -> dict[str, Any]:
     return results
 
 
-def _program(zero: dict[str, Any]) -> af.Step:
+def _program(zero: dict[str, Any], *precision: str) -> af.Step:
     return af.compose(af.shard_data(), af.deepspeed({"zero_optimization": zero}), af.accumulate(2),
-                      af.clip(D.CLIP))(af.train_step(P.mse))
+                      af.clip(D.CLIP), *map(af.with_precision, precision))(af.train_step(P.mse))
 
 
 def _fresh() -> af.TrainState:
@@ -117,23 +117,24 @@ def _magic(path: Path) -> str:
 
 
 def checkpoints() -> dict[str, Any]:
-    """For ZeRO stages 1, 2 and 3 (accumulate(2) + clip): 2 epochs uninterrupted, and 3 updates
+    """For ZeRO stages 1, 2 and 3 (accumulate(2) + clip), and 3 in bf16 (its optimizer states
+    fp32 masters' while the parameters are bf16 partitions): 2 epochs uninterrupted, and 3 updates
     (mid-epoch), ``af.save``, then a fresh state resumed from it with ``pickle.load`` and
     ``torch.load`` made to raise; every file's first bytes; at stage 3 also ``af.save_model``
     and the parameters at the save (for the unsharded load in the test process)."""
     backend = af.backends.CPU()
     results: dict[str, Any] = {}
-    for name in ("s1", "s2", "s3"):
-        zero = D.ZERO[name]
-        whole = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, progress=False)
-        part = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, max_steps=3, progress=False)
+    for name in ("s1", "s2", "s3", "s3_bf16"):
+        zero, precision = D.ZERO[name.removesuffix("_bf16")], ("bf16",) if name.endswith("_bf16") else ()
+        program = _program(zero, *precision)
+        whole = af.run(program, _fresh(), D.loader(), backend=backend, epochs=2, progress=False)
+        part = af.run(program, _fresh(), D.loader(), backend=backend, epochs=2, max_steps=3, progress=False)
         path = af.save(part, f"ckpt_{name}", backend=backend)
         saved = D.to_json(full_parameters(part.model))
         if name == "s3":
             af.save_model(part, "export_s3", backend=backend)
         with _no_unpickling():
-            resumed = af.run(_program(zero), _fresh(), D.loader(), backend=backend, epochs=2, resume=path,
-                             progress=False)
+            resumed = af.run(program, _fresh(), D.loader(), backend=backend, epochs=2, resume=path, progress=False)
         results[name] = {
             "whole": D.to_json(full_parameters(whole.model)), "resumed": D.to_json(full_parameters(resumed.model)),
             "steps": [part.step, resumed.step], "saved": saved, "path": str(path.resolve()),
