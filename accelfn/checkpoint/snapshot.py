@@ -126,10 +126,8 @@ def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tu
     for i, group in enumerate(optimizer.param_groups):
         missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
         if missing:
-            raise ValueError(
-                f"optimizer param_groups[{i}] holds tensors of shapes {missing} that are not "
-                "parameters of the model; build the optimizer from model.parameters()"
-            )
+            raise ValueError(f"optimizer param_groups[{i}] holds tensors of shapes {missing} that are not "
+                             "parameters of the model; build the optimizer from model.parameters()")
         groups.append(tuple(names[id(p)] for p in group["params"]))
     return tuple(groups)
 
@@ -335,9 +333,7 @@ def _probed_state(state: TrainState, groups: list[Mapping[str, Any]]) -> dict[in
     initializes a state, of a new optimizer over CPU stand-ins of each kind of parameter, their
     state's sizes mapped back. Empty where it cannot step so (LBFGS); no guess is refused."""
     optimizer, cls = optimizer_of(state), type(state.optimizer)
-    # what the state_dict's per-parameter states are shaped as: an engine's view (DeepSpeed's)
-    # holds whole fp32 master weights, not its partitioned or low-precision parameters
-    held = getattr(optimizer, "held_as", None) or (lambda p: p)
+    held = getattr(optimizer, "held_as", None) or (lambda p: p)  # an engine's view: whole fp32 masters
     stepped = [[held(p) for p in group["params"]] for group in optimizer.param_groups]
     probes, kinds = [], []
     for params, saved in zip(stepped, groups):

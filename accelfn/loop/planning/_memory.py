@@ -291,6 +291,8 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
     part = zero_partition([p.numel() for p in params], groups, config=config, world_size=mesh.data_size)
     if part.masters:  # the optimizer steps flat fp32 partitions, one per (sub-)group
         stand_ins = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in part.masters]
+        shapes: list[list[tuple[torch.Size, torch.dtype]]]
+        problem: str | None
         try:  # before any instance exists: even an unstepped one would run the finalizer when collected
             _refuse_finalizer(type(optimizer))
         except RuntimeError as e:
