@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
 
+import accelfn as af
 from accelfn.cli import commands as cli
 from tests.helpers import launch as _launch
 from tests.helpers import sockets
@@ -25,26 +30,50 @@ def write_config(*flags: str | Path) -> None:
     assert cli.main(["config", *map(str, flags)]) == 0
 
 
+class Job(NamedTuple):
+    """A finished launch: the directory it ran in (its ranks' records) and its outcome."""
+
+    out: Path
+    result: subprocess.CompletedProcess
+
+
 @pytest.fixture(scope="module")
-def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two `accelfn launch --nproc-per-node 2 hello.py` jobs started together; the first one's
-    script also gets a stray `--tag=--nproc-per-node=7`, the second's records the sockets its
-    processes listen on (one launch, several tests' claims)."""
-    outs = [tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")]
-    procs = []
-    for out, extra in zip(outs, (["--tag=--nproc-per-node=7"], ["--sockets"] if sockets.available() else [])):
-        procs.append(_launch.start("launch", "--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60",
-                                   _launch.WORKERS / "hello.py", "--out", out, *extra, cwd=out))
-    for proc in procs:
-        _launch.assert_ok(_launch.finish(proc))
-    return outs
+def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> list[Job]:
+    """Two `accelfn launch` jobs of 2 hello.py processes started together (one launch each, several
+    tests' claims), both from config files that `accelfn config` wrote (2 processes, cpu, bf16,
+    timeout 45):
+
+    - the first: `--config launch.yaml --precision fp16`, its script also getting a stray
+      `--tag=--nproc-per-node=7`;
+    - the second: in a directory holding the `accelfn.yaml` that `accelfn config` writes by
+      default (no --config), with ACCELFN_TIMEOUT_S=33 and ACCELFN_PRECISION=fp16 set and
+      `--precision fp32`; its script records the sockets its processes listen on.
+    """
+    config = ("--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "45")
+    first, second = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
+    write_config(*config, "-o", first / "launch.yaml")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(second)
+        write_config(*config)
+    procs = [
+        _launch.start("launch", "--config", first / "launch.yaml", "--precision", "fp16", _launch.WORKERS / "hello.py",
+                      "--out", first, "--tag=--nproc-per-node=7", cwd=first),
+        _launch.start("launch", "--precision", "fp32", _launch.WORKERS / "hello.py", "--out", second,
+                      *(["--sockets"] if sockets.available() else []), cwd=second,
+                      env=_launch.environment(ACCELFN_TIMEOUT_S="33", ACCELFN_PRECISION="fp16")),
+    ]
+    jobs = [Job(out, _launch.finish(proc)) for out, proc in zip((first, second), procs)]
+    for job in jobs:
+        _launch.assert_ok(job.result)
+    return jobs
 
 
-def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Path]) -> None:
-    """Two `accelfn launch --nproc-per-node 2` jobs started together on one machine both form a world of 2."""
+def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Job]) -> None:
+    """Two `accelfn launch` jobs of 2 processes started together on one machine both form a world of 2,
+    on ports of their own."""
     ports = []
-    for out in two_jobs:
-        ranks = _launch.read_ranks(out, 2)
+    for job in two_jobs:
+        ranks = _launch.read_ranks(job.out, 2)
         assert [r["rank"] for r in ranks] == [0, 1]
         assert all(r["world_size"] == 2 and r["sum_of_ranks_plus_one"] == 3.0 for r in ranks)
         assert ranks[0]["master_port"] == ranks[1]["master_port"]
@@ -52,15 +81,15 @@ def test_two_jobs_started_at_once_both_succeed(two_jobs: list[Path]) -> None:
     assert ports[0] != ports[1]
 
 
-def test_a_job_on_one_machine_listens_on_loopback_alone(two_jobs: list[Path]) -> None:
-    """No process of `accelfn launch --nproc-per-node 2` (the launcher, with torchrun's rendezvous
+def test_a_job_on_one_machine_listens_on_loopback_alone(two_jobs: list[Job]) -> None:
+    """No process of a 2-process `accelfn launch` (the launcher, with torchrun's rendezvous
     store; rank 0, with the process group's store; each rank's gloo sockets, which the workers
     put on the loopback interface) listens outside 127.0.0.0/8 while the job runs; and there
     are such sockets to look at."""
     if not sockets.available():
         pytest.skip("reading listening sockets needs Linux's /proc/net/tcp")
-    assert [r["gloo_socket_ifname"] for r in _launch.read_ranks(two_jobs[1], 2)] == ["lo", "lo"]
-    rank0 = _launch.read_ranks(two_jobs[1], 2)[0]
+    assert [r["gloo_socket_ifname"] for r in _launch.read_ranks(two_jobs[1].out, 2)] == ["lo", "lo"]
+    rank0 = _launch.read_ranks(two_jobs[1].out, 2)[0]
     found = [tuple(s) for s in rank0["listening"]]
     assert sockets.outside_loopback(found) == [], found
     owners = {pid for pid, _, _ in found}
@@ -91,44 +120,37 @@ def test_two_nodes_on_loopback_form_one_world_from_flags_or_a_kubeflow_pods_vari
         assert r["sum_of_ranks_plus_one"] == 3.0
 
 
-def test_script_with_a_stray_local_rank_option_runs(two_jobs: list[Path]) -> None:
+def test_script_with_a_stray_local_rank_option_runs(two_jobs: list[Job]) -> None:
     """A script that declares --local_rank and parses strictly gets only its own arguments, unchanged."""
-    for rank, r in enumerate(_launch.read_ranks(two_jobs[0], 2)):
+    for rank, r in enumerate(_launch.read_ranks(two_jobs[0].out, 2)):
         assert r["rank"] == r["local_rank"] == rank
         assert r["stray_local_rank"] == -1  # nothing was passed to it: ranks come from the environment
         assert r["tag"] == "--nproc-per-node=7"  # an option of the launcher's, after the script, is the script's
 
 
-def test_config_file_round_trip_with_a_flag_override(tmp_path: Path) -> None:
-    """`accelfn config` writes a file that `accelfn launch --config` applies, a flag overriding one field."""
-    config = tmp_path / "launch.yaml"
-    write_config("--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "45", "-o", config)
-    _launch.launch("--config", config, "--precision", "fp16", script="hello.py", script_args=("--out", tmp_path),
-                   cwd=tmp_path)
-    for r in _launch.read_ranks(tmp_path, 2):
+def test_config_file_round_trip_with_a_flag_override(two_jobs: list[Job]) -> None:
+    """`accelfn config` writes a file that `accelfn launch --config` applies (2 processes, cpu,
+    timeout 45), a flag overriding one field (--precision fp16 over the file's bf16)."""
+    for r in _launch.read_ranks(two_jobs[0].out, 2):
         assert r["world_size"] == 2
         assert (r["requested_backend"], r["backend"], r["precision"], r["timeout_s"]) == ("cpu", "cpu", "fp16", 45.0)
 
 
-def test_flags_override_the_environment_which_overrides_the_config_file(tmp_path: Path) -> None:
+def test_flags_override_the_environment_which_overrides_the_config_file(two_jobs: list[Job]) -> None:
     """ACCELFN_* variables already set reach the workers over the config file's values and
-    the defaults; a flag overrides them."""
-    config = tmp_path / "launch.yaml"
-    write_config("--nproc-per-node", "2", "--backend", "cpu", "--precision", "bf16", "--timeout-s", "45", "-o", config)
-    env = _launch.environment(ACCELFN_TIMEOUT_S="33", ACCELFN_PRECISION="fp16")
-    _launch.launch("--config", config, "--precision", "fp32", script="hello.py", script_args=("--out", tmp_path),
-                   cwd=tmp_path, env=env)
-    assert [(r["precision"], r["timeout_s"]) for r in _launch.read_ranks(tmp_path, 2)] == [("fp32", 33.0)] * 2
+    the defaults (timeout 33, not the file's 45); a flag overrides them (--precision fp32 over
+    the variable's fp16 and the file's bf16)."""
+    assert [(r["precision"], r["timeout_s"]) for r in _launch.read_ranks(two_jobs[1].out, 2)] == [("fp32", 33.0)] * 2
 
 
-def test_default_config_file_in_the_working_directory_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without --config, launch reads ./accelfn.yaml and says so."""
-    monkeypatch.chdir(tmp_path)
-    write_config("--nproc-per-node", "2", "--precision", "bf16", "--backend", "cpu")
-    assert (tmp_path / "accelfn.yaml").is_file()
-    result = _launch.launch(script="hello.py", script_args=("--out", tmp_path), cwd=tmp_path)
-    assert "using the launch config accelfn.yaml" in result.stderr
-    assert [(r["world_size"], r["precision"]) for r in _launch.read_ranks(tmp_path, 2)] == [(2, "bf16")] * 2
+def test_default_config_file_in_the_working_directory_is_used(two_jobs: list[Job]) -> None:
+    """`accelfn config` without -o writes ./accelfn.yaml; without --config, launch reads it and
+    says so (2 processes on cpu: the file's, not the defaults' 1 process)."""
+    second = two_jobs[1]
+    assert (second.out / "accelfn.yaml").is_file()
+    assert "using the launch config accelfn.yaml" in second.result.stderr
+    assert [(r["world_size"], r["requested_backend"]) for r in _launch.read_ranks(second.out, 2)] == [(2, "cpu")] * 2
+    assert "using the launch config" not in two_jobs[0].result.stderr  # --config given: the file named, no default
 
 
 def test_rank_without_its_peer_fails_with_a_launch_error_instead_of_hanging(tmp_path: Path) -> None:
@@ -143,12 +165,15 @@ def test_rank_without_its_peer_fails_with_a_launch_error_instead_of_hanging(tmp_
     assert time.monotonic() - started < 60
 
 
-def test_inconsistent_launch_variables_fail_before_any_group_is_formed(tmp_path: Path) -> None:
-    """RANK without WORLD_SIZE makes a worker exit at once with a LaunchError that names both variables."""
-    env = _launch.environment(RANK="1")
-    result = _launch.python(_launch.WORKERS / "hello.py", "--out", tmp_path, env=env)
-    assert result.returncode != 0
-    assert "LaunchError: RANK is set but WORLD_SIZE is not" in result.stderr
+def test_inconsistent_launch_variables_fail_before_any_group_is_formed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK without WORLD_SIZE makes the backend a worker asks for (af.backends.auto(), as
+    hello.py's first call) raise a LaunchError that names both variables, before any group is formed."""
+    for name in set(os.environ) - set(_launch.environment()):  # the launch's and other engines' variables
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(af.LaunchError, match="RANK is set but WORLD_SIZE is not"):
+        af.backends.auto()
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_failing_worker_fails_the_launch_with_its_exit_code(tmp_path: Path) -> None:
