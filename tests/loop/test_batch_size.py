@@ -15,25 +15,41 @@ from tests.helpers import launch as _launch
 WORKER = _launch.WORKERS / "batch_size_limit.py"
 
 
-def under_memory_cap(budget_mib: int, start: int) -> dict:
-    """What ``tests/workers/batch_size_limit.py`` reports in a process capped at ``budget_mib``
-    more MiB of address space than it holds."""
+#: the (budget MiB, starting batch size) of each test's case, run in one process in this order: the
+#: case at 1 MiB first, right after the uncapped warm-up as in a process of its own (after larger
+#: cases, heap space the process still holds mapped from them serves batch size 1)
+CASES = ((1, 4), (400, 128), (2000, 64))
+
+
+@pytest.fixture(scope="module")
+def capped() -> dict[tuple[int, int], dict]:
+    """What ``tests/workers/batch_size_limit.py`` reports for each of ``CASES``, run one after
+    the other in one process, each capped at its budget more MiB of address space than the
+    process holds when the case starts."""
     # glibc's mmap threshold fixed at its default 128 KiB (set, it stops adapting): every large
     # allocation is a mapping of its own and so counts against the cap; an adapted threshold
     # (up to 32 MiB after a large block is freed) serves them from heap space already mapped,
     # and batch size 1 then sometimes fits under a 1 MiB cap
     env = {**_launch.environment(), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    done = subprocess.run([sys.executable, WORKER, "--budget-mib", str(budget_mib), "--start", str(start)],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    cases = [str(n) for case in CASES for n in ("--case", *case)]
+    done = subprocess.run([sys.executable, WORKER, *cases], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    reports = [json.loads(line) for line in done.stdout.splitlines()[-len(CASES):]]
+    assert [(r["budget_mib"], r["start"]) for r in reports] == list(CASES)
+    return {(r["budget_mib"], r["start"]): r for r in reports}
 
 
-def test_the_batch_size_halves_until_the_step_fits_freeing_each_failed_attempt() -> None:
+def under_memory_cap(capped: dict[tuple[int, int], dict], budget_mib: int, start: int) -> dict:
+    """The report of the case capped at ``budget_mib`` MiB that starts at ``start``."""
+    return capped[budget_mib, start]
+
+
+def test_the_batch_size_halves_until_the_step_fits_freeing_each_failed_attempt(capped) -> None:
     """Under a 400 MiB cap, training at 128 samples (8 MiB each) fails in the CPU allocator;
     each retry halves it, starts after the previous attempt's activations (held in a reference
     cycle) were freed, and the first size that trains is returned."""
-    report = under_memory_cap(400, 128)
+    report = under_memory_cap(capped, 400, 128)
     result = report["result"]
     assert 1 < result < 128
     assert report["tried"] == [128 >> i for i in range(len(report["tried"]))]
@@ -41,15 +57,15 @@ def test_the_batch_size_halves_until_the_step_fits_freeing_each_failed_attempt()
     assert report["freed"] and all(report["freed"])
 
 
-def test_a_step_that_fits_runs_once_at_the_starting_batch_size() -> None:
+def test_a_step_that_fits_runs_once_at_the_starting_batch_size(capped) -> None:
     """With room to spare (a 2000 MiB cap) the first call trains and nothing is retried."""
-    assert under_memory_cap(2000, 64)["tried"] == [64]
+    assert under_memory_cap(capped, 2000, 64)["tried"] == [64]
 
 
-def test_running_out_of_memory_at_batch_size_1_is_a_clear_error() -> None:
+def test_running_out_of_memory_at_batch_size_1_is_a_clear_error(capped) -> None:
     """When even batch size 1 does not fit, OutOfMemoryError lists the sizes tried and chains
     the allocator's error."""
-    error = under_memory_cap(1, 4)["error"]
+    error = under_memory_cap(capped, 1, 4)["error"]
     assert error["message"] == (
         "find_batch_size: even batch size 1 runs out of memory (tried 4, 2, 1); the model and optimizer "
         "state alone do not fit: use a smaller model, a lower precision (af.with_precision('bf16-true')), "

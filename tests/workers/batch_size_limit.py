@@ -1,14 +1,16 @@
 """Worker for tests/loop/test_batch_size.py: ``find_batch_size`` against a real memory limit.
 
-The process (Linux, glibc) caps its own address space (``RLIMIT_AS``) at its current size plus
-``--budget-mib``, so an allocation beyond the budget fails inside torch's CPU allocator
-exactly as it does on a full machine. The training step's activations take 8 MiB per
-sample; each attempt records whether the previous attempt's activations were freed (a
-weak reference to them is dead), though they sit in a reference cycle only the garbage
-collector breaks. Prints one JSON line: the batch sizes tried, whether each earlier attempt
-was freed when the next began, and the batch size that trained.
+For each ``--case BUDGET_MIB START``, in order, the process (Linux, glibc) caps its own
+address space (``RLIMIT_AS``, the soft limit) at its current size plus BUDGET_MIB, so an
+allocation beyond the budget fails inside torch's CPU allocator exactly as it does on a full
+machine, runs ``find_batch_size`` from START, and lifts the cap again. The training step's
+activations take 8 MiB per sample; each attempt records whether the previous attempt's
+activations were freed (a weak reference to them is dead), though they sit in a reference
+cycle only the garbage collector breaks. Prints one JSON line per case: its budget and start,
+the batch sizes tried, whether each earlier attempt was freed when the next began, and the
+batch size that trained (or the error at batch size 1).
 
-Usage: python batch_size_limit.py --budget-mib N --start B
+Usage: python batch_size_limit.py --case BUDGET_MIB START [--case BUDGET_MIB START ...]
 """
 
 from __future__ import annotations
@@ -42,12 +44,9 @@ class Wide(torch.nn.Module):
         return (wide * wide).mean(dim=1, keepdim=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--budget-mib", type=int, required=True)
-    parser.add_argument("--start", type=int, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def fit_under_cap(budget_mib: int | None, start: int) -> dict:
+    """``find_batch_size`` from ``start`` with ``budget_mib`` more MiB of address space than the
+    process holds now (None: uncapped); what it tried, freed and returned."""
     tried: list[int] = []
     freed: list[bool] = []
     held: list[weakref.ref] = []
@@ -64,21 +63,33 @@ def main() -> None:
                        backend=af.backends.CPU(), progress=False)
         return batch_size
 
-    fit(1)  # imports what training imports on first use (torch._dynamo for the optimizer) before the cap
-    tried.clear(), freed.clear(), held.clear()
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc returns the freed heap, so the cap counts from here
     with open("/proc/self/status") as status:
         size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (size + args.budget_mib * 2**20, hard))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if budget_mib is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (size + budget_mib * 2**20, hard))
     try:
-        result: int | str = af.find_batch_size(fit, start=args.start)
+        result: int | str = af.find_batch_size(fit, start=start)
         error = None
     except torch.OutOfMemoryError as e:
         result, error = "error", {"message": str(e), "cause": type(e.__cause__).__name__,
                                   "cause_message": str(e.__cause__)[:200]}
-    print(json.dumps({"tried": tried, "freed": freed, "result": result, "error": error}))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return {"budget_mib": budget_mib, "start": start, "tried": tried, "freed": freed, "result": result,
+            "error": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", type=int, nargs=2, action="append", required=True, metavar=("BUDGET_MIB", "START"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    fit_under_cap(None, 1)  # imports what training imports on first use (torch._dynamo for the optimizer) uncapped
+    for budget_mib, start in args.case:
+        print(json.dumps(fit_under_cap(budget_mib, start)))
 
 
 if __name__ == "__main__":
