@@ -1,7 +1,10 @@
 """Hybrid sharding (``shard_params(shard_size=2)``, a 2-D FSDP2 mesh) on 4 real gloo processes.
 
-One launch of tests/workers/hybrid_checks.py records everything: 2 copies of the model, each
+One run of tests/workers/hybrid_checks.py records everything: 2 copies of the model, each
 sharded over 2 ranks, trained whole, and stopped after 3 updates and resumed from its checkpoint.
+It runs as ``__main__`` in the session's pool of started 4-process workers (its subject is
+hybrid sharding, not the launch); the refusal on nodes of unequal size starts two launchers of
+its own.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ from safetensors.torch import load_file
 import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import sharded as S
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 4
+FOUR = ("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hybrid")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60", script="hybrid_checks.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch(*FOUR, script="hybrid_checks.py", script_args=("--out", out), cwd=out)
     return {"json": _launch.read_ranks(out, WORLD), "tensors": [load_file(out / f"rank{r}.safetensors")
                                                                 for r in range(WORLD)], "out": out}
 

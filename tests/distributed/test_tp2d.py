@@ -1,7 +1,9 @@
 """2-D FSDP2 x TP (``shard_params()`` with ``tensor_parallel(size=2)``) on 4 real gloo processes.
 
-One launch of tests/workers/tp2d_checks.py records everything: the byte LM trained whole,
-stopped after 2 updates with a checkpoint and resumed from it, exported, and evaluated.
+One run of tests/workers/tp2d_checks.py records everything: the byte LM trained whole,
+stopped after 2 updates with a checkpoint and resumed from it, exported, and evaluated. It runs
+as ``__main__`` in the session's pool of started 4-process workers (its subject is 2-D
+training, not the launch); the hand-written loop it is held to runs once for the module.
 """
 
 from __future__ import annotations
@@ -15,18 +17,28 @@ from safetensors.torch import load_file
 import accelfn as af
 from tests.helpers import launch as _launch
 from tests.helpers import tensor_parallel as T
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 WORLD = 4
+FOUR = ("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(pool: Pools, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("tp2d")
-    _launch.launch("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60", script="tp2d_checks.py",
-                   script_args=("--out", out), cwd=out)
+    pool.launch(*FOUR, script="tp2d_checks.py", script_args=("--out", out), cwd=out)
     return {"json": _launch.read_ranks(out, WORLD), "out": out,
             "tensors": [load_file(out / f"ckpt_rank{r}.safetensors") for r in range(WORLD)]}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """The hand-written 1-process loop of the 2-D run (AdamW over windows of 16 samples, clip
+    0.3), run once for the module's tests: its model, grad norms and window losses."""
+    losses: list[float] = []
+    model, norms = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
+    return {"model": model, "norms": norms, "losses": losses}
 
 
 def _part(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -43,17 +55,16 @@ def test_correct_2d_runs_give_no_warning(run: dict[str, Any]) -> None:
         assert run["json"][rank]["warnings"] == [], run["json"][rank]["warnings"]
 
 
-def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_split_matrix(run: dict[str, Any]) -> None:
+def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_split_matrix(
+        run: dict[str, Any], reference: dict[str, Any]) -> None:
     """On a (data 2, tensor 2) mesh with accumulate(2) + clip(0.3) the gathered parameters and
     logged grad norms equal a 1-process loop over windows of 16 samples (1e-5) on every rank;
     each rank holds 1/4 of every split weight matrix and 1/2 of every other parameter."""
-    losses: list[float] = []
-    model, norms = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
-    reference = model.state_dict()
+    expected, norms = reference["model"].state_dict(), reference["norms"]
     for rank in range(WORLD):
         whole = _part(run["tensors"][rank], "whole.")
-        assert whole.keys() == reference.keys()
-        for name, value in reference.items():
+        assert whole.keys() == expected.keys()
+        for name, value in expected.items():
             torch.testing.assert_close(whole[name], value, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
         record = run["json"][rank]
         assert record["model_type"] == "FSDPByteLM"
@@ -65,26 +76,24 @@ def test_fsdp2_x_tp2_equals_a_hand_written_loop_and_holds_a_quarter_of_each_spli
     assert max(norms) > T.CLIP_2D  # some updates were clipped
 
 
-def test_2d_metrics_are_reduced_over_the_data_dimension_only(run: dict[str, Any]) -> None:
+def test_2d_metrics_are_reduced_over_the_data_dimension_only(run: dict[str, Any], reference: dict[str, Any]) -> None:
     """On the (data 2, tensor 2) mesh the logged loss of each update is the loss of its whole
     window of 16 samples (the mean over the 2 data shards, 1e-5), and each update counts its 16
     samples (8 at an epoch's end) once, not once per rank of a tensor-parallel group."""
-    losses: list[float] = []
-    T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D, losses=losses)
     logged = run["json"][0]
-    torch.testing.assert_close(torch.tensor(logged["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(logged["losses"]), torch.tensor(reference["losses"]), rtol=1e-5, atol=0)
     windows = [float(min(16, T.NUM_SAMPLES - start)) for start in range(0, T.NUM_SAMPLES, 16)] * T.EPOCHS
     assert logged["samples_per_update"] == pytest.approx(windows, rel=1e-9)  # 16, 16, then the epoch's last 8
 
 
-def test_evaluate_on_the_2d_mesh_gives_each_sample_once_in_order_on_every_rank(run: dict[str, Any]) -> None:
+def test_evaluate_on_the_2d_mesh_gives_each_sample_once_in_order_on_every_rank(
+        run: dict[str, Any], reference: dict[str, Any]) -> None:
     """af.evaluate of the 2-D model's per-sequence loss over the 40 sequences (batches of 3, the
     last ones ragged) returns, on all 4 ranks, 40 values in dataset order equal to the
     hand-written model's (1e-5): each tensor-parallel group reads one data shard, reported once."""
-    model, _ = T.hand_written("lm", data_world=2, accumulate=2, max_norm=T.CLIP_2D)
     x, y = T.data("lm").tensors
     with torch.no_grad():
-        expected = T.byte_lm().per_sequence_loss(model, (x, y))
+        expected = T.byte_lm().per_sequence_loss(reference["model"], (x, y))
     for rank in range(WORLD):
         torch.testing.assert_close(run["tensors"][rank]["evaluated"], expected, rtol=1e-5, atol=1e-5)
 
