@@ -1,5 +1,6 @@
 """Processes started with only Slurm's or Open MPI's variables (plain ``python``, no torchrun)
-train as one world, bitwise equal to ``accelfn launch``."""
+train as one world, bitwise equal to ``accelfn launch`` (the reference run: in the session's pool of
+started 2-process workers)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import safetensors.torch
 import torch
 
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = _launch.WORKERS / "engine_train.py"
@@ -58,12 +60,14 @@ def started_by(variables: object, out: Path) -> list[dict]:
     return _launch.read_ranks(out, 2)
 
 
-def test_slurm_and_open_mpi_tasks_train_as_two_ranks_like_accelfn_launch(tmp_path: Path) -> None:
+def test_slurm_and_open_mpi_tasks_train_as_two_ranks_like_accelfn_launch(pool: Pools, tmp_path: Path) -> None:
     """Two processes with only Slurm's (then Open MPI's) variables detect their engine, form a
-    world of 2, and end with parameters bitwise equal to `accelfn launch --nproc-per-node 2`'s."""
+    world of 2, and end with parameters bitwise equal to those of a 2-process `accelfn launch`
+    (its workers in the pool, which detect torchrun)."""
     reference = tmp_path / "launch"
     reference.mkdir()
-    _launch.launch("--nproc-per-node", "2", script=SCRIPT, script_args=(reference,))
+    pool.launch("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60", script=SCRIPT,
+                script_args=(reference,))
     expected = safetensors.torch.load_file(reference / "params.safetensors")
     assert [r["engine"] for r in _launch.read_ranks(reference, 2)] == ["torchrun"] * 2
     for engine, variables in (("slurm", slurm_task), ("openmpi", mpi_rank)):

@@ -4,6 +4,9 @@ wait for ranks that went on when one rank's ``af.run``/``af.evaluate`` ended by 
 Without accelfn's exit handler (``accelfn.distributed.process_group``) a gloo worker thread could free a
 finished collective's tensors after the interpreter began to finalize, and the process
 aborted (``terminate called without an active exception``) after a complete run.
+
+The jobs that exit are real launches; the check that calls the exit handler itself runs in the
+session's pool of started workers.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 import pytest
 
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
+POOL = ("--backend", "cpu", "--nproc-per-node", "2", "--timeout-s", "60")
 
 
 def test_a_sharded_job_ending_with_a_collective_in_flight_exits_cleanly(tmp_path: Path) -> None:
@@ -27,13 +32,13 @@ def test_a_sharded_job_ending_with_a_collective_in_flight_exits_cleanly(tmp_path
 
 
 def test_the_exit_barrier_keeps_the_collectives_it_waited_for_until_the_main_thread_frees_them(
-        tmp_path: Path) -> None:
+        pool: Pools, tmp_path: Path) -> None:
     """After the exit handler, rank 0's unwaited all-reduce (in flight when the handler began:
     rank 1 joins it 0.3 s later; done: its sum is 2.0) is still owned by the kept barrier,
     0.5 s later too, so no gloo thread frees its tensor; the group is destroyed on both ranks,
     and the tensor is released when the barrier is let go. (Rank 1's all-reduce may end
     before its handler begins, and is then freed already.)"""
-    _launch.launch("--nproc-per-node", "2", script="exit_in_flight.py", script_args=("owner", "--out", tmp_path))
+    pool.launch(*POOL, script="exit_in_flight.py", script_args=("owner", "--out", tmp_path))
     first = json.loads((tmp_path / "rank0.json").read_text())
     assert first["after_leave"] == first["later"] > 1
     for rank in (0, 1):
