@@ -12,6 +12,8 @@ import torch
 import accelfn as af
 from tests.helpers import launch as _launch
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 WORKER = _launch.WORKERS / "batch_size_limit.py"
 
 
