@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import streams as S
 from tests.helpers.pool import Pools
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.multiprocess
 
 WORKERS = [0, 1, 2, 3]
 STREAM_WORKERS = [0, 2]  # the round-robin deal of a torch IterableDataset (0-3 workers: one process's test)

@@ -12,8 +12,6 @@ import torch
 import accelfn as af
 from tests.helpers import launch as _launch
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 WORKER = _launch.WORKERS / "batch_size_limit.py"
 
 
@@ -42,16 +40,11 @@ def capped() -> dict[tuple[int, int], dict]:
     return {(r["budget_mib"], r["start"]): r for r in reports}
 
 
-def under_memory_cap(capped: dict[tuple[int, int], dict], budget_mib: int, start: int) -> dict:
-    """The report of the case capped at ``budget_mib`` MiB that starts at ``start``."""
-    return capped[budget_mib, start]
-
-
 def test_the_batch_size_halves_until_the_step_fits_freeing_each_failed_attempt(capped) -> None:
     """Under a 400 MiB cap, training at 128 samples (8 MiB each) fails in the CPU allocator;
     each retry halves it, starts after the previous attempt's activations (held in a reference
     cycle) were freed, and the first size that trains is returned."""
-    report = under_memory_cap(capped, 400, 128)
+    report = capped[400, 128]
     result = report["result"]
     assert 1 < result < 128
     assert report["tried"] == [128 >> i for i in range(len(report["tried"]))]
@@ -61,13 +54,13 @@ def test_the_batch_size_halves_until_the_step_fits_freeing_each_failed_attempt(c
 
 def test_a_step_that_fits_runs_once_at_the_starting_batch_size(capped) -> None:
     """With room to spare (a 2000 MiB cap) the first call trains and nothing is retried."""
-    assert under_memory_cap(capped, 2000, 64)["tried"] == [64]
+    assert capped[2000, 64]["tried"] == [64]
 
 
 def test_running_out_of_memory_at_batch_size_1_is_a_clear_error(capped) -> None:
     """When even batch size 1 does not fit, OutOfMemoryError lists the sizes tried and chains
     the allocator's error."""
-    error = under_memory_cap(capped, 1, 4)["error"]
+    error = capped[1, 4]["error"]
     assert error["message"] == (
         "find_batch_size: even batch size 1 runs out of memory (tried 4, 2, 1); the model and optimizer "
         "state alone do not fit: use a smaller model, a lower precision (af.with_precision('bf16-true')), "
