@@ -37,19 +37,6 @@ def _no_users_launch_config(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: p
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """torch's intra-op pool at one thread for the module's tests (``pytestmark =
-    pytest.mark.usefixtures("one_thread")``: set up before their module fixtures), as launched workers run it
-    (``OMP_NUM_THREADS=1``): the suite's small models gain nothing from a second thread, and
-    its spin-waits burn the CPU the other xdist worker needs (the digits example: 4 s of CPU
-    on one thread, 38 s on two on a busy 2-core machine, the same accuracy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def cpu() -> af.backends.CPU:
     """The one-process CPU backend."""
@@ -81,8 +68,14 @@ def _distributing(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist, the controller starts mypy before its workers (when the run's
+    """torch's intra-op pool at one thread in every test process, as launched workers run it
+    (``OMP_NUM_THREADS=1``): the suite's small models gain nothing from a second thread, and
+    its spin-waits burn the CPU the other xdist worker needs (the digits example: 4 s of CPU
+    on one thread, 38 s on two on a busy 2-core machine, the same accuracy).
+
+    Under pytest-xdist, the controller starts mypy before its workers (when the run's
     paths include the mypy test's), so that it runs once, whichever worker gets the test."""
+    torch.set_num_threads(1)
     if _distributing(config):
         test = Path(str(config.rootpath / background.MYPY_TEST.partition("::")[0]))
         for arg in config.args:

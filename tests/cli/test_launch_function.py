@@ -19,7 +19,7 @@ from tests.helpers import launch as _launch
 from tests.helpers import launched, sockets
 from tests.helpers import programs as P
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.multiprocess
 DOUBLE = lambda x: 2 * x  # noqa: E731 (a lambda defined in a file: spawned workers cannot import it by name)
 
 

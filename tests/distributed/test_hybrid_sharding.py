@@ -20,7 +20,7 @@ from tests.helpers import launch as _launch
 from tests.helpers import sharded as S
 from tests.helpers.pool import Pools
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.multiprocess
 WORLD = 4
 FOUR = ("--backend", "cpu", "--nproc-per-node", str(WORLD), "--timeout-s", "60")
 

@@ -5,11 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.events import read_scalars
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
 

@@ -29,8 +29,6 @@ from tests.helpers.models import classification_data, make_mlp
 from tests.helpers.tracking import Recorder
 from tests.test_tracking import loss_fn
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 @pytest.fixture(scope="module")
 def mlflow_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -16,8 +16,6 @@ from accelfn.backends import LaunchEnv
 from tests.helpers.models import classification_data, make_mlp
 from tests.helpers.pool import Pools
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 #: inductor fuses and reorders float32 arithmetic, so compiled parameters may differ from eager by rounding
 RTOL, ATOL = 1e-5, 1e-6
 

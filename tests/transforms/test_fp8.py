@@ -20,8 +20,6 @@ from accelfn.distributed import float8
 from accelfn.transforms.precision import Float8
 from tests.helpers import fp8 as H
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 class Odd(torch.nn.Module):
     """Layers of every kind the filter sees: suitable, a dimension of 10, an excluded block,
