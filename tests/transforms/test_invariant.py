@@ -55,7 +55,8 @@ def one(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def two(pool: Pools, root: Path) -> Path:
     """Every variant on 2 x acc(4) (the pool's workers), and the AdamW and sharded variants
-    killed at update 14 (of epoch 0), micro-batch 2 of its window (saved to w2/first and w2/sharded_first)."""
+    killed at update 14 (of epoch 0), micro-batch 2 of its window (saved to w2/first and
+    w2/sharded_first)."""
     out = _out(root, "w2")
     pool.call(*POOL, function="invariant:train", out=str(out), timeout_s=280)
     pool.call(*POOL, function="invariant:segment", out=str(out), name="first", stop=[14, 2], timeout_s=120)
@@ -110,8 +111,8 @@ VARIANTS = pytest.mark.parametrize("variant", ["sgd", "adamw", "loss_bf16", "cli
 @pytest.mark.multiprocess
 @VARIANTS
 def test_two_processes_train_the_same_bits_as_one(one: Path, two: Path, variant: str) -> None:
-    """Under invariant() the whole state after each of its 40 updates (2 epochs) (SGD with a loss_fn drawing
-    from Python's random and NumPy and a dataset augmenting in __getitem__ without workers, or AdamW with a
+    """Under invariant() the whole state after each of 40 updates over 2 epochs (SGD with a loss_fn
+    drawing from Python's random and NumPy and a dataset augmenting in __getitem__ without workers, or AdamW with a
     scheduler; dropout and clip(1.0); af.Loss with empty micro-batches under bf16;
     clip_value with skip_nonfinite; AdamW and clip(0.5) under shard_params(), the state
     compared whole) and the logged loss and grad_norm are identical on 1 x acc(8) and 2 x acc(4)."""
@@ -159,8 +160,8 @@ def test_without_invariant_the_topologies_differ(one: Path, two: Path, four: Pat
 def test_a_job_killed_mid_window_resumes_on_other_topologies(one: Path, two: Path, second: Path,
                                                               four: Path) -> None:
     """2 x acc(4) saved at update 14, micro-batch 2 of its window, resumed on 1 x acc(8),
-    saved at update 27 (past the epoch boundary), micro-batch 5, resumed on 4 x acc(2): every update's state equals
-    the uninterrupted run's. The same under shard_params() (sharded on 2 and 4, saved on 1 at
+    saved at update 27 (past the epoch boundary at 20), micro-batch 5, resumed on 4 x acc(2):
+    every update's state equals the uninterrupted run's. The same under shard_params() (sharded on 2 and 4, saved on 1 at
     micro-batch 1: on 4, rank 0 pushes the saved leaf and still runs that micro-batch's
     forward and backward, whose FSDP2 all-gathers the other ranks run too)."""
     for variant, prefix in (("adamw", ""), ("sharded", "sharded_")):
