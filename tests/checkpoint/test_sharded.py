@@ -1,7 +1,8 @@
 """Sharded (FSDP2) checkpoints: DCP files in safetensors, bitwise resume, resharding, no pickle.
 
-The sharded runs are 2 gloo processes of the session's worker pool (``tests/helpers/pool.py``;
-the SIGTERM test and the 3-process one are real ``accelfn launch`` jobs); their states are
+The sharded runs are 2 gloo processes of the session's worker pool (``tests/helpers/pool.py``),
+or 3 of the pool of 3 (the 60 s one other modules use too); the SIGTERM test's is a real
+``accelfn launch`` job; their states are
 built by ``tests.helpers.sharding`` (``shard`` is FSDP2 ``fully_shard`` per block, then the
 root). One module fixture runs the jobs the tests share.
 """
@@ -33,12 +34,12 @@ SHARDS = ("dcp/shard-00001-model-00001-of-00001.safetensors", "dcp/shard-00002-m
 FROZEN = tuple(name.replace("dcp/", "dcp-frozen/") for name in SHARDS)
 
 
-def _launch_worker(pool: Pools | None, nproc: int, *args: object) -> None:
-    """The worker on ``nproc`` processes: in the pool of 2, or a launch of its own (``pool`` None)."""
-    if pool is not None:
-        pool.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
-    else:
-        _launch.launch("--nproc-per-node", str(nproc), script=WORKER, script_args=args)
+THREE = ("--backend", "cpu", "--nproc-per-node", "3", "--timeout-s", "60")
+
+
+def _launch_worker(pool: Pools, nproc: int, *args: object) -> None:
+    """The worker on ``nproc`` processes (2 or 3), in the pool of as many."""
+    pool.launch(*(THREE if nproc == 3 else ("--nproc-per-node", str(nproc))), script=WORKER, script_args=args)
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +196,10 @@ def test_an_unsharded_checkpoint_loads_into_two_sharded_processes(pool: Pools, t
     assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"), full_state(state))
 
 
-def test_a_checkpoint_of_two_sharded_processes_loads_into_three(runs: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_of_two_sharded_processes_loads_into_three(pool: Pools, runs: Path, tmp_path: Path) -> None:
     """Resharding: 3 sharded processes load the checkpoint 2 wrote (other shard boundaries,
     an empty shard) with bitwise the full state saved, and save it again in 3 shards."""
-    _launch_worker(None, 3, "load", "--load", runs / "step3", "--out", tmp_path / "loaded.safetensors",
+    _launch_worker(pool, 3, "load", "--load", runs / "step3", "--out", tmp_path / "loaded.safetensors",
                    "--save", tmp_path / "again")
     assert_same(safetensors.torch.load_file(tmp_path / "loaded.safetensors"),
                 safetensors.torch.load_file(runs / "stopped.safetensors"))

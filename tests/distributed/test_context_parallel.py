@@ -1,7 +1,8 @@
 """``context_parallel(size=2)`` on real gloo processes: each sequence split over 2 ranks, attention
 through torch's ring, equal to full attention in one process.
 
-One launch of tests/workers/cp_checks.py on 2 processes and one on 4 record everything: the
+One run of tests/workers/cp_checks.py on the worker pool of 2 processes and one on the pool of
+4 (their subject is the training, not the launch) record everything: the
 small causal transformer of ``tests.helpers.context_parallel`` trained 2 SGD updates per
 scenario (mean or counted loss, with and without load balancing, folded into shard_params or
 replicate, with tensor_parallel), a length that does not divide, and (on 4) a checkpointed run.
@@ -18,25 +19,27 @@ from safetensors.torch import load_file
 
 from tests.helpers import context_parallel as C
 from tests.helpers import launch as _launch
+from tests.helpers.pool import Pools
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _launched(out: Path, world: int) -> dict[str, Any]:
-    _launch.launch("--backend", "cpu", "--nproc-per-node", str(world), "--timeout-s", "90", script="cp_checks.py",
-                   script_args=("--out", out), cwd=out)
+def _launched(pool: Pools, out: Path, world: int) -> dict[str, Any]:
+    """cp_checks.py on the pool of ``world`` processes (the 60 s pools other modules use too)."""
+    pool.launch("--backend", "cpu", "--nproc-per-node", str(world), "--timeout-s", "60", script="cp_checks.py",
+                script_args=("--out", out), cwd=out, timeout_s=240)
     return {"json": _launch.read_ranks(out, world),
             "tensors": [load_file(out / f"rank{r}.safetensors") for r in range(world)]}
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _launched(tmp_path_factory.mktemp("cp2"), 2)
+def two(tmp_path_factory: pytest.TempPathFactory, pool: Pools) -> dict[str, Any]:
+    return _launched(pool, tmp_path_factory.mktemp("cp2"), 2)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _launched(tmp_path_factory.mktemp("cp4"), 4)
+def four(tmp_path_factory: pytest.TempPathFactory, pool: Pools) -> dict[str, Any]:
+    return _launched(pool, tmp_path_factory.mktemp("cp4"), 4)
 
 
 def _equal_to_full_attention(run: dict[str, Any], expected: set[str]) -> None:

@@ -48,13 +48,15 @@ def test_a_meta_model_materializes_the_parameters_of_a_normally_built_one(pool: 
     assert results[0]["tp"]["local_numel"] < total
 
 
-def test_a_200m_parameter_meta_model_trains_sharded_below_the_memory_of_its_full_state(pool: Pools) -> None:
-    """A 201M-parameter model built on meta takes one AdamW update under shard_params() on 2
-    processes, each process's peak RSS staying below the full model's parameter + AdamW bytes
-    (2.4 GB), with half of the parameters on each rank."""
-    results = pool.call(*LAUNCH, function="meta_checks:big", width=4096, depth=12, timeout_s=600)
+def test_a_150m_parameter_meta_model_trains_sharded_below_the_memory_of_its_full_state(pool: Pools) -> None:
+    """A 151M-parameter model built on meta takes one AdamW update under shard_params() on 2
+    processes, each process's peak RSS (the process's own 0.25 GB included) staying below the
+    full model's parameter + AdamW bytes (1.8 GB), with half of the parameters on each rank.
+    (Sharded, a rank peaks near its start plus 3/4 of the full state, so the bound bites from
+    about 1 GB of full state on: 151M parameters leave it about 0.2 GB of margin.)"""
+    results = pool.call(*LAUNCH, function="meta_checks:big", width=4096, depth=9, timeout_s=600)
     for result in results:
-        assert result["numel"] == 12 * (4096 * 4096 + 4096) > 200_000_000
+        assert result["numel"] == 9 * (4096 * 4096 + 4096) > 150_000_000
         assert result["step"] == 1 and result["local_numel"] * 2 == result["numel"]
         assert result["peak_rss"] < result["full_bytes"], result
     print({r: (results[r]["rss_at_start"] >> 20, results[r]["peak_rss"] >> 20) for r in range(2)}, "MiB")

@@ -74,8 +74,6 @@ LONG: dict[str, float] = {
 #: modules that share a pool no other module uses (tests/helpers/pool.py starts one per
 #: distinct launch arguments in each xdist worker): one unit each, named for the pool
 SHARED_POOLS: dict[str, str] = {
-    "tests/distributed/test_meta_models.py": "pool --timeout-s 120",
-    "tests/transforms/test_invariant.py": "pool --timeout-s 120",
     "tests/checkpoint/test_sharded.py": "pool --nproc-per-node 2",
     "tests/checkpoint/test_save_model.py": "pool --nproc-per-node 2",
     "tests/loop/test_preemption.py": "pool --nproc-per-node 2",

@@ -28,7 +28,9 @@ import accelfn as af
 from accelfn.distributed import is_dtensor
 
 B, L, EPOCHS = 2, 8, 2
-NUM_SAMPLES = B * L * 52 + 5  # 52 updates per epoch; the last 5 samples are the dropped tail
+UPDATES_PER_EPOCH = 20  # the topologies agree on each update's bits; the 1000-update run is long_run's
+UPDATES = EPOCHS * UPDATES_PER_EPOCH
+NUM_SAMPLES = B * L * UPDATES_PER_EPOCH + 5  # the last 5 samples are the dropped tail
 VARIANTS = ("sgd", "adamw", "loss_bf16", "clip_value", "sharded", "control", "shard_control")
 CONTROL_UPDATES = 20  # the control (without invariant()) differs from the first update on
 
