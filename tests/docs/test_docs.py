@@ -10,6 +10,9 @@ the way a reader would type them:
 - ```` ```bash ````: run by ``bash -euo pipefail`` in the page's directory, with ``accelfn``
   and ``python`` on ``PATH`` meaning this interpreter and this checkout (``accelfn`` is
   ``python -m accelfn``); its standard output is captured. A non-zero exit fails the page.
+  Those two commands are forked from a process that imported torch and accelfn once
+  (``tests/helpers/preloaded.py``), each with the block's streams, directory and
+  environment; the processes they start (a launch's workers) are fresh interpreters.
 - ```` ```bash concurrent ````: each command (``\\``-continued lines joined; ``#`` lines are
   comments) is started at once and all must succeed: the two nodes of a multi-node example.
   In every bash block ``$NODE0_ADDR`` is 127.0.0.1 and the port ``29500`` becomes a free
@@ -37,6 +40,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -44,6 +48,7 @@ import pytest
 import torch
 
 from tests.helpers import launch as _launch
+from tests.helpers import preloaded as _preloaded
 
 DOCS = _launch.ROOT / "docs"
 FENCE = re.compile(r"^( *)```([^\n`]*)\n(.*?)^\1```[ \t]*$", re.DOTALL | re.MULTILINE)  # may be indented (in a list)
@@ -84,15 +89,37 @@ def pages() -> list:
     return params
 
 
-def shim(directory: Path) -> dict[str, str]:
-    """An environment whose ``accelfn`` and ``python`` are this interpreter and this checkout."""
+@pytest.fixture(scope="module")
+def preloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_preloaded.Preloaded]:
+    """The server that runs the pages' ``python`` and ``accelfn`` commands with torch imported."""
+    server = _preloaded.Preloaded(tmp_path_factory.mktemp("preloaded"), _launch.environment())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The page's python blocks compute on one thread, as its commands and their workers do
+    (``OMP_NUM_THREADS=1`` in their environment, ``tests/helpers/launch.py``); this process's
+    thread count is put back after the page. (With its default threads, pages 02, 05 and 10
+    took about 6 s more CPU on a 2-core machine, for the same output.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def shim(directory: Path, server: _preloaded.Preloaded) -> dict[str, str]:
+    """An environment whose ``accelfn`` and ``python`` are this interpreter and this checkout
+    (their commands forked by ``server``, with torch imported: ``tests/helpers/preloaded.py``)."""
     bin_dir = directory / ".bin"
     bin_dir.mkdir()
-    for name, line in (("accelfn", f'exec "{sys.executable}" -m accelfn "$@"'), ("python", f'exec "{sys.executable}" "$@"')):
+    for name in ("accelfn", "python"):
         path = bin_dir / name
-        path.write_text(f"#!/bin/sh\n{line}\n")
+        path.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{_preloaded.__file__}" {name} "$@"\n')
         path.chmod(0o755)
-    return _launch.environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", NODE0_ADDR="127.0.0.1")
+    return _launch.environment(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", NODE0_ADDR="127.0.0.1",
+                               ACCELFN_DOCS_PRELOADED=str(server.socket))
 
 
 def commands(code: str) -> list[str]:
@@ -147,13 +174,15 @@ def _missing(requires: str | None) -> str | None:
 
 
 @pytest.mark.parametrize("page", pages())
-def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.usefixtures("one_thread")
+def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: Path, monkeypatch,
+                                                         preloaded: _preloaded.Preloaded) -> None:
     """Each code block of the page runs without error, in order, and each ``text output``
     block equals what the block before it printed."""
     monkeypatch.chdir(tmp_path)
     for name in _launch._LAUNCH_VARS:  # a page runs as one fresh process would
         monkeypatch.delenv(name, raising=False)
-    env = shim(tmp_path)
+    env = shim(tmp_path, preloaded)
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     last_output: str | None = None
     ran = 0
