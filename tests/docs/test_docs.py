@@ -97,18 +97,6 @@ def preloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_preloaded.P
     server.stop()
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The page's python blocks compute on one thread, as its commands and their workers do
-    (``OMP_NUM_THREADS=1`` in their environment, ``tests/helpers/launch.py``); this process's
-    thread count is put back after the page. (With its default threads, pages 02, 05 and 10
-    took about 6 s more CPU on a 2-core machine, for the same output.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def shim(directory: Path, server: _preloaded.Preloaded) -> dict[str, str]:
     """An environment whose ``accelfn`` and ``python`` are this interpreter and this checkout
     (their commands forked by ``server``, with torch imported: ``tests/helpers/preloaded.py``)."""
@@ -174,7 +162,6 @@ def _missing(requires: str | None) -> str | None:
 
 
 @pytest.mark.parametrize("page", pages())
-@pytest.mark.usefixtures("one_thread")
 def test_every_code_block_runs_and_shows_its_real_output(page: Path, tmp_path: Path, monkeypatch,
                                                          preloaded: _preloaded.Preloaded) -> None:
     """Each code block of the page runs without error, in order, and each ``text output``
