@@ -133,12 +133,14 @@ def _nbytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-def _refuse_finalizer(cls: type) -> None:
-    """Raises RuntimeError where ``cls`` has a finalizer: any instance sharing the real
-    optimizer's attributes, once collected, would release the real one's state."""
-    if any("__del__" in vars(c) for c in cls.__mro__[:-1]):
-        raise RuntimeError(f"{cls.__qualname__} has a finalizer (__del__): it holds state outside "
-                           "Python, which a copy stepped on meta tensors would release for the real optimizer")
+def _finalizer(cls: type) -> RuntimeError | None:
+    """Why no instance of ``cls`` may be made to plan with, where it has a finalizer: any
+    instance sharing the real optimizer's attributes, once collected, would release the real
+    one's state."""
+    if not any("__del__" in vars(c) for c in cls.__mro__[:-1]):
+        return None
+    return RuntimeError(f"{cls.__qualname__} has a finalizer (__del__): it holds state outside "
+                        "Python, which a copy stepped on meta tensors would release for the real optimizer")
 
 
 def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
@@ -154,7 +156,8 @@ def optimizer_state_shapes(optimizer: torch.optim.Optimizer, params: list[torch.
             or its class has a finalizer (``__del__``: state held outside Python, such as
             DeepSpeed's CPU Adam, which a copy would release for the real one).
     """
-    _refuse_finalizer(type(optimizer))
+    if (refused := _finalizer(type(optimizer))) is not None:
+        raise refused
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     keys = [(tuple(p.shape), _storage_dtype(p, policy), p.requires_grad, group_of.get(id(p))) for p in params]
     stand_ins: dict[tuple[Any, ...], torch.nn.Parameter] = {}
@@ -293,10 +296,9 @@ def _zero_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, trans
         stand_ins = [torch.nn.Parameter(torch.empty(n, device="meta")) for _, n in part.masters]
         shapes: list[list[tuple[torch.Size, torch.dtype]]]
         problem: str | None
-        try:  # before any instance exists: even an unstepped one would run the finalizer when collected
-            _refuse_finalizer(type(optimizer))
-        except RuntimeError as e:
-            shapes, problem = [], _unplanned(optimizer, e)
+        # checked before any instance exists: even an unstepped one runs the finalizer when collected
+        if (refused := _finalizer(type(optimizer))) is not None:
+            shapes, problem = [], _unplanned(optimizer, refused)
         else:
             flat = torch.optim.Optimizer.__new__(type(optimizer))  # the same class, over the partitions
             flat.__dict__ = dict(optimizer.__dict__, param_groups=[
